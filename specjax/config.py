@@ -1,0 +1,231 @@
+"""Model configuration: one frozen dataclass for the Qwen3 and Llama-3 families.
+
+Built from a HF `config.json` through `transformers.AutoConfig` (which accepts both
+the v5 `rope_parameters` layout and the older top-level `rope_theta` /
+`rope_scaling`), and written back with `to_hf_config` so exported checkpoints load
+in transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+FAMILIES = ("qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder hyper-parameters (shape letters from DESIGN.md section 2).
+
+    Attributes:
+      family: "qwen3" (per-head q/k RMSNorm) or "llama".
+      vocab_size: V.
+      hidden_size: D.
+      num_layers: L.
+      num_heads: N (query heads).
+      num_kv_heads: K (KV heads); N % K == 0 (GQA).
+      head_dim: H, explicit: Qwen3-0.6B has N*H != D.
+      intermediate_size: F (SwiGLU width).
+      rms_norm_eps: epsilon inside every RMSNorm.
+      rope_theta: RoPE base.
+      rope_scaling: None, or the llama3 fields as a tuple of (key, value) pairs
+        (`factor`, `low_freq_factor`, `high_freq_factor`,
+        `original_max_position_embeddings`).
+      tie_word_embeddings: LM head shares the embedding matrix.
+      attention_bias: q/k/v/o projections carry a bias.
+      max_position_embeddings: the model's declared context length.
+      eos_token_ids: ids that end a generation (from generation_config.json).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise SpecjaxError(f"unsupported model family {self.family!r}; expected one of {FAMILIES}")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecjaxError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise SpecjaxError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @functools.cached_property
+    def num_params(self) -> int:
+        """Parameter count, embeddings and LM head included (tied counted once)."""
+        D, H, N, K, F, V, L = (self.hidden_size, self.head_dim, self.num_heads,
+                               self.num_kv_heads, self.intermediate_size, self.vocab_size,
+                               self.num_layers)
+        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+        if self.family == "qwen3":
+            per_layer += 2 * H
+        if self.attention_bias:
+            per_layer += N * H + 2 * K * H + D
+        head = 0 if self.tie_word_embeddings else V * D
+        return V * D + L * per_layer + D + head
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies f64[H/2], with llama3 scaling when configured.
+
+        Source: transformers `modeling_rope_utils._compute_llama3_parameters`.
+        """
+        H = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+        if self.rope_scaling is None:
+            return inv
+        s = dict(self.rope_scaling)
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+    # ------------------------------------------------------------------ HF I/O
+
+    @classmethod
+    def from_hf_config(cls, hf, eos_token_ids=None) -> ModelConfig:
+        """Builds from a `transformers.PretrainedConfig` (Qwen3Config or LlamaConfig)."""
+        model_type = getattr(hf, "model_type", None)
+        family = {"qwen3": "qwen3", "llama": "llama"}.get(model_type)
+        if family is None:
+            raise SpecjaxError(
+                f"unsupported architecture model_type={model_type!r}; specjax loads qwen3 and llama"
+            )
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+            scaling = tuple((k, float(rope[k])) for k in keys)
+        elif rope_type not in ("default", None):
+            raise SpecjaxError(f"unsupported rope_type {rope_type!r}; expected default or llama3")
+        if getattr(hf, "mlp_bias", False):
+            raise SpecjaxError("mlp_bias=true is not supported")
+        N = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // N
+        if eos_token_ids is None:
+            eos_token_ids = getattr(hf, "eos_token_id", None)
+        return cls(
+            family=family,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=N,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or N,
+            head_dim=head_dim,
+            intermediate_size=hf.intermediate_size,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096)),
+            eos_token_ids=_as_id_tuple(eos_token_ids),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            pad_token_id=getattr(hf, "pad_token_id", None),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        """Reads `config.json` (and `generation_config.json` for EOS ids) in `path`.
+
+        Raises:
+          SpecjaxError: missing/unreadable directory or file, unsupported architecture.
+        """
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise SpecjaxError(f"checkpoint directory {path} does not exist; pass a local HF model directory")
+        try:
+            with open(cfg_path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise SpecjaxError(f"{cfg_path} is missing; a HF checkpoint directory needs config.json") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise SpecjaxError(f"{cfg_path} is unreadable ({e})") from None
+        model_type = raw.get("model_type")
+        if model_type not in ("qwen3", "llama"):
+            archs = raw.get("architectures")
+            raise SpecjaxError(
+                f"{cfg_path}: unsupported architecture model_type={model_type!r} "
+                f"(architectures={archs}); specjax loads qwen3 and llama checkpoints"
+            )
+        import transformers  # configs only; no model code is imported
+
+        hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        eos = None
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_path):
+            try:
+                with open(gen_path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, json.JSONDecodeError) as e:
+                raise SpecjaxError(f"{gen_path} is unreadable ({e})") from None
+        return cls.from_hf_config(hf, eos_token_ids=eos)
+
+    def to_hf_config(self, dtype: str = "float32"):
+        """Returns the matching `transformers.Qwen3Config` / `LlamaConfig`."""
+        import transformers
+
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, **dict(self.rope_scaling)}
+            rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+        common = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=self.bos_token_id,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=(list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+                          else (self.eos_token_ids[0] if self.eos_token_ids else None)),
+            dtype=dtype,
+        )
+        if self.family == "qwen3":
+            return transformers.Qwen3Config(**common)
+        return transformers.LlamaConfig(**common)
+
+
+def _as_id_tuple(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if isinstance(ids, int):
+        return (ids,)
+    return tuple(int(i) for i in ids)

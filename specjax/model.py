@@ -1,0 +1,214 @@
+"""Qwen3 / Llama-3 decoder in Flax NNX with stacked layer weights and a static KV cache.
+
+One code path serves prefill, single-token decoding and multi-token verification:
+`Transformer.__call__(tokens[B,T], positions[B,T], cache)`. Layers run under
+`lax.scan` over weights stacked on a leading L axis; weights keep HF's `[out, in]`
+layout and every projection contracts the last axis (fast on XLA:CPU, DESIGN.md 9).
+
+Sources: transformers `models/qwen3/modeling_qwen3.py` and
+`models/llama/modeling_llama.py` (RMSNorm in f32, rotate-half RoPE, GQA by
+`repeat_kv`, SwiGLU MLP, Qwen3's per-head q/k RMSNorm before RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache
+
+# Stacked per-layer weights: name -> shape as a function of the config (HF [out, in]).
+LAYER_SHAPES = {
+    "input_norm": lambda c: (c.hidden_size,),
+    "q_proj": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    "k_proj": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "v_proj": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "o_proj": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    "post_norm": lambda c: (c.hidden_size,),
+    "gate_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "up_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "down_proj": lambda c: (c.hidden_size, c.intermediate_size),
+}
+QWEN3_SHAPES = {"q_norm": lambda c: (c.head_dim,), "k_norm": lambda c: (c.head_dim,)}
+BIAS_SHAPES = {
+    "q_bias": lambda c: (c.num_heads * c.head_dim,),
+    "k_bias": lambda c: (c.num_kv_heads * c.head_dim,),
+    "v_bias": lambda c: (c.num_kv_heads * c.head_dim,),
+    "o_bias": lambda c: (c.hidden_size,),
+}
+
+
+def layer_shapes(cfg: ModelConfig) -> dict:
+    """Per-layer weight name -> shape (without the leading L axis) for this config."""
+    shapes = dict(LAYER_SHAPES)
+    if cfg.family == "qwen3":
+        shapes.update(QWEN3_SHAPES)
+    if cfg.attention_bias:
+        shapes.update(BIAS_SHAPES)
+    return {k: f(cfg) for k, f in shapes.items()}
+
+
+class ForwardOutput(NamedTuple):
+    """logits: f32[B,T',V] (T' = T, or the width of `logits_at`);
+    hidden: [C,B,T,D] residual stream at the captured depths (None if none asked);
+    cache: the updated KVCache."""
+
+    logits: jax.Array
+    hidden: jax.Array | None
+    cache: KVCache
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm with f32 statistics, output in x's dtype (HF Qwen3RMSNorm / LlamaRMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """cos, sin: [B,T,H] for i32[B,T] positions (rotate-half layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B,T,heads,H]; cos, sin: [B,T,H]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM for the Qwen3 and Llama-3 families.
+
+    Args:
+      cfg: the model configuration.
+      dtype: parameter and activation dtype (f32 on CPU, bf16 on TPU/GPU).
+      rngs: initialisation randomness (normal, std 0.02; norms at 1).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+
+        def init(shape, is_norm=False):
+            if is_norm:
+                return nnx.Param(jnp.ones(shape, dtype))
+            return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+        self.embed = init((V, D))
+        for name, shape in layer_shapes(cfg).items():
+            is_norm = name.endswith("norm")
+            if name.endswith("bias"):
+                setattr(self, name, nnx.Param(jnp.zeros((L, *shape), dtype)))
+            else:
+                setattr(self, name, init((L, *shape), is_norm))
+        self.final_norm = init((D,), True)
+        self.lm_head = None if cfg.tie_word_embeddings else init((V, D))
+        self.inv_freq = nnx.Variable(jnp.asarray(cfg.inv_freq(), jnp.float32))
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for `batch` rows of `capacity` positions."""
+        c = self.cfg
+        return KVCache.init(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def layer_weights(self) -> dict:
+        """Stacked per-layer weights: name -> array [L, ...]."""
+        return {name: getattr(self, name)[...] for name in layer_shapes(self.cfg)}
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        *,
+        capture: tuple[int, ...] = (),
+        logits_at: jax.Array | None = None,
+    ) -> ForwardOutput:
+        """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
+
+        Args:
+          tokens: i32[B,T] token ids.
+          positions: i32[B,T] absolute positions; K/V of token t of row b go to slot
+            positions[b,t]. Each row's positions must be contiguous and start at or
+            before its first uncached position. Positions >= S are dropped.
+          cache: KVCache with k, v [L,B,S,K,H].
+          capture: depths d in 0..L whose residual stream (the input of layer d; d = L is
+            the last layer's output before the final norm) is returned, in this order.
+          logits_at: optional i32[B,T'] indices into T; logits only at those tokens.
+
+        Returns:
+          ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
+          lengths = positions[:, -1] + 1).
+        """
+        c = self.cfg
+        B, T = tokens.shape
+        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+        R = N // K
+        S = cache.capacity
+        embed = self.embed[...]
+        x = jnp.take(embed, tokens, axis=0)  # [B,T,D]
+        cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        batch_idx = jnp.arange(B)[:, None]
+        scale = 1.0 / np.sqrt(H)
+        depths = jnp.asarray(capture, jnp.int32) if capture else None
+        captured = jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype) if capture else None
+
+        def layer(carry, w):
+            x, k_all, v_all, captured, l = carry
+            if capture:
+                hit = (depths == l)[:, None, None, None]
+                captured = jnp.where(hit, x[None], captured)
+            h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
+            q = jnp.einsum("BTD,ED->BTE", h, w["q_proj"])
+            k = jnp.einsum("BTD,ED->BTE", h, w["k_proj"])
+            v = jnp.einsum("BTD,ED->BTE", h, w["v_proj"])
+            if c.attention_bias:
+                q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+            q = q.reshape(B, T, N, H)
+            k = k.reshape(B, T, K, H)
+            v = v.reshape(B, T, K, H)
+            if c.family == "qwen3":
+                q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_all = k_all.at[l, batch_idx, positions].set(k, mode="drop")
+            v_all = v_all.at[l, batch_idx, positions].set(v, mode="drop")
+            k_l, v_l = k_all[l], v_all[l]  # [B,S,K,H]
+            qg = q.reshape(B, T, K, R, H)
+            scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k_l,
+                                preferred_element_type=jnp.float32) * scale
+            scores = jnp.where(mask[:, None, None], scores, -1e30)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v_l.dtype)
+            attn = jnp.einsum("BKRTS,BSKH->BTKRH", probs, v_l).reshape(B, T, N * H)
+            o = jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+            if c.attention_bias:
+                o = o + w["o_bias"]
+            x = x + o
+            h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
+            gate = jnp.einsum("BTD,FD->BTF", h, w["gate_proj"])
+            up = jnp.einsum("BTD,FD->BTF", h, w["up_proj"])
+            x = x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, w["down_proj"])
+            return (x, k_all, v_all, captured, l + 1), None
+
+        carry = (x, cache.k, cache.v, captured, jnp.int32(0))
+        (x, k_all, v_all, captured, _), _ = jax.lax.scan(layer, carry, self.layer_weights())
+        if capture:
+            captured = jnp.where((depths == c.num_layers)[:, None, None, None], x[None], captured)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        head = embed if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("BTD,VD->BTV", x, head, preferred_element_type=jnp.float32)
+        new_cache = KVCache(k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        return ForwardOutput(logits, captured, new_cache)
