@@ -1,0 +1,65 @@
+"""The drafter interface the speculative loop calls (DESIGN.md section 5).
+
+A drafter is a frozen, hashable object (a static argument of `jax.jit`) plus a
+params pytree (a jit argument) and a state pytree it threads through the loop. The
+loop calls, inside one compiled `lax.while_loop`:
+
+  state = drafter.init(params, view, key)                after the target prefill
+  draft, q, state = drafter.propose(params, state, view, key)      every step
+  state = drafter.update(params, state, view, num_accepted)        after verification
+
+`view` is a `LoopView`: the committed tokens and per-row lengths, the target's KV
+cache and the target hidden states at the depths the drafter asked for in
+`capture` (from the prefill for `init`, from the verify forward for `update`).
+Hidden-state, KV-reuse and block drafters of later issues fit this interface: they
+read `view.hidden` and `view.target_cache` in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from specjax.kv_cache import KVCache
+from specjax.sampling import SamplingParams
+
+
+class LoopView(NamedTuple):
+    """What a drafter may read from the loop.
+
+    tokens: i32[B,S'] committed tokens (prompt + output); row b's tokens 0..lengths-1
+      are valid and token lengths-1 is pending (its target K/V not yet cached).
+    lengths: i32[B].
+    target_cache: the target KVCache (k, v [L,B,S,K,H]).
+    hidden: [C,B,T,D] target residual stream at `Drafter.capture` depths for the
+      tokens of the latest target forward (prefill: the prompt; verify: the G+1 fed
+      tokens), or None when `capture` is empty.
+    positions: i32[B,T] positions of those tokens.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    target_cache: KVCache
+    hidden: jax.Array | None
+    positions: jax.Array
+
+
+class Drafter(Protocol):
+    """Proposes G draft tokens with their (filtered) draft distributions q."""
+
+    gamma: int  # G, the draft length
+    capture: tuple[int, ...]  # target depths the drafter needs in `LoopView.hidden`
+    sampling: SamplingParams
+
+    def init(self, params: Any, view: LoopView, key: jax.Array) -> Any: ...
+
+    def propose(self, params: Any, state: Any, view: LoopView, key: jax.Array
+                ) -> tuple[jax.Array, jax.Array, Any]:
+        """-> draft i32[B,G], q f32[B,G,V] (filtered; one-hot when greedy), new state."""
+        ...
+
+    def update(self, params: Any, state: Any, view: LoopView, num_accepted: jax.Array) -> Any:
+        """State after the target accepted `num_accepted` (i32[B]) drafts; `view.lengths`
+        already counts them and the correction/bonus token."""
+        ...

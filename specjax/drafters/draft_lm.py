@@ -1,0 +1,82 @@
+"""Draft LM drafter: an independent small causal LM with the target's vocabulary
+(classic speculative decoding, Leviathan et al. 2023), with its own KV cache rewound
+like the target's.
+
+Cache bookkeeping: the draft cache holds valid K/V for positions 0..lengths-3 at the
+start of a step (one position behind the target, because after a fully accepted
+block the last draft token x_G was never fed to the drafter). Each proposal therefore
+starts with a 2-token forward of the last two committed tokens at positions
+lengths-2 and lengths-1 (re-writing the first, which is harmless), then G-1
+single-token steps. No conditional forward is needed, and shapes stay static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.errors import SpecjaxError
+from specjax.sampling import SamplingParams, sample_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftLMDrafter:
+    """graphdef: `nnx.split(draft_model)[0]` (static); params: its state (jit argument).
+
+    Use `DraftLMDrafter.create(draft_model, gamma, sampling, target_vocab)` to get
+    (drafter, params).
+    """
+
+    graphdef: nnx.GraphDef
+    gamma: int
+    vocab_size: int
+    sampling: SamplingParams = SamplingParams()
+    capture: tuple[int, ...] = ()
+
+    @classmethod
+    def create(cls, draft_model, gamma: int, sampling: SamplingParams, target_vocab: int):
+        """Splits `draft_model`; raises SpecjaxError if its vocabulary differs from V."""
+        V = draft_model.cfg.vocab_size
+        if V != target_vocab:
+            raise SpecjaxError(
+                f"drafter vocabulary size {V} != target vocabulary size {target_vocab}; "
+                "the draft LM must share the target's tokenizer"
+            )
+        graphdef, params = nnx.split(draft_model)
+        return cls(graphdef, gamma, V, sampling), params
+
+    def init(self, params, view, key):
+        """Prefills the draft cache with the prompts (the same padded tokens the target saw)."""
+        model = nnx.merge(self.graphdef, params)
+        B, T = view.positions.shape
+        capacity = view.target_cache.capacity
+        cache = model.init_cache(B, capacity)
+        prompt = jnp.take_along_axis(view.tokens, view.positions, axis=1)
+        out = model(prompt, view.positions, cache, logits_at=jnp.zeros((B, 1), jnp.int32))
+        return out.cache
+
+    def propose(self, params, state, view, key):
+        model = nnx.merge(self.graphdef, params)
+        lengths = view.lengths
+        pos0 = jnp.stack([lengths - 2, lengths - 1], axis=1)
+        tok0 = jnp.take_along_axis(view.tokens, pos0, axis=1)
+        out = model(tok0, pos0, state, logits_at=jnp.ones((tok0.shape[0], 1), jnp.int32))
+        keys = jax.random.split(key, self.gamma)
+        x, q = sample_logits(keys[0], out.logits[:, 0], self.sampling)
+
+        def step(carry, k):
+            cache, tok, pos = carry
+            o = model(tok[:, None], pos[:, None], cache)
+            nxt, probs = sample_logits(k, o.logits[:, 0], self.sampling)
+            return (o.cache, nxt, pos + 1), (nxt, probs)
+
+        (cache, _, _), (xs, qs) = jax.lax.scan(step, (out.cache, x, lengths), keys[1:])
+        draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
+        q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
+        return draft, q_all, cache
+
+    def update(self, params, state, view, num_accepted):
+        return state.rewind(view.lengths - 2)

@@ -1,0 +1,207 @@
+"""Autoregressive and speculative generation, each ONE jitted `lax.while_loop`.
+
+State lives in fixed-size buffers (gemma's sampler is the template): the token
+buffer i32[B,S'], per-row lengths, the target KV cache, the drafter state, the RNG
+key and the counters. Row b's committed tokens are tokens[b, :lengths[b]]; the last
+one is *pending*: its target K/V is not cached yet, so the next target forward
+starts with it (DESIGN.md section 3). Rows that stopped (EOS or budget) keep
+running inside the batch but write nothing more.
+
+Per speculative step: the drafter proposes G tokens and their q; the target
+verifies [pending, x_1..x_G] at positions lengths-1 .. lengths-1+G in one forward;
+the verifier picks tau and the next token; the row emits x_1..x_tau and the next
+token, cut at its first EOS and at its budget; the target cache is rewound by
+length; the drafter updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters.base import Drafter, LoopView
+from specjax.kv_cache import KVCache
+from specjax.sampling import SamplingParams, filtered_probs, sample_logits
+from specjax.verify import VERIFIERS, Verdict
+
+VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static settings of one compiled loop.
+
+    max_length: prompt + new tokens per row, at most (positions).
+    prompt_width: Tp, the padded prompt width of the prefill (static shape).
+    sampling: target (and drafter) filtering.
+    eos_token_ids: tokens that stop a row (empty: only budgets stop rows).
+    verify: "greedy", "token", "block", or a VerifyFn (tests inject biased ones);
+      with temperature 0 every rule is replaced by greedy.
+    """
+
+    max_length: int
+    prompt_width: int
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()
+    verify: str | VerifyFn = "block"
+
+    def verifier(self) -> VerifyFn:
+        if self.sampling.greedy:
+            return VERIFIERS["greedy"]
+        return VERIFIERS[self.verify] if isinstance(self.verify, str) else self.verify
+
+
+@struct.dataclass
+class LoopState:
+    tokens: jax.Array  # i32[B,S'] prompt + output
+    lengths: jax.Array  # i32[B] committed tokens; tokens[b, lengths-1] is pending
+    prompt_lengths: jax.Array  # i32[B]
+    budgets: jax.Array  # i32[B] max new tokens
+    done: jax.Array  # bool[B]
+    cache: KVCache  # target cache; positions 0..lengths-2 valid
+    drafter_state: Any
+    key: jax.Array
+    steps: jax.Array  # i32[B] target forwards after the prefill while the row was active
+    accepted: jax.Array  # i32[B,G] accepted draft tokens per draft position
+
+
+@struct.dataclass
+class LoopResult:
+    """tokens i32[B,S']; lengths, prompt_lengths i32[B]; steps i32[B]; accepted i32[B,G]."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+    steps: jax.Array
+    accepted: jax.Array
+
+
+def _is_eos(tokens, eos_ids):
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma, capture):
+    """Prefill, first token, and the initial loop state (shared by both loops)."""
+    B, Tp = prompts.shape
+    capacity = cfg.max_length + gamma + 1
+    positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
+    cache = model.init_cache(B, capacity)
+    out = model(prompts, positions, cache, capture=capture,
+                logits_at=(prompt_lengths - 1)[:, None])
+    key, k_first = jax.random.split(key)
+    first, _ = sample_logits(k_first, out.logits[:, 0], cfg.sampling)
+    tokens = jnp.zeros((B, capacity), jnp.int32).at[:, :Tp].set(prompts)
+    active = budgets > 0
+    rows = jnp.arange(B)
+    tokens = tokens.at[rows, jnp.where(active, prompt_lengths, capacity)].set(first, mode="drop")
+    lengths = prompt_lengths + active.astype(jnp.int32)
+    done = ~active | (budgets <= 1) | _is_eos(first, cfg.eos_token_ids)
+    state = LoopState(
+        tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
+        done=done, cache=out.cache.rewind(prompt_lengths), drafter_state=(), key=key,
+        steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
+    )
+    view = LoopView(tokens, lengths, state.cache, out.hidden, positions)
+    return state, view
+
+
+def _result(s: LoopState) -> LoopResult:
+    return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengths, budgets, key):
+    """Plain decoding of the target, one token per forward, as one `lax.while_loop`.
+
+    Args:
+      graphdef, params: `nnx.split(target)`.
+      prompts: i32[B,Tp] left-aligned, right-padded prompts; prompt_lengths: i32[B] >= 1.
+      budgets: i32[B] max new tokens per row (0: the row is padding and emits nothing).
+      key: PRNG key.
+    Returns: LoopResult.
+    """
+    model = nnx.merge(graphdef, params)
+    state, _ = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, 0, ())
+    B = prompts.shape[0]
+    rows = jnp.arange(B)
+
+    def step(s: LoopState) -> LoopState:
+        key, k = jax.random.split(s.key)
+        pos = (s.lengths - 1)[:, None]
+        pending = jnp.take_along_axis(s.tokens, pos, axis=1)
+        out = model(pending, pos, s.cache)
+        nxt, _ = sample_logits(k, out.logits[:, 0], cfg.sampling)
+        active = ~s.done
+        tokens = s.tokens.at[rows, jnp.where(active, s.lengths, s.tokens.shape[1])].set(
+            nxt, mode="drop")
+        lengths = s.lengths + active.astype(jnp.int32)
+        stop = _is_eos(nxt, cfg.eos_token_ids) | (lengths - s.prompt_lengths >= s.budgets)
+        return s.replace(tokens=tokens, lengths=lengths, done=s.done | (active & stop),
+                         cache=out.cache.rewind(lengths - 1), key=key,
+                         steps=s.steps + active.astype(jnp.int32))
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    return _result(final)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
+def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
+                     prompts, prompt_lengths, budgets, key):
+    """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
+    `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
+    and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
+    output follows the filtered target distribution (DESIGN.md section 4).
+    """
+    model = nnx.merge(graphdef, params)
+    G = drafter.gamma
+    verify = cfg.verifier()
+    state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
+    key, k_init = jax.random.split(state.key)
+    state = state.replace(drafter_state=drafter.init(drafter_params, view, k_init), key=key)
+    B = prompts.shape[0]
+    offsets = jnp.arange(G + 1, dtype=jnp.int32)
+
+    def step(s: LoopState) -> LoopState:
+        key, k_draft, k_verify = jax.random.split(s.key, 3)
+        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+        draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
+        pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
+        pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
+        out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
+                    capture=drafter.capture)
+        p = filtered_probs(out.logits, cfg.sampling)
+        tau, nxt = verify(draft, q, p, k_verify)
+        # Candidate emission: x_1..x_tau, then the correction/bonus token.
+        cand = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        cand = jnp.where(offsets[None, :] == tau[:, None], nxt[:, None], cand)
+        in_block = offsets[None, :] <= tau[:, None]
+        eos = _is_eos(cand, cfg.eos_token_ids) & in_block
+        first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), G + 1)
+        remaining = s.budgets - (s.lengths - s.prompt_lengths)
+        active = ~s.done
+        n_emit = jnp.minimum(jnp.minimum(tau + 1, remaining), first_eos + 1)
+        n_emit = jnp.where(active, n_emit, 0).astype(jnp.int32)
+        write_pos = jnp.where(offsets[None, :] < n_emit[:, None], s.lengths[:, None] + offsets,
+                              s.tokens.shape[1])
+        tokens = s.tokens.at[jnp.arange(B)[:, None], write_pos].set(cand, mode="drop")
+        lengths = s.lengths + n_emit
+        stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
+        cache = out.cache.rewind(lengths - 1)
+        after = LoopView(tokens, lengths, cache, out.hidden, pos)
+        dstate = drafter.update(drafter_params, dstate, after, tau)
+        act = active.astype(jnp.int32)
+        accepted = s.accepted + act[:, None] * (offsets[None, :G] < tau[:, None])
+        return s.replace(tokens=tokens, lengths=lengths, done=s.done | (active & stop),
+                         cache=cache, drafter_state=dstate, key=key, steps=s.steps + act,
+                         accepted=accepted.astype(jnp.int32))
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    return _result(final)
