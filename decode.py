@@ -1,0 +1,272 @@
+"""Speculative decoding from local HF Qwen3 / Llama-3 checkpoints.
+
+    python decode.py --target DIR [--drafter {none,ngram,DIR}] --prompt TEXT
+    python decode.py --target DIR --drafter DIR --prompts prompts.jsonl --output out.jsonl \
+        --summary summary.json --compare-ar
+
+Prompt lines are JSON objects with "prompt" (text) or "input_ids" (list of ints) and
+an optional "id". Output lines, in input order: id, output_ids (new tokens only),
+text (when the target has a tokenizer). Bad input exits with code 2 and one line on
+stderr, and writes no output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        self.exit(2, f"decode.py: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(description="Lossless speculative decoding with specjax.")
+    ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
+                    help="HF checkpoint directory of the target (default: the bundled demo)")
+    ap.add_argument("--drafter", default=None,
+                    help="none (autoregressive), ngram (prompt lookup), or a draft LM directory "
+                         "(default: the bundled demo draft LM if present, else ngram)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompts", help="JSONL file of prompts (default: the bundled demo prompts)")
+    src.add_argument("--prompt", help="a single text prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--gamma", type=int, default=4, help="draft length G")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--verify", choices=("token", "block"), default="block",
+                    help="verification rule when sampling (greedy at temperature 0)")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+    ap.add_argument("--max-length", type=int, default=None,
+                    help="prompt + new tokens per row, at most (default: longest prompt + "
+                         "--max-new-tokens)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+    ap.add_argument("--output", help="write completions to this JSONL file")
+    ap.add_argument("--summary", help="write the summary to this JSON file")
+    ap.add_argument("--compare-ar", action="store_true",
+                    help="also run autoregressive decoding and report the speedup")
+    ap.add_argument("--show", type=int, default=3, help="completions to print")
+    return ap
+
+
+def validate_flags(args) -> None:
+    from specjax.errors import SpecjaxError
+
+    if args.gamma < 1:
+        raise SpecjaxError(f"--gamma={args.gamma} must be >= 1")
+    if not args.temperature >= 0:
+        raise SpecjaxError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise SpecjaxError(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.top_k < 0:
+        raise SpecjaxError(f"--top-k={args.top_k} must be >= 0 (0 = off)")
+    if args.max_new_tokens < 1:
+        raise SpecjaxError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.batch_size < 1:
+        raise SpecjaxError(f"--batch-size={args.batch_size} must be >= 1")
+    for flag, path in (("--output", args.output), ("--summary", args.summary)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise SpecjaxError(f"{flag} {path}: its directory does not exist; create it first")
+
+
+def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """[(id, input_ids)] from --prompt or --prompts; SpecjaxError on bad input."""
+    from specjax.errors import SpecjaxError
+
+    def encode(text, where):
+        if tokenizer is None:
+            raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
+                               f"{args.target}; give \"input_ids\" instead")
+        return list(tokenizer.encode(text))
+
+    items = []
+    if args.prompt is not None:
+        items.append(("0", encode(args.prompt, "--prompt"), "--prompt"))
+    else:
+        path = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except OSError as e:
+            raise SpecjaxError(f"--prompts {path} is unreadable ({e.strerror}); "
+                               "pass a JSONL file or --prompt TEXT") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecjaxError(f"{where}: malformed JSON ({e.msg}); each line must be "
+                                   "one JSON object") from None
+            if not isinstance(obj, dict) or ("prompt" not in obj and "input_ids" not in obj):
+                raise SpecjaxError(f"{where}: needs a \"prompt\" (text) or \"input_ids\" "
+                                   "(list of ints) field")
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(
+                        isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise SpecjaxError(f"{where}: \"input_ids\" must be a list of ints")
+            else:
+                if not isinstance(obj["prompt"], str):
+                    raise SpecjaxError(f"{where}: \"prompt\" must be a string")
+                ids = encode(obj["prompt"], where)
+            items.append((str(obj.get("id", len(items))), ids, where))
+    if not items:
+        raise SpecjaxError(f"--prompts {args.prompts}: no prompts found")
+    for _, ids, where in items:
+        if not ids:
+            raise SpecjaxError(f"{where}: the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise SpecjaxError(f"{where}: token id {bad[0]} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+    return [(pid, ids) for pid, ids, _ in items]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _format_table(summary: dict) -> str:
+    rows = [("new tokens", f"{summary['new_tokens']}"),
+            ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),
+            ("compile (s)", f"{summary['compile_s']:.2f}"),
+            ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
+    if summary.get("tau") is not None:
+        rows.append(("tau (tokens/step)", f"{summary['tau']:.3f}"))
+        rows.append(("alpha_k", " ".join(f"{a:.2f}" for a in summary["alpha"])))
+    if "speedup" in summary:
+        rows.append(("AR tokens/s", f"{summary['ar_tokens_per_s']:.1f}"))
+        rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))
+        if summary.get("ar_identical") is not None:
+            rows.append(("identical to AR", str(summary["ar_identical"])))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.drafters.draft_lm import DraftLMDrafter
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.engine import Engine, Stats
+    from specjax.errors import SpecjaxError
+    from specjax.sampling import SamplingParams
+
+    validate_flags(args)
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
+    target = load_model(args.target, dtype=dtype)
+    cfg = target.cfg
+    tokenizer = load_tokenizer(args.target)
+    prompts = read_prompts(args, tokenizer, cfg.vocab_size)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+
+    longest = max(len(ids) for _, ids in prompts)
+    max_length = args.max_length or longest + args.max_new_tokens
+    for pid, ids in prompts:
+        if len(ids) + args.max_new_tokens > max_length:
+            raise SpecjaxError(
+                f"prompt {pid}: {len(ids)} prompt tokens + --max-new-tokens "
+                f"{args.max_new_tokens} > --max-length {max_length}; raise --max-length or "
+                "shorten the prompt")
+    prompt_width = min(max_length, -(-longest // 16) * 16)
+
+    drafter_arg = args.drafter
+    if drafter_arg is None:
+        demo_draft = os.path.join(DEMO_DIR, "draft")
+        drafter_arg = demo_draft if os.path.isdir(demo_draft) else "ngram"
+    drafter, dparams = None, None
+    if drafter_arg == "ngram":
+        drafter, dparams = NgramDrafter(args.gamma, cfg.vocab_size, sampling=sampling), ()
+    elif drafter_arg != "none":
+        draft_model = load_model(drafter_arg, dtype=dtype)
+        drafter, dparams = DraftLMDrafter.create(draft_model, args.gamma, sampling,
+                                                 cfg.vocab_size)
+    eos = () if args.ignore_eos else cfg.eos_token_ids
+    common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
+                  prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos)
+    engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams, **common)}
+    if args.compare_ar and drafter is not None:
+        engines["ar"] = Engine(target, **common)
+
+    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    base_key = jax.random.key(args.seed)
+    stats = {name: Stats() for name in engines}
+    outputs = {name: [] for name in engines}
+    for name, eng in engines.items():
+        stats[name].compile_s = eng.compile()
+    for i, batch in enumerate(tqdm(batches, desc="decoding", unit="batch",
+                                   disable=None, file=sys.stderr)):
+        key = jax.random.fold_in(base_key, i)
+        for name, eng in engines.items():  # interleaved, so both see the same machine state
+            out = eng.run([ids for _, ids in batch], args.max_new_tokens, key)
+            stats[name].add(out)
+            outputs[name].extend(out.outputs)
+
+    st = stats["main"]
+    summary = {"new_tokens": st.new_tokens, "wall_s": st.wall_s, "compile_s": st.compile_s,
+               "tokens_per_s": st.tokens_per_s,
+               "tau": st.tau if drafter is not None else None,
+               "alpha": st.alpha if drafter is not None else [],
+               "drafter": drafter_arg, "gamma": args.gamma if drafter is not None else 0,
+               "verify": "greedy" if sampling.greedy else args.verify,
+               "batch_size": args.batch_size, "prompts": len(prompts)}
+    if args.compare_ar:
+        ar = stats.get("ar", st)
+        summary["ar_tokens_per_s"] = ar.tokens_per_s
+        summary["speedup"] = st.tokens_per_s / ar.tokens_per_s
+        if "ar" in outputs and sampling.greedy:
+            summary["ar_identical"] = outputs["ar"] == outputs["main"]
+
+    records = []
+    for (pid, _), ids in zip(prompts, outputs["main"]):
+        rec = {"id": pid, "output_ids": ids}
+        if tokenizer is not None:
+            rec["text"] = tokenizer.decode(ids, skip_special_tokens=True)
+        records.append(rec)
+    for rec in records[:args.show]:
+        shown = rec.get("text", " ".join(map(str, rec["output_ids"])))
+        print(f"--- {rec['id']}\n{shown}")
+    print(f"\nsummary ({drafter_arg}, G={summary['gamma']}, {summary['verify']}):")
+    print(_format_table(summary))
+    if args.output:
+        _atomic_write(args.output, "".join(json.dumps(r) + "\n" for r in records))
+    if args.summary:
+        _atomic_write(args.summary, json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from specjax.errors import SpecjaxError
+
+    try:
+        return run(args)
+    except SpecjaxError as e:
+        print(f"decode.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

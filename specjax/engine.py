@@ -1,0 +1,161 @@
+"""Host-side driver: pads prompts into fixed-shape batches, compiles each loop once,
+runs it, and turns the loop's counters into tau and alpha_k (DESIGN.md section 7).
+
+    engine = Engine(target, drafter=drafter, drafter_params=dparams,
+                    sampling=SamplingParams(), verify="block", max_length=512,
+                    prompt_width=64, batch_size=4, eos_token_ids=(0,))
+    batch = engine.run(prompts, max_new_tokens=128, key=jax.random.key(0))
+
+One compiled program serves every batch with the same static settings; the first
+call compiles (timed separately in `compile_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.errors import SpecjaxError
+from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class BatchOutput:
+    """outputs: new token ids per real row; steps: target forwards after the prefill per
+    row (i32[B]); accepted: i32[B,G] accepted drafts per draft position; wall_s: run
+    time without compilation (seconds)."""
+
+    outputs: list[list[int]]
+    steps: np.ndarray
+    accepted: np.ndarray
+    wall_s: float
+
+
+@dataclasses.dataclass
+class Stats:
+    """Totals over batches; `tau` and `alpha` follow DESIGN.md section 7."""
+
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    compile_s: float = 0.0
+    steps: int = 0
+    accepted: np.ndarray | None = None  # i64[G]
+
+    def add(self, batch: BatchOutput):
+        self.new_tokens += sum(len(o) for o in batch.outputs)
+        self.wall_s += batch.wall_s
+        self.steps += int(batch.steps.sum())
+        acc = batch.accepted.sum(axis=0).astype(np.int64)
+        self.accepted = acc if self.accepted is None else self.accepted + acc
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def alpha(self) -> list[float]:
+        """alpha_k = P(draft k accepted | drafts < k accepted), k = 0..G-1."""
+        if self.accepted is None or self.steps == 0:
+            return []
+        reached = np.concatenate([[self.steps], self.accepted[:-1]])
+        return [float(a / r) if r else float("nan") for a, r in zip(self.accepted, reached)]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step, bonus included: 1 + accepted / steps."""
+        if self.accepted is None or self.steps == 0:
+            return float("nan")
+        return 1.0 + float(self.accepted.sum()) / self.steps
+
+
+class Engine:
+    """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
+
+    Args:
+      target: the target `Transformer`.
+      drafter, drafter_params: a Drafter (see specjax.drafters.base) and its params, or
+        None for autoregressive decoding.
+      sampling: SamplingParams for target and drafter.
+      verify: "token" or "block" (greedy is used at temperature 0).
+      max_length: prompt + new tokens per row, at most.
+      prompt_width: padded prompt width Tp (>= the longest prompt).
+      batch_size: rows per compiled batch; short batches are padded with empty rows.
+      eos_token_ids: ids that end a row (empty for --ignore-eos).
+    """
+
+    def __init__(self, target, *, drafter=None, drafter_params=None,
+                 sampling: SamplingParams = SamplingParams(), verify="block",
+                 max_length: int, prompt_width: int, batch_size: int = 1,
+                 eos_token_ids: tuple[int, ...] = ()):
+        if batch_size < 1:
+            raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
+        self.graphdef, self.params = nnx.split(target)
+        self.vocab_size = target.cfg.vocab_size
+        self.drafter, self.drafter_params = drafter, drafter_params
+        self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
+                              sampling=sampling, eos_token_ids=tuple(eos_token_ids),
+                              verify=verify)
+        self.batch_size = batch_size
+        self.compiled = None
+        self.compile_s = 0.0
+
+    @property
+    def gamma(self) -> int:
+        return self.drafter.gamma if self.drafter is not None else 0
+
+    def _arrays(self, prompts, max_new_tokens):
+        B, Tp = self.batch_size, self.cfg.prompt_width
+        if len(prompts) > B:
+            raise ValueError(f"{len(prompts)} prompts for a batch of {B}")
+        tokens = np.zeros((B, Tp), np.int32)
+        lengths = np.ones((B,), np.int32)
+        budgets = np.zeros((B,), np.int32)
+        for b, ids in enumerate(prompts):
+            if not 1 <= len(ids) <= Tp:
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit width {Tp}")
+            tokens[b, :len(ids)] = ids
+            lengths[b] = len(ids)
+            budgets[b] = max_new_tokens
+        return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets)
+
+    def _fn_args(self, args):
+        if self.drafter is None:
+            return autoregressive_loop, (self.graphdef, self.params, self.cfg, *args)
+        return speculative_loop, (self.graphdef, self.params, self.drafter, self.drafter_params,
+                                  self.cfg, *args)
+
+    def _dynamic(self, args):
+        if self.drafter is None:
+            return (self.params, *args)
+        return (self.params, self.drafter_params, *args)
+
+    def compile(self, key=None) -> float:
+        """Compiles the loop for this engine's shapes; returns seconds spent (0 if done)."""
+        if self.compiled is not None:
+            return 0.0
+        key = jax.random.key(0) if key is None else key
+        args = (*self._arrays([], 1), key)
+        fn, full = self._fn_args(args)
+        t0 = time.perf_counter()
+        self.compiled = fn.lower(*full).compile()
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, key) -> BatchOutput:
+        """Generates for up to `batch_size` prompts (lists of token ids) in one compiled call."""
+        self.compile()
+        args = (*self._arrays(prompts, max_new_tokens), key)
+        t0 = time.perf_counter()
+        res = self.compiled(*self._dynamic(args))
+        res = jax.tree.map(np.asarray, jax.block_until_ready(res))
+        wall = time.perf_counter() - t0
+        outs = [res.tokens[b, res.prompt_lengths[b]:res.lengths[b]].tolist()
+                for b in range(len(prompts))]
+        n = len(prompts)
+        return BatchOutput(outs, res.steps[:n], res.accepted[:n, :max(self.gamma, 1)], wall)

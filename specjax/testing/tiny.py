@@ -1,0 +1,74 @@
+"""Small random-weight checkpoints for tests, benchmarks and the engine demo.
+
+    python -m specjax.testing.tiny out/tiny            # target + draft + prompts
+
+writes `out/tiny/target` (Qwen3, about 2M parameters), `out/tiny/draft` (a smaller
+Qwen3 with the same tokenizer) and `out/tiny/prompts.jsonl`. The tokenizer is a
+byte-level BPE trained on a few standard-library files (seconds). The weights are
+random, so the text is gibberish: this exercises the engine, not a language model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sysconfig
+
+from flax import nnx
+
+from specjax.checkpoint import save_model
+from specjax.config import ModelConfig
+from specjax.model import Transformer
+
+
+def tiny_config(vocab_size=512, family="qwen3", **overrides) -> ModelConfig:
+    """A small config; `overrides` replace any ModelConfig field."""
+    base = dict(family=family, vocab_size=vocab_size, hidden_size=128, num_layers=4,
+                num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=352,
+                rope_theta=10000.0, tie_word_embeddings=True, eos_token_ids=(0,),
+                pad_token_id=1, max_position_embeddings=2048)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def stdlib_texts(limit: int = 40) -> list[str]:
+    """Source text of the first `limit` standard-library modules (sorted by name)."""
+    root = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))[:limit]
+    out = []
+    for n in names:
+        with open(os.path.join(root, n), encoding="utf-8", errors="replace") as f:
+            out.append(f.read())
+    return out
+
+
+def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
+    """Writes target/, draft/ and prompts.jsonl under `out_dir`."""
+    from specjax.tokenizer import train_bpe
+
+    texts = stdlib_texts()
+    tok = train_bpe(texts, vocab_size)
+    V = len(tok)
+    target = Transformer(tiny_config(V), rngs=nnx.Rngs(seed))
+    draft = Transformer(tiny_config(V, hidden_size=64, num_layers=2, num_heads=2,
+                                    num_kv_heads=1, intermediate_size=176),
+                        rngs=nnx.Rngs(seed + 1))
+    save_model(target, os.path.join(out_dir, "target"), tokenizer=tok)
+    save_model(draft, os.path.join(out_dir, "draft"), tokenizer=tok)
+    with open(os.path.join(out_dir, "prompts.jsonl"), "w") as f:
+        for i, text in enumerate(texts[:8]):
+            f.write(json.dumps({"id": f"p{i}", "prompt": text[:200]}) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--vocab-size", type=int, default=512)
+    args = ap.parse_args()
+    make_demo(args.out_dir, args.vocab_size)
+    print(f"wrote {args.out_dir}/target, {args.out_dir}/draft, {args.out_dir}/prompts.jsonl")
+
+
+if __name__ == "__main__":
+    main()
