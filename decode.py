@@ -240,7 +240,7 @@ def run(args) -> int:
             summary["ar_identical"] = outputs["ar"] == outputs["main"]
 
     records = []
-    for (pid, _), ids in zip(prompts, outputs["main"]):
+    for (pid, _), ids in zip(prompts, outputs["main"], strict=True):
         rec = {"id": pid, "output_ids": ids}
         if tokenizer is not None:
             rec["text"] = tokenizer.decode(ids, skip_special_tokens=True)

@@ -64,7 +64,7 @@ class Stats:
         if self.accepted is None or self.steps == 0:
             return []
         reached = np.concatenate([[self.steps], self.accepted[:-1]])
-        return [float(a / r) if r else float("nan") for a, r in zip(self.accepted, reached)]
+        return [float(a / r) if r else float("nan") for a, r in zip(self.accepted, reached, strict=True)]
 
     @property
     def tau(self) -> float:
