@@ -170,8 +170,8 @@ def load_model(path: str, dtype=jnp.float32) -> Transformer:
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     # eval_shape gives abstract arrays; fill every parameter from the checkpoint.
     for name, arr in weights.items():
-        getattr(model, name).value = jnp.asarray(arr.astype(np.float32)).astype(dtype)
-    model.inv_freq.value = jnp.asarray(cfg.inv_freq(), jnp.float32)
+        getattr(model, name).set_value(jnp.asarray(arr.astype(np.float32)).astype(dtype))
+    model.inv_freq.set_value(jnp.asarray(cfg.inv_freq(), jnp.float32))
     return model
 
 

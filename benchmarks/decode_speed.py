@@ -1,0 +1,346 @@
+"""Decode speed on CPU: specjax autoregressive and self-drafted speculative decoding
+against transformers `generate` and the weight-bandwidth floor, in ONE process.
+
+    python benchmarks/decode_speed.py                      # ~25M Qwen3, 128 tokens, 5 repeats
+    python benchmarks/decode_speed.py --quick --repeats 1  # smoke run (seconds)
+    python benchmarks/decode_speed.py --json out/decode_speed.json
+
+Systems (batch 1, f32, greedy, EOS disabled so each generates exactly --new-tokens):
+  transformers   `AutoModelForCausalLM.generate` (torch, use_cache) on the same weights
+                 (the specjax model is exported with `save_model` and loaded back)
+  specjax-ar     `Engine` without a drafter (one jitted while_loop)
+  specjax-self-G `Engine` with the target itself as a `DraftLMDrafter` of G tokens:
+                 every draft is accepted (tau = G+1), so this bounds the loop's
+                 overhead; on CPU it costs MORE than AR (G drafter forwards + one
+                 (G+1)-token verification per step, DESIGN.md section 9)
+  floor          memory bandwidth (jitted sum over a large f32 array, measured in this
+                 run) / weight bytes (num_params * 4; a tied embedding is read once
+                 per token by the LM head, the embedding gather reads one row)
+
+Timed runs are interleaved (one of each system per repeat, in rotating order) after
+one untimed warm-up each; compile time is reported separately. Wall time of a run
+includes the prefill of the prompt, for every system alike. Progress goes to stderr,
+the markdown table to stdout, and `--json PATH` writes every raw figure.
+
+CPU figures do not predict accelerator speedups (DESIGN.md section 9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+# The benchmark measures ONE CPU device; a simulated multi-device setting (tests set
+# JAX_NUM_CPU_DEVICES=8) would split the host's threads. Set before jax is imported.
+os.environ.pop("JAX_NUM_CPU_DEVICES", None)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax.checkpoint import save_model  # noqa: E402
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
+from specjax.engine import Engine  # noqa: E402
+from specjax.model import Transformer  # noqa: E402
+from specjax.sampling import SamplingParams  # noqa: E402
+
+FULL = dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+            head_dim=64, intermediate_size=1408)
+QUICK = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=32, intermediate_size=352)
+JSON_KEYS = ("config", "num_params", "weight_bytes", "new_tokens", "prompt_tokens", "repeats",
+             "threads", "environment", "bandwidth", "floor_tokens_per_s", "systems",
+             "parity", "load_average")
+
+
+def log(msg: str) -> None:
+    print(f"[decode_speed] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per system")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length")
+    ap.add_argument("--gammas", type=int, nargs="*", default=[4, 8],
+                    help="draft lengths G of the self-drafted speculative runs")
+    ap.add_argument("--bandwidth-mib", type=int, default=None,
+                    help="array size of the bandwidth probe (default 1024, --quick 128)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the cores this process may use)")
+    ap.add_argument("--quick", action="store_true", help="a small config for a smoke run")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="skip transformers (no torch needed)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write all raw figures to this JSON file")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.new_tokens < 1 or args.prompt_tokens < 1:
+        ap.error("--repeats, --new-tokens and --prompt-tokens must be >= 1")
+    if any(g < 1 for g in args.gammas):
+        ap.error("--gammas must be >= 1")
+    return args
+
+
+def model_config(quick: bool) -> ModelConfig:
+    shape = QUICK if quick else FULL
+    return ModelConfig(family="qwen3", rope_theta=1_000_000.0, tie_word_embeddings=True,
+                       max_position_embeddings=4096, eos_token_ids=(), **shape)
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure_bandwidth(mib: int, repeats: int = 5) -> dict:
+    """GB/s of a jitted f32 sum over a `mib` MiB array (median of `repeats`)."""
+    n = mib * 2**20 // 4
+    x = jnp.full((n,), 1.0, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()  # compile + first touch
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        samples.append(n * 4 / (time.perf_counter() - t0) / 1e9)
+    del x
+    return {"array_bytes": n * 4, "samples_gbps": samples, **summary(samples)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class SpecjaxSystem:
+    def __init__(self, name, target, prompt, new_tokens, gamma=0):
+        drafter = dparams = None
+        if gamma:
+            drafter, dparams = DraftLMDrafter.create(target, gamma, SamplingParams(),
+                                                     target.cfg.vocab_size)
+        self.name, self.gamma = name, gamma
+        self.prompt, self.new_tokens = prompt, new_tokens
+        self.engine = Engine(target, drafter=drafter, drafter_params=dparams,
+                             sampling=SamplingParams(), max_length=len(prompt) + new_tokens,
+                             prompt_width=len(prompt), batch_size=1, eos_token_ids=())
+        self.compile_s = None
+        self.taus: list[float] = []
+
+    def compile(self) -> float:
+        self.compile_s = self.engine.compile()
+        return self.compile_s
+
+    def run(self):
+        out = self.engine.run([self.prompt], self.new_tokens, jax.random.key(0))
+        steps = int(out.steps.sum())
+        tau = 1.0 + float(out.accepted.sum()) / steps if self.gamma and steps else None
+        return out.outputs[0], out.wall_s, tau
+
+
+class TransformersSystem:
+    name = "transformers"
+
+    def __init__(self, model_dir, prompt, new_tokens, threads):
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32)
+        self.model.eval()
+        gc = self.model.generation_config
+        gc.eos_token_id = None
+        gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
+        self.ids = torch.tensor([prompt], dtype=torch.long)
+        self.mask = torch.ones_like(self.ids)
+        self.new_tokens = new_tokens
+        self.compile_s = 0.0
+        self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+
+    def compile(self) -> float:
+        return 0.0
+
+    def run(self):
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(
+                self.ids, attention_mask=self.mask, do_sample=False,
+                max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
+                eos_token_id=None, use_cache=True)
+            wall = time.perf_counter() - t0
+        return out[0, self.ids.shape[1]:].tolist(), wall, None
+
+
+def environment(threads: int) -> dict:
+    env = {"python": platform.python_version(), "jax": jax.__version__,
+           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+           "cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+           "torch_threads": threads, "machine": platform.machine(),
+           "processor": platform.processor()}
+    try:
+        import flax
+        env["flax"] = flax.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import torch
+        import transformers
+        env["torch"] = torch.__version__
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def render_table(result: dict) -> str:
+    systems = result["systems"]
+    ref = systems.get("transformers", {}).get("tokens_per_s", {}).get("median")
+    floor = result["floor_tokens_per_s"]
+    lines = ["| system | tokens/s median | min | max | tau | vs transformers | of floor | compile s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in systems.items():
+        t = s["tokens_per_s"]
+        tau = f"{s['tau']:.2f}" if s.get("tau") is not None else "-"
+        ratio = f"{t['median'] / ref:.2f}x" if ref else "-"
+        comp = f"{s['compile_s']:.1f}" if s.get("compile_s") else "-"
+        lines.append(f"| {name} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {tau} "
+                     f"| {ratio} | {t['median'] / floor:.2f} | {comp} |")
+    lines.append(f"| floor (bandwidth / weight bytes) | {floor:.1f} | - | - | - | "
+                 f"{floor / ref:.2f}x | 1.00 | - |" if ref else
+                 f"| floor (bandwidth / weight bytes) | {floor:.1f} | - | - | - | - | 1.00 | - |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    cfg = model_config(args.quick)
+    weight_bytes = cfg.num_params * 4
+    load0 = os.getloadavg()
+    log(f"config {cfg.num_params / 1e6:.2f}M params ({weight_bytes / 1e6:.1f} MB f32), "
+        f"{args.new_tokens} new tokens, prompt {args.prompt_tokens}, {args.repeats} repeats, "
+        f"{threads} torch threads, load average {load0[0]:.2f}")
+    if load0[0] > 0.5 * threads:
+        log(f"WARNING: load average {load0[0]:.2f} on {threads} cores: timings are indicative")
+
+    mib = args.bandwidth_mib or (128 if args.quick else 1024)
+    log(f"measuring bandwidth ({mib} MiB jitted sum)")
+    bandwidth = measure_bandwidth(mib)
+    floor = bandwidth["median"] * 1e9 / weight_bytes
+    log(f"bandwidth {bandwidth['median']:.1f} GB/s -> floor {floor:.1f} tokens/s")
+
+    target = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+    prompt = np.random.default_rng(args.seed).integers(
+        2, cfg.vocab_size, size=args.prompt_tokens).tolist()
+
+    systems = []
+    if not args.no_transformers:
+        with tempfile.TemporaryDirectory(prefix="decode_speed_") as d:
+            path = os.path.join(d, "model")
+            save_model(target, path)
+            systems.append(TransformersSystem(path, prompt, args.new_tokens, threads))
+    systems.append(SpecjaxSystem("specjax-ar", target, prompt, args.new_tokens))
+    for g in args.gammas:
+        systems.append(SpecjaxSystem(f"specjax-self-G{g}", target, prompt, args.new_tokens, g))
+
+    outputs, samples, taus = {}, {s.name: [] for s in systems}, {s.name: [] for s in systems}
+    for s in systems:
+        c = s.compile()
+        log(f"{s.name}: compile {c:.2f} s; warm-up run")
+        outputs[s.name], wall, _ = s.run()
+        if len(outputs[s.name]) != args.new_tokens:
+            raise RuntimeError(f"{s.name} generated {len(outputs[s.name])} tokens, "
+                               f"expected {args.new_tokens}")
+    for r in range(args.repeats):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for s in order:
+            toks, wall, tau = s.run()
+            if toks != outputs[s.name]:
+                raise RuntimeError(f"{s.name}: output changed between runs")
+            samples[s.name].append(wall)
+            if tau is not None:
+                taus[s.name].append(tau)
+        log(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{s.name} {args.new_tokens / samples[s.name][-1]:.1f} tok/s" for s in systems))
+
+    ar = outputs["specjax-ar"]
+    parity = {"specjax_ar_tokens": ar}
+    if "transformers" in outputs:
+        hf = outputs["transformers"]
+        parity.update(transformers_tokens=hf, ar_equals_transformers=ar == hf,
+                      ar_transformers_common_prefix=common_prefix(ar, hf))
+    for s in systems:
+        if s.name.startswith("specjax-self"):
+            parity[f"{s.name}_equals_ar"] = outputs[s.name] == ar
+
+    result = {
+        "config": {k: getattr(cfg, k) for k in ("family", *FULL, "tie_word_embeddings")},
+        "num_params": cfg.num_params,
+        "weight_bytes": weight_bytes,
+        "new_tokens": args.new_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+        "threads": threads,
+        "environment": environment(threads),
+        "bandwidth": bandwidth,
+        "floor_tokens_per_s": floor,
+        "systems": {},
+        "parity": parity,
+        "load_average": {"start": load0, "end": os.getloadavg()},
+    }
+    if "transformers" in outputs:
+        result["environment"]["attn_implementation"] = systems[0].attn_implementation
+    for s in systems:
+        tps = [args.new_tokens / w for w in samples[s.name]]
+        result["systems"][s.name] = {
+            "wall_s": samples[s.name],
+            "tokens_per_s": summary(tps),
+            "tau": statistics.median(taus[s.name]) if taus[s.name] else None,
+            "compile_s": s.compile_s,
+            "gamma": getattr(s, "gamma", None),
+            "fraction_of_floor": statistics.median(tps) / floor,
+        }
+
+    print(f"## decode speed: Qwen3 {cfg.num_params / 1e6:.2f}M params, f32, batch 1, "
+          f"{args.new_tokens} new tokens, prompt {args.prompt_tokens}, "
+          f"{args.repeats} interleaved repeats\n")
+    print(f"{jax.default_backend()} backend, {threads} cores / torch threads, bandwidth "
+          f"{bandwidth['median']:.1f} GB/s (min {bandwidth['min']:.1f}, max "
+          f"{bandwidth['max']:.1f}), weight bytes {weight_bytes / 1e6:.1f} MB, "
+          f"load average {load0[0]:.2f} -> {result['load_average']['end'][0]:.2f}\n")
+    print(render_table(result))
+    print()
+    if "transformers" in outputs:
+        if parity["ar_equals_transformers"]:
+            print(f"parity: specjax AR greedy == transformers greedy ({len(ar)} tokens)")
+        else:
+            print(f"parity: specjax AR and transformers agree on the first "
+                  f"{parity['ar_transformers_common_prefix']} of {len(ar)} tokens")
+    for k, v in parity.items():
+        if k.endswith("_equals_ar"):
+            print(f"lossless: {k[:-len('_equals_ar')]} output == AR: {v}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        log(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
