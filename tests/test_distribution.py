@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+import _dist_utils as du
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +31,6 @@ from specjax.drafters.draft_lm import DraftLMDrafter
 from specjax.generate import LoopConfig, speculative_loop
 from specjax.sampling import SamplingParams
 from specjax.verify import Verdict, block_weights, verify_block, verify_greedy, verify_token
-from tests import _dist_utils as du
 
 V = du.V
 PROMPT = (1, 4, 2)  # Tp = 3 real tokens ...

@@ -1,0 +1,143 @@
+"""decode.py: outputs, summary, determinism, and one-line errors with exit code 2."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, capsys):
+    code = decode.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def base_args(demo, tmp_path, *extra):
+    return ["--target", demo / "target", "--drafter", demo / "draft", "--prompts",
+            demo / "prompts.jsonl", "--max-new-tokens", 12, "--output", tmp_path / "o.jsonl",
+            "--summary", tmp_path / "s.json", *extra]
+
+
+def test_outputs_summary_and_speedup(tiny_demo, tmp_path, capsys):
+    code, out, err = run(base_args(tiny_demo, tmp_path, "--compare-ar", "--batch-size", 3),
+                         capsys)
+    assert code == 0, err
+    lines = [json.loads(x) for x in open(tmp_path / "o.jsonl")]
+    ids = [json.loads(x)["id"] for x in open(tiny_demo / "prompts.jsonl")]
+    assert [r["id"] for r in lines] == ids  # input order
+    assert all(set(r) == {"id", "output_ids", "text"} for r in lines)
+    assert all(1 <= len(r["output_ids"]) <= 12 for r in lines)
+    s = json.load(open(tmp_path / "s.json"))
+    for k in ("new_tokens", "wall_s", "compile_s", "tokens_per_s", "tau", "alpha",
+              "ar_tokens_per_s", "speedup"):
+        assert k in s, k
+    assert s["new_tokens"] == sum(len(r["output_ids"]) for r in lines)
+    assert len(s["alpha"]) == 4 and 1 <= s["tau"] <= 5
+    assert s["ar_identical"] is True
+    assert "tokens/s" in out and "speedup" in out
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "none"])
+def test_same_seed_same_output(tiny_demo, tmp_path, capsys, drafter):
+    args = base_args(tiny_demo, tmp_path, "--temperature", 1.0, "--top-p", 0.9, "--seed", 7,
+                     "--drafter", drafter, "--ignore-eos")
+    assert run(args, capsys)[0] == 0
+    first = open(tmp_path / "o.jsonl").read()
+    assert run(args, capsys)[0] == 0
+    assert open(tmp_path / "o.jsonl").read() == first
+    assert all(len(json.loads(x)["output_ids"]) == 12 for x in first.splitlines())
+
+
+def test_input_ids_prompts_need_no_tokenizer(tiny_demo, tmp_path, capsys):
+    target = tmp_path / "notok"
+    shutil.copytree(tiny_demo / "target", target)
+    for f in os.listdir(target):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            os.remove(target / f)
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [5, 6, 7]}\n{"id": "x", "input_ids": [9]}\n')
+    code, _, err = run(["--target", target, "--drafter", "ngram", "--prompts",
+                        tmp_path / "p.jsonl", "--max-new-tokens", 4, "--output",
+                        tmp_path / "o.jsonl"], capsys)
+    assert code == 0, err
+    lines = [json.loads(x) for x in open(tmp_path / "o.jsonl")]
+    assert [r["id"] for r in lines] == ["0", "x"] and "text" not in lines[0]
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    return p
+
+
+BAD = {
+    "missing_target": (lambda d, t: ["--target", t / "nope"], "does not exist"),
+    "unsupported_arch": (None, "unsupported architecture"),
+    "vocab_mismatch": (None, "vocabulary"),
+    "malformed_json": (lambda d, t: ["--prompts", _write(t, '{"prompt": "a"}\n{oops\n')],
+                       "line 2"),
+    "no_field": (lambda d, t: ["--prompts", _write(t, '{"id": 3}\n')], "line 1"),
+    "token_out_of_vocab": (lambda d, t: ["--prompts", _write(t, '{"input_ids": [1, 99999]}\n')],
+                           "99999"),
+    "too_long": (lambda d, t: ["--max-length", 5], "--max-length"),
+    "gamma": (lambda d, t: ["--gamma", 0], "--gamma"),
+    "temperature": (lambda d, t: ["--temperature", -1], "--temperature"),
+    "top_p_zero": (lambda d, t: ["--top-p", 0], "--top-p"),
+    "top_p_big": (lambda d, t: ["--top-p", 1.5], "--top-p"),
+    "top_k": (lambda d, t: ["--top-k", -2], "--top-k"),
+    "missing_prompts": (lambda d, t: ["--prompts", t / "none.jsonl"], "none.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_with_one_line(tiny_demo, tmp_path, capsys, case):
+    make, expect = BAD[case]
+    if case == "unsupported_arch":
+        bad = tmp_path / "gpt2"
+        shutil.copytree(tiny_demo / "target", bad)
+        cfg = json.load(open(bad / "config.json"))
+        cfg["model_type"] = "gpt2"
+        json.dump(cfg, open(bad / "config.json", "w"))
+        extra = ["--target", bad]
+    elif case == "vocab_mismatch":
+        from specjax.checkpoint import load_model, save_model
+        from specjax.testing.tiny import tiny_config
+        from specjax.model import Transformer
+
+        small = Transformer(tiny_config(vocab_size=100, hidden_size=32, num_layers=1,
+                                        intermediate_size=32))
+        save_model(small, str(tmp_path / "small"))
+        assert load_model(str(tmp_path / "small")).cfg.vocab_size == 100
+        extra = ["--drafter", tmp_path / "small"]
+    else:
+        extra = make(tiny_demo, tmp_path)
+    code, _, err = run(base_args(tiny_demo, tmp_path, *extra), capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("decode.py: error:"), err
+    assert expect in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "s.json").exists()
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"), "--target",
+                           str(tmp_path / "missing"), "--prompt", "x", "--output",
+                           str(tmp_path / "o.jsonl")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_flag_value_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--gamma", "three"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gamma" in err
