@@ -107,8 +107,8 @@ def test_bad_input_exits_2_with_one_line(tiny_demo, tmp_path, capsys, case):
         extra = ["--target", bad]
     elif case == "vocab_mismatch":
         from specjax.checkpoint import load_model, save_model
-        from specjax.testing.tiny import tiny_config
         from specjax.model import Transformer
+        from specjax.testing.tiny import tiny_config
 
         small = Transformer(tiny_config(vocab_size=100, hidden_size=32, num_layers=1,
                                         intermediate_size=32))
