@@ -88,7 +88,7 @@ def block_weights(draft, q, p):
     w = jnp.stack(ws, axis=1)  # [B,G]
     if G > 1:
         a = jnp.sum(jnp.maximum(w[:, :-1, None] * p[:, 1:G] - q[:, 1:G], 0.0), axis=-1)
-        denom = a + 1.0 - w[:, :-1]
+        denom = a + (1.0 - w[:, :-1])  # add 1 - w first: h never rounds above 1
         h = jnp.where(denom > 0, a / jnp.where(denom > 0, denom, 1.0), 1.0)
         h = jnp.concatenate([h, w[:, -1:]], axis=1)
     else:

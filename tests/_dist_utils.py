@@ -8,6 +8,7 @@ section 4), so a test compares the code under test against an independent refere
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -79,14 +80,20 @@ def scaled_model(seed: int, scale: float) -> Transformer:
     return model
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _forward_logits(graphdef, params, contexts):
+    model = nnx.merge(graphdef, params)
+    N, T = contexts.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    return model(contexts, pos, model.init_cache(N, T)).logits
+
+
 def context_logits(model: Transformer, contexts) -> np.ndarray:
     """f64[N,T,V] logits of `model` at every position of the i32[N,T] contexts (one
     plain forward from an empty cache, no padding)."""
-    contexts = np.asarray(contexts, np.int32)
-    N, T = contexts.shape
-    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (N, T))
-    out = model(jnp.asarray(contexts), jnp.asarray(pos), model.init_cache(N, T))
-    return np.asarray(out.logits, np.float64)
+    graphdef, params = nnx.split(model)
+    out = _forward_logits(graphdef, params, jnp.asarray(contexts, jnp.int32))
+    return np.asarray(out, np.float64)
 
 
 def all_tuples(n: int, vocab: int = V) -> np.ndarray:
