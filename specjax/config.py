@@ -130,6 +130,11 @@ class ModelConfig:
             raise SpecjaxError(f"unsupported rope_type {rope_type!r}; expected default or llama3")
         if getattr(hf, "mlp_bias", False):
             raise SpecjaxError("mlp_bias=true is not supported")
+        layer_types = getattr(hf, "layer_types", None) or ()
+        if getattr(hf, "use_sliding_window", False) or any(
+                t != "full_attention" for t in layer_types):
+            raise SpecjaxError("sliding-window attention (use_sliding_window / layer_types) "
+                               "is not supported; specjax runs full attention only")
         N = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // N
         if eos_token_ids is None:
@@ -180,7 +185,11 @@ class ModelConfig:
             )
         import transformers  # configs only; no model code is imported
 
-        hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            msg = str(e).replace("\n", " ")
+            raise SpecjaxError(f"{cfg_path}: invalid config ({msg})") from None
         eos = None
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_path):

@@ -292,6 +292,29 @@ def test_error_unsupported_rope_type(qwen3_dir):
     assert "linear" in load_error(qwen3_dir)
 
 
+def edit_config(path, fn):
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    fn(raw)
+    with open(path / "config.json", "w") as f:
+        json.dump(raw, f)
+
+
+def test_error_sliding_window(qwen3_dir):
+    edit_config(qwen3_dir, lambda raw: raw.update(use_sliding_window=True, sliding_window=4,
+                                                  max_window_layers=0))
+    assert "sliding-window" in load_error(qwen3_dir)
+
+
+def test_error_incomplete_rope_parameters(qwen3_dir):
+    def drop_llama3_fields(raw):
+        raw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0}
+
+    edit_config(qwen3_dir, drop_llama3_fields)
+    msg = load_error(qwen3_dir)
+    assert "config.json" in msg and "invalid config" in msg
+
+
 def test_error_missing_directory(tmp_path):
     path = tmp_path / "does-not-exist"
     assert str(path) in load_error(path)
