@@ -1,9 +1,11 @@
 """Decode speed on CPU: specjax autoregressive and self-drafted speculative decoding
 against transformers `generate` and the weight-bandwidth floor, in ONE process.
 
-    python benchmarks/decode_speed.py                      # ~25M Qwen3, 128 tokens, 5 repeats
+    python benchmarks/decode_speed.py                      # 27.8M Qwen3, 128 tokens, 5 repeats
     python benchmarks/decode_speed.py --quick --repeats 1  # smoke run (seconds)
-    python benchmarks/decode_speed.py --json out/decode_speed.json
+    python benchmarks/decode_speed.py --threads 2 1 --json out/decode_speed.json
+
+The full run takes under a minute on a quiet 2-core machine (several under load).
 
 Systems (batch 1, f32, greedy, EOS disabled so each generates exactly --new-tokens):
   transformers   `AutoModelForCausalLM.generate` (torch, use_cache) on the same weights
@@ -21,6 +23,10 @@ Timed runs are interleaved (one of each system per repeat, in rotating order) af
 one untimed warm-up each; compile time is reported separately. Wall time of a run
 includes the prefill of the prompt, for every system alike. Progress goes to stderr,
 the markdown table to stdout, and `--json PATH` writes every raw figure.
+
+Weights are random, re-drawn at a scale where greedy decoding does not repeat one token
+(`--init varied`), so the parity check (specjax AR tokens == transformers tokens, and
+every speculative run == AR) compares a varied sequence.
 
 CPU figures do not predict accelerator speedups (DESIGN.md section 9).
 """
@@ -41,6 +47,7 @@ import time
 os.environ.pop("JAX_NUM_CPU_DEVICES", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # uninstalled checkout
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,7 +58,7 @@ from specjax.checkpoint import save_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from specjax.engine import Engine  # noqa: E402
-from specjax.model import Transformer  # noqa: E402
+from specjax.model import Transformer, layer_shapes  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
@@ -59,7 +66,7 @@ FULL = dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_
 QUICK = dict(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=32, intermediate_size=352)
 JSON_KEYS = ("config", "num_params", "weight_bytes", "new_tokens", "prompt_tokens", "repeats",
-             "threads", "environment", "bandwidth", "floor_tokens_per_s", "systems",
+             "init", "threads", "environment", "bandwidth", "floor_tokens_per_s", "systems",
              "parity", "load_average")
 
 
@@ -76,11 +83,18 @@ def parse_args(argv=None):
                     help="draft lengths G of the self-drafted speculative runs")
     ap.add_argument("--bandwidth-mib", type=int, default=None,
                     help="array size of the bandwidth probe (default 1024, --quick 128)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: the cores this process may use)")
-    ap.add_argument("--quick", action="store_true", help="a small config for a smoke run")
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="torch thread counts, one transformers row each (default: the cores "
+                         "this process may use); the first is the reference of the ratio column. "
+                         "With other processes on the CPUs, torch on every core collapsed "
+                         "(2-6 tok/s against ~90 with 1 thread): `--threads 2 1` shows both")
+    ap.add_argument("--quick", action="store_true",
+                    help="a 0.5M config for a smoke run (it fits in cache: its floor means nothing)")
     ap.add_argument("--no-transformers", action="store_true",
                     help="skip transformers (no torch needed)")
+    ap.add_argument("--init", choices=("varied", "specjax"), default="varied",
+                    help="varied: weights re-drawn so greedy output is not one repeated token "
+                         "(default); specjax: the model's own init (std 0.02)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write all raw figures to this JSON file")
     args = ap.parse_args(argv)
@@ -88,6 +102,8 @@ def parse_args(argv=None):
         ap.error("--repeats, --new-tokens and --prompt-tokens must be >= 1")
     if any(g < 1 for g in args.gammas):
         ap.error("--gammas must be >= 1")
+    if args.threads and any(t < 1 for t in args.threads):
+        ap.error("--threads must be >= 1")
     return args
 
 
@@ -95,6 +111,23 @@ def model_config(quick: bool) -> ModelConfig:
     shape = QUICK if quick else FULL
     return ModelConfig(family="qwen3", rope_theta=1_000_000.0, tie_word_embeddings=True,
                        max_position_embeddings=4096, eos_token_ids=(), **shape)
+
+
+def redraw_weights(model: Transformer, seed: int, gain: float = 2.0) -> None:
+    """Re-draws the embedding (std 1) and every projection (std gain / sqrt(fan_in)) in place,
+    norms left at 1. At specjax's default init (std 0.02) greedy decoding of a random model
+    repeats one token; these weights give a varied greedy sequence (about 127 distinct
+    tokens of 128 for the full config), so the parity check compares something. Speed
+    does not depend on the values."""
+    key = jax.random.key(seed)
+    names = ["embed", *(n for n in layer_shapes(model.cfg) if not n.endswith("norm"))]
+    if model.lm_head is not None:
+        names.append("lm_head")
+    for i, name in enumerate(names):
+        var = getattr(model, name)
+        w = var[...]
+        std = 1.0 if name == "embed" else gain / np.sqrt(w.shape[-1])
+        var[...] = (std * jax.random.normal(jax.random.fold_in(key, i), w.shape)).astype(w.dtype)
 
 
 def summary(values: list[float]) -> dict:
@@ -150,32 +183,36 @@ class SpecjaxSystem:
         return out.outputs[0], out.wall_s, tau
 
 
+def load_transformers(model_dir):
+    """transformers model (torch, f32) with EOS disabled."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    gc = model.generation_config
+    gc.eos_token_id = None
+    gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
+    return model
+
+
 class TransformersSystem:
-    name = "transformers"
-
-    def __init__(self, model_dir, prompt, new_tokens, threads):
+    def __init__(self, name, model, prompt, new_tokens, threads):
         import torch
-        import transformers
 
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32)
-        self.model.eval()
-        gc = self.model.generation_config
-        gc.eos_token_id = None
-        gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
+        self.name, self.model, self.threads, self.torch = name, model, threads, torch
         self.ids = torch.tensor([prompt], dtype=torch.long)
         self.mask = torch.ones_like(self.ids)
         self.new_tokens = new_tokens
-        self.compile_s = 0.0
-        self.attn_implementation = getattr(self.model.config, "_attn_implementation", None)
+        self.compile_s = None
+        self.gamma = None
 
     def compile(self) -> float:
         return 0.0
 
     def run(self):
         torch = self.torch
+        torch.set_num_threads(self.threads)  # process-wide: set before every run
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = self.model.generate(
@@ -186,7 +223,7 @@ class TransformersSystem:
         return out[0, self.ids.shape[1]:].tolist(), wall, None
 
 
-def environment(threads: int) -> dict:
+def environment(threads: list[int]) -> dict:
     env = {"python": platform.python_version(), "jax": jax.__version__,
            "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
            "cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
@@ -209,7 +246,8 @@ def environment(threads: int) -> dict:
 
 def render_table(result: dict) -> str:
     systems = result["systems"]
-    ref = systems.get("transformers", {}).get("tokens_per_s", {}).get("median")
+    refs = [s for n, s in systems.items() if n.startswith("transformers")]
+    ref = refs[0]["tokens_per_s"]["median"] if refs else None
     floor = result["floor_tokens_per_s"]
     lines = ["| system | tokens/s median | min | max | tau | vs transformers | of floor | compile s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -228,15 +266,16 @@ def render_table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
+    threads = args.threads or [cores]
     cfg = model_config(args.quick)
     weight_bytes = cfg.num_params * 4
     load0 = os.getloadavg()
     log(f"config {cfg.num_params / 1e6:.2f}M params ({weight_bytes / 1e6:.1f} MB f32), "
         f"{args.new_tokens} new tokens, prompt {args.prompt_tokens}, {args.repeats} repeats, "
-        f"{threads} torch threads, load average {load0[0]:.2f}")
-    if load0[0] > 0.5 * threads:
-        log(f"WARNING: load average {load0[0]:.2f} on {threads} cores: timings are indicative")
+        f"{cores} cores, torch threads {threads}, load average {load0[0]:.2f}")
+    if load0[0] > 0.5 * cores:
+        log(f"WARNING: load average {load0[0]:.2f} on {cores} cores: timings are indicative")
 
     mib = args.bandwidth_mib or (128 if args.quick else 1024)
     log(f"measuring bandwidth ({mib} MiB jitted sum)")
@@ -245,6 +284,8 @@ def main(argv=None) -> dict:
     log(f"bandwidth {bandwidth['median']:.1f} GB/s -> floor {floor:.1f} tokens/s")
 
     target = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+    if args.init == "varied":
+        redraw_weights(target, args.seed + 1)
     prompt = np.random.default_rng(args.seed).integers(
         2, cfg.vocab_size, size=args.prompt_tokens).tolist()
 
@@ -253,7 +294,11 @@ def main(argv=None) -> dict:
         with tempfile.TemporaryDirectory(prefix="decode_speed_") as d:
             path = os.path.join(d, "model")
             save_model(target, path)
-            systems.append(TransformersSystem(path, prompt, args.new_tokens, threads))
+            hf_model = load_transformers(path)
+        attn_impl = getattr(hf_model.config, "_attn_implementation", None)
+        for t in threads:
+            name = "transformers" if len(threads) == 1 else f"transformers-{t}t"
+            systems.append(TransformersSystem(name, hf_model, prompt, args.new_tokens, t))
     systems.append(SpecjaxSystem("specjax-ar", target, prompt, args.new_tokens))
     for g in args.gammas:
         systems.append(SpecjaxSystem(f"specjax-self-G{g}", target, prompt, args.new_tokens, g))
@@ -279,9 +324,10 @@ def main(argv=None) -> dict:
             f"{s.name} {args.new_tokens / samples[s.name][-1]:.1f} tok/s" for s in systems))
 
     ar = outputs["specjax-ar"]
-    parity = {"specjax_ar_tokens": ar}
-    if "transformers" in outputs:
-        hf = outputs["transformers"]
+    parity = {"specjax_ar_tokens": ar, "distinct_tokens": len(set(ar))}
+    hf_names = [s.name for s in systems if isinstance(s, TransformersSystem)]
+    if hf_names:
+        hf = outputs[hf_names[0]]
         parity.update(transformers_tokens=hf, ar_equals_transformers=ar == hf,
                       ar_transformers_common_prefix=common_prefix(ar, hf))
     for s in systems:
@@ -295,6 +341,7 @@ def main(argv=None) -> dict:
         "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
+        "init": args.init,
         "threads": threads,
         "environment": environment(threads),
         "bandwidth": bandwidth,
@@ -303,8 +350,9 @@ def main(argv=None) -> dict:
         "parity": parity,
         "load_average": {"start": load0, "end": os.getloadavg()},
     }
-    if "transformers" in outputs:
-        result["environment"]["attn_implementation"] = systems[0].attn_implementation
+    if hf_names:
+        result["environment"]["attn_implementation"] = attn_impl
+    assert set(result) == set(JSON_KEYS), sorted(set(result) ^ set(JSON_KEYS))
     for s in systems:
         tps = [args.new_tokens / w for w in samples[s.name]]
         result["systems"][s.name] = {
@@ -312,22 +360,30 @@ def main(argv=None) -> dict:
             "tokens_per_s": summary(tps),
             "tau": statistics.median(taus[s.name]) if taus[s.name] else None,
             "compile_s": s.compile_s,
-            "gamma": getattr(s, "gamma", None),
+            "gamma": s.gamma or None,
+            "torch_threads": getattr(s, "threads", None),
             "fraction_of_floor": statistics.median(tps) / floor,
         }
 
     print(f"## decode speed: Qwen3 {cfg.num_params / 1e6:.2f}M params, f32, batch 1, "
           f"{args.new_tokens} new tokens, prompt {args.prompt_tokens}, "
           f"{args.repeats} interleaved repeats\n")
-    print(f"{jax.default_backend()} backend, {threads} cores / torch threads, bandwidth "
+    print(f"{jax.default_backend()} backend, {cores} cores, torch threads {threads}, bandwidth "
           f"{bandwidth['median']:.1f} GB/s (min {bandwidth['min']:.1f}, max "
           f"{bandwidth['max']:.1f}), weight bytes {weight_bytes / 1e6:.1f} MB, "
           f"load average {load0[0]:.2f} -> {result['load_average']['end'][0]:.2f}\n")
     print(render_table(result))
     print()
-    if "transformers" in outputs:
+    if load0[0] > 0.5 * cores:  # the end value includes this run's own load
+        print(f"NOTE: load average {load0[0]:.2f} on {cores} cores before the run: other "
+              "processes were using the CPUs, so these timings are only indicative")
+    if len(set(ar)) < 4:
+        print(f"NOTE: greedy output has only {len(set(ar))} distinct tokens, so the parity "
+              "check below is weak (use --init varied)")
+    if hf_names:
         if parity["ar_equals_transformers"]:
-            print(f"parity: specjax AR greedy == transformers greedy ({len(ar)} tokens)")
+            print(f"parity: specjax AR greedy == transformers greedy ({len(ar)} tokens, "
+                  f"{len(set(ar))} distinct)")
         else:
             print(f"parity: specjax AR and transformers agree on the first "
                   f"{parity['ar_transformers_common_prefix']} of {len(ar)} tokens")

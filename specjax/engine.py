@@ -22,6 +22,7 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.model import decoding_params
 from specjax.sampling import SamplingParams
 
 
@@ -87,15 +88,17 @@ class Engine:
       prompt_width: padded prompt width Tp (>= the longest prompt).
       batch_size: rows per compiled batch; short batches are padded with empty rows.
       eos_token_ids: ids that end a row (empty for --ignore-eos).
+      layer_loop: "auto", "scan" or "unroll" (see `specjax.model.decoding_params`).
     """
 
     def __init__(self, target, *, drafter=None, drafter_params=None,
                  sampling: SamplingParams = SamplingParams(), verify="block",
                  max_length: int, prompt_width: int, batch_size: int = 1,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto"):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
+        self.params = decoding_params(self.params, layer_loop)
         self.vocab_size = target.cfg.vocab_size
         self.drafter, self.drafter_params = drafter, drafter_params
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,

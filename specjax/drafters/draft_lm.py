@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import SpecjaxError
+from specjax.model import decoding_params
 from specjax.sampling import SamplingParams, sample_logits
 
 
@@ -37,8 +38,10 @@ class DraftLMDrafter:
     capture: tuple[int, ...] = ()
 
     @classmethod
-    def create(cls, draft_model, gamma: int, sampling: SamplingParams, target_vocab: int):
-        """Splits `draft_model`; raises SpecjaxError if its vocabulary differs from V."""
+    def create(cls, draft_model, gamma: int, sampling: SamplingParams, target_vocab: int,
+               layer_loop: str = "auto"):
+        """Splits `draft_model` (params laid out by `decoding_params(.., layer_loop)`);
+        raises SpecjaxError if its vocabulary differs from the target's V."""
         V = draft_model.cfg.vocab_size
         if V != target_vocab:
             raise SpecjaxError(
@@ -46,7 +49,7 @@ class DraftLMDrafter:
                 "the draft LM must share the target's tokenizer"
             )
         graphdef, params = nnx.split(draft_model)
-        return cls(graphdef, gamma, V, sampling), params
+        return cls(graphdef, gamma, V, sampling), decoding_params(params, layer_loop)
 
     def init(self, params, view, key):
         """Prefills the draft cache with the prompts (the same padded tokens the target saw)."""

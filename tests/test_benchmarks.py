@@ -1,0 +1,47 @@
+"""Smoke test of benchmarks/decode_speed.py: a --quick run finishes and writes the JSON
+keys the lead reads (not the speed figures, which depend on the machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "decode_speed.py")
+# Top-level keys of the JSON (benchmarks.decode_speed.JSON_KEYS; not imported here because
+# importing the script sets up jax and torch in the test process).
+JSON_KEYS = ("config", "num_params", "weight_bytes", "new_tokens", "prompt_tokens", "repeats",
+             "init", "threads", "environment", "bandwidth", "floor_tokens_per_s", "systems",
+             "parity", "load_average")
+
+
+def test_decode_speed_quick(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "speed.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--repeats", "1", "--new-tokens", "16",
+         "--gammas", "4", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| specjax-ar |" in proc.stdout
+
+    result = json.loads(out.read_text())
+    assert set(result) == set(JSON_KEYS)
+    assert set(result["systems"]) == {"transformers", "specjax-ar", "specjax-self-G4"}
+    for s in result["systems"].values():
+        assert {"wall_s", "tokens_per_s", "tau", "compile_s", "fraction_of_floor"} <= set(s)
+        assert {"median", "min", "max"} <= set(s["tokens_per_s"])
+        assert len(s["wall_s"]) == 1
+    assert result["systems"]["specjax-self-G4"]["tau"] == pytest.approx(5.0, abs=1.0)
+    parity = result["parity"]
+    assert len(parity["specjax_ar_tokens"]) == 16
+    assert parity["specjax-self-G4_equals_ar"] is True  # greedy speculative is lossless
+    assert parity["ar_transformers_common_prefix"] >= 0
+    assert result["bandwidth"]["median"] > 0 and result["floor_tokens_per_s"] > 0
