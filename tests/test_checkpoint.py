@@ -9,7 +9,6 @@ refuse broken directories with a one-line SpecjaxError naming the file / tensor 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 
@@ -22,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _hf_utils import random_hf_model  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
@@ -58,21 +58,10 @@ EOS = {"qwen3": [5, 7], "llama": 2}
 
 def make_hf_model(family: str, seed: int = 0):
     """A tiny random transformers model in f32 eval mode with O(1)-scale weights."""
-    kw = dict(CONFIGS[family])
-    cfg = getattr(transformers, kw.pop("cls"))(**kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    model = random_hf_model(CONFIGS[family], seed)
     model.generation_config.eos_token_id = EOS[family]
-    return model.eval()
+    return model
+
 
 
 def hf_logits(hf, tokens) -> np.ndarray:

@@ -11,7 +11,6 @@ per shape (nnx.split once, nnx.merge inside), as the hot loops do.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import jax
@@ -22,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _hf_utils import random_hf_model  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.checkpoint import load_model  # noqa: E402
@@ -54,20 +54,9 @@ CONFIGS = {
 
 def make_hf_model(family: str, seed: int = 0):
     """A tiny random transformers model in f32 eval mode with O(1)-scale weights."""
-    kw = dict(CONFIGS[family])
-    cfg = getattr(transformers, kw.pop("cls"))(**kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:  # [out, in] projections and the untied LM head
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-    return model.eval()
+    model = random_hf_model(CONFIGS[family], seed)
+    return model
+
 
 
 def hf_forward(hf, tokens):
