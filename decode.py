@@ -149,7 +149,7 @@ def _format_table(summary: dict) -> str:
             ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
     if summary.get("tau") is not None:
         rows.append(("tau (tokens/step)", f"{summary['tau']:.3f}"))
-        rows.append(("alpha_k", " ".join(f"{a:.2f}" for a in summary["alpha"])))
+        rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
     if "speedup" in summary:
         rows.append(("AR tokens/s", f"{summary['ar_tokens_per_s']:.1f}"))
         rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))

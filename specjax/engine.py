@@ -60,12 +60,13 @@ class Stats:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
     @property
-    def alpha(self) -> list[float]:
-        """alpha_k = P(draft k accepted | drafts < k accepted), k = 0..G-1."""
+    def alpha(self) -> list[float | None]:
+        """alpha_k = P(draft k accepted | drafts < k accepted), k = 0..G-1; None where no
+        step reached position k."""
         if self.accepted is None or self.steps == 0:
             return []
         reached = np.concatenate([[self.steps], self.accepted[:-1]])
-        return [float(a / r) if r else float("nan") for a, r in zip(self.accepted, reached, strict=True)]
+        return [float(a / r) if r else None for a, r in zip(self.accepted, reached, strict=True)]
 
     @property
     def tau(self) -> float:
