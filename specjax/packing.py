@@ -1,0 +1,95 @@
+"""Fixed-length training rows cut from a flat token stream, in a resumable order.
+
+The stream (see specjax.data.tokenize_corpus) is cut into num_sequences
+non-overlapping windows of T + 1 tokens that share their end tokens:
+
+    sequence j = tokens[j*T : j*T + T + 1]      j = 0 .. num_sequences - 1
+
+A global index i >= 0 walks an endless sequence of epochs; epoch e = i // n visits
+every window once, in the order np.random.default_rng([seed, e]).permutation(n).
+The training state of the data is one int, the position (how many rows were
+consumed so far): `batch(position, B)` depends on nothing else, so a run that
+saves the position and restarts from it sees exactly the rows it would have seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+
+class PackedStream:
+    """Fixed-length training sequences from a flat token stream, in a deterministic order.
+
+    Args:
+      tokens: int[n] flat token stream (u16 or i32; a read-only memmap is fine).
+      seq_len: T, the tokens per training input; each row holds T + 1 tokens.
+      seed: non-negative int that picks the permutation of every epoch.
+    Raises: SpecjaxError if the stream is shorter than T + 1 tokens.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if seq_len < 1 or seed < 0:
+            raise ValueError(f"need seq_len >= 1 and seed >= 0, got {seq_len}, {seed}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_sequences = (len(tokens) - 1) // seq_len
+        if self.num_sequences < 1:
+            raise SpecjaxError(f"a token stream of {len(tokens)} tokens holds no sequence of "
+                               f"seq_len {seq_len} (+1 target); lower seq_len or add text")
+        self._perms: dict[int, np.ndarray] = {}  # epoch -> i64[n], at most two kept
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """i64[n]: the order in which epoch `epoch` visits the sequences."""
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                del self._perms[min(self._perms)]
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perms[epoch] = rng.permutation(self.num_sequences)
+        return self._perms[epoch]
+
+    def sequence_ids(self, position: int, batch_size: int) -> np.ndarray:
+        """i64[B]: the sequence j of global indices position .. position + B - 1."""
+        if position < 0 or batch_size < 1:
+            raise ValueError(f"need position >= 0 and batch_size >= 1, got {position}, "
+                             f"{batch_size}")
+        index = position + np.arange(batch_size, dtype=np.int64)
+        epoch, within = np.divmod(index, self.num_sequences)
+        out = np.empty(batch_size, np.int64)
+        for e in np.unique(epoch):
+            mask = epoch == e
+            out[mask] = self.permutation(int(e))[within[mask]]
+        return out
+
+    def batch(self, position: int, batch_size: int) -> tuple[np.ndarray, int]:
+        """The B rows at global indices position .. position + B - 1.
+
+        Returns: (rows, position + B), rows i32[B, T + 1]; the model's inputs are
+        rows[:, :-1] and its next-token targets rows[:, 1:].
+        """
+        starts = self.sequence_ids(position, batch_size) * self.seq_len
+        offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]  # [B, T + 1]
+        return np.asarray(self.tokens[offsets], np.int32), position + batch_size
+
+    def epoch(self, position: int) -> float:
+        """Epochs completed after consuming `position` rows (for logs)."""
+        return position / self.num_sequences
+
+    @staticmethod
+    def shard(rows: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+        """This process's contiguous slice of a global batch: rows[B/P*p : B/P*(p+1)].
+
+        Raises: SpecjaxError if the global batch B is not divisible by P processes.
+        """
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+        b = rows.shape[0]
+        if b % process_count:
+            raise SpecjaxError(f"global batch size {b} is not divisible by {process_count} "
+                               "processes; use a batch size that is a multiple of it")
+        per = b // process_count
+        return rows[process_index * per:(process_index + 1) * per]
