@@ -1,7 +1,69 @@
-"""Trainer for drafters and small language models (a later issue: objectives lm, ttt, block)."""
+"""Trains a language model (objective lm) on a device mesh; resumes from its run dir.
 
+    python train.py --config configs/demo_target.yaml
+    python train.py --config configs/demo_draft.yaml --set train.steps=2000 --run-dir runs/d
+    python train.py --config configs/demo_target.yaml --distributed     # one per host
+
+A run dir that holds checkpoints is resumed from the newest one. SIGTERM saves a
+checkpoint and exits 0. Bad flags or config values exit 2 with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
 
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        self.exit(2, f"train.py: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(description="Train a specjax model (see configs/*.yaml).")
+    ap.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="KEY=VALUE",
+                    help="override a config key by its dotted name, e.g. train.steps=20 "
+                         "(repeatable)")
+    ap.add_argument("--run-dir", help="checkpoints, metrics and export (default: run_dir "
+                                      "in the config, else runs/<config name>)")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="checkpoint and exit after this step (the schedule keeps "
+                         "train.steps)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="call jax.distributed.initialize() (multi-host TPU/GPU)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from specjax.errors import SpecjaxError
+
+    try:
+        from specjax.train import load_config, train
+
+        cfg = load_config(args.config, args.overrides, run_dir=args.run_dir)
+        if args.distributed:
+            import jax
+
+            jax.distributed.initialize()
+        result = train(cfg, stop_at=args.stop_at_step, progress=not args.no_progress)
+    except SpecjaxError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    what = "preempted: checkpointed" if result.preempted else "stopped"
+    if result.step >= cfg.train.steps:
+        what = "done"
+    rate = f", {result.tokens_per_s:.0f} tokens/s" if result.tokens_per_s else ""
+    val = result.val_losses.get(result.step)
+    val = f", val_loss {val:.4f}" if val is not None else ""
+    out = f", exported {result.export_dir}" if result.export_dir else ""
+    print(f"train.py: {what} at step {result.step} in {cfg.run_dir}{val}{rate}{out}",
+          file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":
-    print("train.py: not yet implemented; the training issue adds it", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(main())

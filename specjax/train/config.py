@@ -1,0 +1,360 @@
+"""Training configuration: frozen dataclasses, validated from YAML plus `--set` overrides.
+
+    cfg = load_config("configs/demo_target.yaml", ["train.steps=20", "optim.lr=1e-3"])
+
+A YAML file holds the sections below (every key optional except `model`); keys use
+the dataclass field names, and `--set` overrides use the same dotted names
+(`train.batch_size=16`, `mesh.fsdp=2`, `model.num_layers=4`). An unknown key, a
+value of the wrong type or an inconsistent combination raises SpecjaxError with a
+one-line message; the CLI turns it into exit code 2.
+
+    objective: lm            # the only objective so far (ttt, block: later issues)
+    run_dir: runs/NAME       # checkpoints, metrics.jsonl, config.yaml, hf/ (export)
+    model:  specjax.config.ModelConfig fields (family, vocab_size, hidden_size, ...)
+    data:   DataConfig       # corpus: stdlib, or tokens_npy (+ tokenizer_dir)
+    mesh:   MeshConfig       # data x fsdp x model devices
+    optim:  OptimConfig      # AdamW, warmup + cosine, global-norm clipping
+    train:  LoopConfig       # steps, batch, accumulation, intervals
+    export: ExportConfig     # HF directory written at the end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+
+import yaml
+
+from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
+
+OBJECTIVES = ("lm",)  # "ttt" and "block" arrive with the drafter-training issues
+CORPORA = ("stdlib",)
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise SpecjaxError(f"{name}={value} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the token streams come from.
+
+    Attributes:
+      corpus: "stdlib" (the Python standard library: a BPE of `model.vocab_size`
+        tokens is trained and the corpus tokenized into `cache_dir`), or None.
+      corpus_root: directory of .py files for `corpus` (None: the running stdlib).
+      tokens_npy: a flat token stream (.npy, int) to train on, instead of `corpus`.
+      val_tokens_npy: optional validation stream for `tokens_npy` (None: no val loss).
+      tokenizer_dir: HF tokenizer saved with the export; with `corpus`, an existing
+        tokenizer to use instead of training one.
+      cache_dir: tokenizer and token cache for `corpus` (None: `<run_dir>/data`).
+        Point the target and the draft at the same one: they must share a tokenizer.
+      val_fraction: share of corpus files held out for validation.
+      seq_len: T, tokens per training row (each row holds T + 1 tokens).
+      seed: picks the order of rows in every epoch (specjax.packing.PackedStream).
+    """
+
+    corpus: str | None = None
+    corpus_root: str | None = None
+    tokens_npy: str | None = None
+    val_tokens_npy: str | None = None
+    tokenizer_dir: str | None = None
+    cache_dir: str | None = None
+    val_fraction: float = 0.05
+    seq_len: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.corpus is None) == (self.tokens_npy is None):
+            raise SpecjaxError("data: set exactly one of data.corpus (stdlib) and "
+                               "data.tokens_npy (a .npy token stream)")
+        if self.corpus is not None and self.corpus not in CORPORA:
+            raise SpecjaxError(f"data.corpus={self.corpus!r} is unknown; use one of {CORPORA}")
+        if self.val_tokens_npy is not None and self.tokens_npy is None:
+            raise SpecjaxError("data.val_tokens_npy needs data.tokens_npy; a corpus has its "
+                               "own validation split")
+        _check_positive("data.seq_len", self.seq_len)
+        if self.seed < 0:
+            raise SpecjaxError(f"data.seed={self.seed} must be >= 0")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise SpecjaxError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh (data, fsdp, model). At most one axis may be -1: all remaining
+    devices. The product must divide the device count; a smaller mesh uses the first
+    devices (one process only)."""
+
+    data: int = -1
+    fsdp: int = 1
+    model: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.model)
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise SpecjaxError(f"mesh {self.data}x{self.fsdp}x{self.model}: each axis must be "
+                               ">= 1, and at most one may be -1 (all remaining devices)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW (decoupled weight decay on matrices only) with linear warmup from 0 to
+    `lr`, cosine decay to `lr * min_lr_ratio` at `train.steps`, and global-norm
+    gradient clipping at `clip_norm` (0 = off). Loshchilov & Hutter 2019."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise SpecjaxError(f"optim.lr={self.lr} must be > 0")
+        if self.warmup_steps < 0 or self.clip_norm < 0 or self.weight_decay < 0:
+            raise SpecjaxError("optim.warmup_steps, optim.clip_norm and optim.weight_decay "
+                               "must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise SpecjaxError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise SpecjaxError("optim.b1 and optim.b2 must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Attributes:
+      steps: optimizer steps in the whole run (also the cosine schedule's length).
+      batch_size: B, global rows per optimizer step (all processes together).
+      grad_accum: micro-steps per optimizer step; each takes B / grad_accum rows,
+        and that micro-batch must divide by data * fsdp.
+      seed: parameter initialisation and the step RNG.
+      dtype: parameter and activation dtype (float32 on CPU; bfloat16 halves memory).
+      log_every: steps between metric lines (metrics.jsonl and the progress bar);
+        each one waits for the device.
+      eval_every: steps between validation losses (0 = only at the end).
+      eval_batches: validation batches of B rows, always the same ones.
+      checkpoint_every: steps between checkpoints (0 = only at the end or on SIGTERM).
+      keep_checkpoints: checkpoints kept on disk (older ones are deleted).
+      async_checkpointing: write checkpoints in a background thread.
+    """
+
+    steps: int = 1000
+    batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: str = "float32"
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",
+                     "keep_checkpoints"):
+            _check_positive(f"train.{name}", getattr(self, name))
+        for name in ("seed", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise SpecjaxError(f"train.{name}={getattr(self, name)} must be >= 0")
+        if self.batch_size % self.grad_accum:
+            raise SpecjaxError(f"train.batch_size={self.batch_size} is not divisible by "
+                               f"train.grad_accum={self.grad_accum}")
+        if self.dtype not in DTYPES:
+            raise SpecjaxError(f"train.dtype={self.dtype!r}; use one of {DTYPES}")
+
+    @property
+    def micro_batch(self) -> int:
+        """Rows per micro-step: batch_size / grad_accum."""
+        return self.batch_size // self.grad_accum
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """HF directory written when the run reaches `train.steps` (not on SIGTERM).
+
+    Attributes:
+      enabled: write it at all.
+      dir: target directory (None: `<run_dir>/hf`).
+      dtype: safetensors dtype, float32 or bfloat16.
+    """
+
+    enabled: bool = True
+    dir: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise SpecjaxError(f"export.dtype={self.dtype!r}; use one of {DTYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run; see the module docstring for the YAML layout."""
+
+    model: ModelConfig
+    data: DataConfig
+    objective: str = "lm"
+    run_dir: str = "runs/default"
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    train: LoopConfig = LoopConfig()
+    export: ExportConfig = ExportConfig()
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise SpecjaxError(f"objective={self.objective!r} is not implemented; use one of "
+                               f"{OBJECTIVES}")
+
+    @property
+    def cache_dir(self) -> str:
+        """Tokenizer and token cache of a corpus run."""
+        return self.data.cache_dir or os.path.join(self.run_dir, "data")
+
+    @property
+    def export_dir(self) -> str:
+        return self.export.dir or os.path.join(self.run_dir, "hf")
+
+    def to_dict(self) -> dict:
+        """Plain YAML-able dict that `from_dict` turns back into an equal config."""
+        out = dataclasses.asdict(self)
+        model = out["model"]
+        if model["rope_scaling"] is not None:
+            model["rope_scaling"] = dict(model["rope_scaling"])
+        return _lists(out)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _lists(x):
+    if isinstance(x, dict):
+        return {k: _lists(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_lists(v) for v in x]
+    return x
+
+
+def _coerce(tp, value, key: str):
+    """`value` checked (and lightly converted) against the annotation `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is tuple:
+        if args and typing.get_origin(args[0]) is tuple and isinstance(value, dict):
+            return tuple((str(k), float(v)) for k, v in value.items())  # e.g. rope_scaling
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # eos_token_ids: 0
+        if not isinstance(value, (list, tuple)):
+            raise SpecjaxError(f"config key {key} must be a list, got {value!r}")
+        return tuple(_coerce(args[0], v, key) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecjaxError(f"config key {key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecjaxError(f"config key {key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)  # YAML reads 3e-4 (no dot) as a string
+        except (TypeError, ValueError):
+            raise SpecjaxError(f"config key {key} must be a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecjaxError(f"config key {key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp} for {key}")
+
+
+def from_dict(cls, raw, where: str = ""):
+    """Builds dataclass `cls` from a mapping; unknown or missing keys raise SpecjaxError."""
+    if not isinstance(raw, dict):
+        name = where.rstrip(".") or "the config"
+        raise SpecjaxError(f"config section {name} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in raw:
+        if key not in names:
+            raise SpecjaxError(f"unknown config key {where}{key}; known keys in this section: "
+                               f"{', '.join(names)}")
+    kwargs = {k: _coerce(hints[k], v, where + k) for k, v in raw.items()}
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.init and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise SpecjaxError(f"config key {where}{missing[0]} is required")
+    return cls(**kwargs)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Applies one `key.sub=value` override (value parsed as YAML) to `raw` in place."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise SpecjaxError(f"--set {item!r}: expected key=value, e.g. train.steps=20")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        sub = node.setdefault(part, {})
+        if not isinstance(sub, dict):
+            raise SpecjaxError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+        node = sub
+    node[parts[-1]] = value
+
+
+def load_config(path: str, overrides=(), run_dir: str | None = None) -> TrainConfig:
+    """Reads a YAML config, applies `--set` overrides, and validates it.
+
+    Args:
+      path: YAML file.
+      overrides: "dotted.key=value" strings, applied in order.
+      run_dir: replaces `run_dir` when given (default in the file: runs/<file stem>).
+    Raises: SpecjaxError for an unreadable file, an unknown key or a bad value.
+    """
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise SpecjaxError(f"config {path} is unreadable ({e.strerror}); pass an existing "
+                           "YAML file") from None
+    except yaml.YAMLError as e:
+        msg = str(e).replace("\n", " ")
+        raise SpecjaxError(f"config {path} is not valid YAML ({msg})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise SpecjaxError(f"config {path} must hold a mapping of sections")
+    raw.setdefault("run_dir", os.path.join("runs", os.path.splitext(os.path.basename(path))[0]))
+    for item in overrides:
+        apply_override(raw, item)
+    if run_dir is not None:
+        raw["run_dir"] = run_dir
+    try:
+        return from_dict(TrainConfig, raw)
+    except SpecjaxError as e:
+        raise SpecjaxError(f"{path}: {e}") from None
+
+
+def dump_config(cfg: TrainConfig, path: str) -> None:
+    """Writes the resolved config as YAML (loadable by `load_config`)."""
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

@@ -1,0 +1,145 @@
+"""Training and validation token streams, and the tokenizer, for one run.
+
+    data = prepare_data(cfg)      # checks every path first; SpecjaxError names the fix
+    rows, position = data.train.batch(position, B)       # i32[B, T+1], deterministic
+
+Two sources (TrainConfig.data):
+  corpus: stdlib    a byte-level BPE of model.vocab_size tokens is trained on the
+                    train files (or `tokenizer_dir` is used), then the corpus is
+                    tokenized; both are cached under `cache_dir` (specjax.data).
+  tokens_npy: PATH  a flat token stream (.npy, any integer dtype), with an optional
+                    `val_tokens_npy` and `tokenizer_dir` (tests, custom corpora).
+With several processes, process 0 builds the caches first and the others follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+from specjax.packing import PackedStream
+from specjax.train.config import TrainConfig
+
+
+@dataclasses.dataclass
+class RunData:
+    """train: rows for optimizer steps; val: held-out rows (None: no validation);
+    tokenizer: a transformers tokenizer saved with the export (None if not known)."""
+
+    train: PackedStream
+    val: PackedStream | None
+    tokenizer: object | None
+
+    def eval_positions(self, batch_size: int, max_batches: int) -> list[int]:
+        """Start positions of the fixed validation batches (at most one epoch's worth)."""
+        if self.val is None:
+            return []
+        n = min(max_batches, -(-self.val.num_sequences // batch_size))
+        return [i * batch_size for i in range(n)]
+
+
+def _load_tokenizer(path: str, vocab_size: int):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
+            os.path.join(path, "tokenizer_config.json")):
+        raise SpecjaxError(f"data.tokenizer_dir {path} holds no tokenizer.json; pass a "
+                           "directory written by save_pretrained")
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # tokenizers raise many types
+        raise SpecjaxError(f"data.tokenizer_dir {path} is unreadable ({e})") from None
+    if len(tok) > vocab_size:
+        raise SpecjaxError(f"the tokenizer in {path} has {len(tok)} tokens but "
+                           f"model.vocab_size={vocab_size}; raise model.vocab_size")
+    return tok
+
+
+def _load_stream(path: str, key: str, vocab_size: int) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise SpecjaxError(f"{key} {path} does not exist; pass an existing .npy token file")
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise SpecjaxError(f"{key} {path} is not a readable .npy file ({e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise SpecjaxError(f"{key} {path} must be a 1-D integer array, got "
+                           f"{tokens.dtype}{list(tokens.shape)}")
+    if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+        raise SpecjaxError(f"{key} {path} holds token ids outside [0, {vocab_size}) "
+                           f"(model.vocab_size); raise model.vocab_size or re-tokenize")
+    return tokens
+
+
+def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
+    """(tokenizer_dir, {"train": npy, "val": npy}), building the caches when missing."""
+    from specjax import data as corpus
+
+    d = cfg.data
+    root = d.corpus_root
+    if root is not None and not os.path.isdir(root):
+        raise SpecjaxError(f"data.corpus_root {root} is not a directory; pass a directory "
+                           "of .py files or leave it unset for the standard library")
+    tok_dir = d.tokenizer_dir or os.path.join(cfg.cache_dir, "tokenizer")
+    if d.tokenizer_dir is not None and not os.path.isdir(tok_dir):
+        raise SpecjaxError(f"data.tokenizer_dir {tok_dir} does not exist; leave it unset to "
+                           "train a tokenizer into data.cache_dir")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        corpus.train_tokenizer(tok_dir, vocab_size=cfg.model.vocab_size, root=root,
+                               val_fraction=d.val_fraction)
+    paths = corpus.tokenize_corpus(tok_dir, os.path.join(cfg.cache_dir, "tokens"), root,
+                                   val_fraction=d.val_fraction)
+    return tok_dir, paths
+
+
+def prepare_data(cfg: TrainConfig) -> RunData:
+    """Validates the data section, builds any missing caches, and opens the streams.
+
+    Raises: SpecjaxError for a missing file or directory, a stream with ids outside
+    the vocabulary, a tokenizer larger than model.vocab_size, or a stream too short
+    for one row of seq_len + 1 tokens.
+    """
+    import jax
+
+    d, V = cfg.data, cfg.model.vocab_size
+    if d.corpus is not None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if jax.process_index() == 0:
+                _corpus_paths(cfg)
+            multihost_utils.sync_global_devices("specjax.train.inputs: corpus cache")
+        tok_dir, paths = _corpus_paths(cfg)
+        train_path, val_path = paths["train"], paths["val"]
+        train_key = val_key = "data.corpus cache"
+    else:
+        tok_dir, train_path, val_path = d.tokenizer_dir, d.tokens_npy, d.val_tokens_npy
+        train_key, val_key = "data.tokens_npy", "data.val_tokens_npy"
+    tokenizer = None
+    if tok_dir is not None:
+        if not os.path.isdir(tok_dir):
+            raise SpecjaxError(f"data.tokenizer_dir {tok_dir} does not exist; pass a directory "
+                               "written by save_pretrained")
+        tokenizer = _load_tokenizer(tok_dir, V)
+    train = PackedStream(_load_stream(train_path, train_key, V), d.seq_len, d.seed)
+    val = None
+    if val_path is not None:
+        val = PackedStream(_load_stream(val_path, val_key, V), d.seq_len, d.seed)
+    return RunData(train=train, val=val, tokenizer=tokenizer)
+
+
+def special_ids(cfg: TrainConfig, tokenizer):
+    """The model config with EOS / pad ids filled in from the tokenizer when the model
+    section names none (so the export's generation_config.json stops at EOS)."""
+    model = cfg.model
+    if tokenizer is None:
+        return model
+    updates = {}
+    if not model.eos_token_ids and tokenizer.eos_token_id is not None:
+        updates["eos_token_ids"] = (int(tokenizer.eos_token_id),)
+    if model.pad_token_id is None and tokenizer.pad_token_id is not None:
+        updates["pad_token_id"] = int(tokenizer.pad_token_id)
+    return dataclasses.replace(model, **updates) if updates else model

@@ -1,0 +1,186 @@
+"""The device mesh, the one table of logical-axis rules, and the NamedShardings they give.
+
+Mesh axes (jax.make_mesh, all `AxisType.Auto`, DESIGN.md 9):
+  data   pure data parallelism: parameters replicated, batch rows split
+  fsdp   batch rows split AND parameters split along their embed (D) axis (ZeRO-3)
+  model  tensor parallelism: heads, MLP width F and vocabulary V split
+
+Every array names its axes with logical names (PARAM_AXES, BATCH_AXES); LOGICAL_RULES
+maps each logical name to mesh axes. A dimension that the mapped mesh axes do not
+divide stays replicated (e.g. K = 2 KV heads on model = 4), so any mesh runs any model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specjax.errors import SpecjaxError
+from specjax.train.config import LoopConfig, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "model")
+
+# logical axis -> mesh axis, axes, or None (replicated). The only such table.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "vocab": "model",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "layers": None,
+    "norm": None,
+    "seq": None,
+    "accum": None,
+}
+
+# Transformer parameter -> logical axes (HF [out, in] layout, stacked on L; model.py).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),  # [V, D]
+    "lm_head": ("vocab", "embed"),  # [V, D]
+    "final_norm": ("norm",),  # [D]
+    "input_norm": ("layers", "norm"),  # [L, D]
+    "post_norm": ("layers", "norm"),  # [L, D]
+    "q_norm": ("layers", "norm"),  # [L, H]
+    "k_norm": ("layers", "norm"),  # [L, H]
+    "q_proj": ("layers", "heads", "embed"),  # [L, N*H, D]
+    "k_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]
+    "v_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]
+    "o_proj": ("layers", "embed", "heads"),  # [L, D, N*H]
+    "gate_proj": ("layers", "mlp", "embed"),  # [L, F, D]
+    "up_proj": ("layers", "mlp", "embed"),  # [L, F, D]
+    "down_proj": ("layers", "embed", "mlp"),  # [L, D, F]
+    "q_bias": ("layers", "heads"),  # [L, N*H]
+    "k_bias": ("layers", "kv_heads"),  # [L, K*H]
+    "v_bias": ("layers", "kv_heads"),  # [L, K*H]
+    "o_bias": ("layers", "norm"),  # [L, D]
+}
+
+BATCH_AXES = ("accum", "batch", "seq")  # training batch i32[A, B/A, T+1]
+EVAL_BATCH_AXES = ("batch", "seq")  # validation batch i32[B, T+1]
+
+
+def mesh_shape(cfg: MeshConfig, device_count: int) -> tuple[int, int, int]:
+    """(data, fsdp, model) with a -1 axis filled in.
+
+    Raises: SpecjaxError if the mesh does not divide `device_count`.
+    """
+    sizes = [cfg.data, cfg.fsdp, cfg.model]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if device_count % fixed:
+        raise SpecjaxError(f"mesh {'x'.join(map(str, sizes))} (data x fsdp x model) does not "
+                           f"divide the {device_count} devices; use sizes whose product "
+                           f"divides {device_count}")
+    return tuple(device_count // fixed if s == -1 else s for s in sizes)
+
+
+def make_mesh(cfg: MeshConfig) -> jax.sharding.Mesh:
+    """The (data, fsdp, model) mesh over the first data*fsdp*model devices.
+
+    Raises: SpecjaxError for a mesh that does not divide the device count, or one
+    smaller than the device count when several processes run.
+    """
+    devices = jax.devices()
+    shape = mesh_shape(cfg, len(devices))
+    n = math.prod(shape)
+    if n < len(devices) and jax.process_count() > 1:
+        raise SpecjaxError(f"mesh {'x'.join(map(str, shape))} uses {n} of {len(devices)} "
+                           "devices; with several processes the mesh must use all devices")
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices[:n])
+
+
+def check_batch(mesh: jax.sharding.Mesh, loop: LoopConfig) -> None:
+    """Raises SpecjaxError unless each micro-batch splits evenly over data*fsdp devices
+    and over the processes."""
+    rows = _axis_size(mesh, LOGICAL_RULES["batch"])
+    if loop.micro_batch % rows:
+        raise SpecjaxError(
+            f"train.batch_size={loop.batch_size} / train.grad_accum={loop.grad_accum} = "
+            f"{loop.micro_batch} rows per micro-step is not divisible by data*fsdp={rows}; "
+            f"use a batch size that is a multiple of {rows * loop.grad_accum}")
+    if loop.micro_batch % jax.process_count():
+        raise SpecjaxError(f"{loop.micro_batch} rows per micro-step do not split over "
+                           f"{jax.process_count()} processes")
+
+
+def _axis_size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_spec(mesh, logical: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    """PartitionSpec for an array of `shape` with logical axis names `logical`.
+
+    A dimension whose mapped mesh axes do not divide it (or that maps to a mesh axis
+    already used by an earlier dimension) is replicated.
+    """
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(logical, shape, strict=True):
+        axes = LOGICAL_RULES[name] if name is not None else None
+        tup = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        tup = tuple(a for a in tup if mesh.shape[a] > 1)
+        if not tup or used & set(tup) or size % _axis_size(mesh, tup):
+            spec.append(None)
+            continue
+        used |= set(tup)
+        spec.append(tup[0] if len(tup) == 1 else tup)
+    return P(*spec)
+
+
+def _param_name(path) -> str | None:
+    """The Transformer parameter a tree path goes through (params, mu, nu, ...)."""
+    for key in path:
+        name = getattr(key, "key", None)
+        if isinstance(name, str) and name in PARAM_AXES:
+            return name
+    return None
+
+
+def tree_shardings(mesh, abstract_tree):
+    """NamedShardings for a tree of arrays (params, optimizer state, a train state):
+    a leaf under a parameter's name gets that parameter's spec when the ranks match;
+    everything else (step counters, RNG, scalars) is replicated."""
+
+    def one(path, leaf):
+        name = _param_name(path)
+        shape = tuple(np.shape(leaf))
+        if name is not None and len(PARAM_AXES[name]) == len(shape):
+            return NamedSharding(mesh, logical_spec(mesh, PARAM_AXES[name], shape))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, abstract_tree)
+
+
+def batch_sharding(mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of a training batch i32[A, B/A, T+1] (or a validation batch [B, T+1])."""
+    axes = BATCH_AXES if len(shape) == 3 else EVAL_BATCH_AXES
+    return NamedSharding(mesh, logical_spec(mesh, axes, shape))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def host_to_global(rows: np.ndarray, sharding: NamedSharding, batch_axis: int) -> jax.Array:
+    """A global batch as one jax.Array; each process hands over only its own rows.
+
+    Args:
+      rows: the GLOBAL batch as computed on every process (i32, B on `batch_axis`).
+      sharding: the batch's NamedSharding.
+      batch_axis: the axis that is split over processes.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return jax.make_array_from_process_local_data(sharding, rows, rows.shape)
+    per = rows.shape[batch_axis] // count
+    local = np.take(rows, np.arange(per * jax.process_index(), per * (jax.process_index() + 1)),
+                    axis=batch_axis)
+    return jax.make_array_from_process_local_data(sharding, local, rows.shape)

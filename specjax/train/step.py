@@ -1,0 +1,162 @@
+"""Train state, the `lm` loss, and the jitted train and eval steps.
+
+The model is split once (`nnx.split(model, nnx.Param, ...)`): the parameters live in
+the TrainState; the graph definition and the non-trainable rest (RoPE frequencies)
+are closed over, and a pure loss function `nnx.merge`s them inside `jax.jit`
+(DESIGN.md 9: nnx.jit would copy every weight per call).
+
+The `lm` objective is next-token cross-entropy averaged over all B*T target tokens:
+inputs rows[:, :-1], targets rows[:, 1:]. The forward uses a throwaway KV cache of
+capacity T and positions 0..T-1: with S = T the cached attention is exactly causal
+self-attention, and the cache write costs one scatter per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from specjax.model import Transformer
+from specjax.train import mesh as mesh_lib
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes; checkpointed as one tree.
+
+    step: i32[] optimizer steps taken; params: nnx.State of the Transformer's
+    nnx.Param leaves; opt_state: optax state; rng: u32[2] raw PRNG key, split once
+    per step (the `lm` objective draws nothing from it; later objectives do).
+    """
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+class Metrics(NamedTuple):
+    """f32[] each: mean loss over the step's tokens, global gradient norm before
+    clipping, and the learning rate the update used."""
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    lr: jax.Array
+
+
+class Trainer:
+    """Builds the sharded train state and the jitted steps for one model and mesh.
+
+    Args:
+      model_cfg: the ModelConfig to train.
+      dtype: parameter dtype (jnp.float32 / jnp.bfloat16).
+      tx: the optax optimizer; schedule: its learning-rate schedule.
+      mesh: the (data, fsdp, model) mesh.
+      seed: parameter initialisation and the step RNG.
+      grad_accum: A, micro-steps per optimizer step.
+    """
+
+    def __init__(self, model_cfg, dtype, tx, schedule, mesh, *, seed: int, grad_accum: int,
+                 micro_batch: int, eval_batch: int, seq_len: int):
+        self.model_cfg, self.dtype, self.tx, self.schedule = model_cfg, dtype, tx, schedule
+        self.mesh, self.seed, self.grad_accum = mesh, seed, grad_accum
+        abstract = nnx.eval_shape(lambda: Transformer(model_cfg, dtype=dtype,
+                                                      rngs=nnx.Rngs(seed)))
+        # The one non-trainable variable, the RoPE frequencies, follows from the config.
+        abstract.inv_freq.set_value(jnp.asarray(model_cfg.inv_freq(), jnp.float32))
+        self.graphdef, _, self.rest = nnx.split(abstract, nnx.Param, ...)
+        for leaf in jax.tree.leaves(self.rest):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise NotImplementedError("Transformer has non-Param state besides inv_freq")
+        self.abstract_state = jax.eval_shape(self._init)
+        self.state_shardings = mesh_lib.tree_shardings(mesh, self.abstract_state)
+        self.param_shardings = self.state_shardings.params
+        self.batch_sharding = mesh_lib.batch_sharding(mesh, (grad_accum, micro_batch,
+                                                             seq_len + 1))
+        self.eval_batch_sharding = mesh_lib.batch_sharding(mesh, (eval_batch, seq_len + 1))
+        self._metric_sharding = Metrics(*(mesh_lib.replicated(mesh),) * 3)
+
+    # ------------------------------------------------------------------ state
+
+    def _init(self) -> TrainState:
+        model = Transformer(self.model_cfg, dtype=self.dtype, rngs=nnx.Rngs(self.seed))
+        _, params, _ = nnx.split(model, nnx.Param, ...)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.tx.init(params),
+                          rng=jax.random.PRNGKey(self.seed + 1))
+
+    def init_state(self) -> TrainState:
+        """A fresh state, created directly in its shardings (no host copy)."""
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    def abstract_target(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the restore target for orbax."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+    def model(self, params) -> Transformer:
+        """The Transformer with `params` (arrays as they are: sharded or on host)."""
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    # ------------------------------------------------------------------ loss
+
+    def loss(self, params, rows: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy (nats per token) of rows i32[B, T+1]."""
+        model = self.model(params)
+        tokens, targets = rows[:, :-1], rows[:, 1:]
+        B, T = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits = model(tokens, positions, model.init_cache(B, T)).logits  # f32[B,T,V]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def _grads(self, params, batch):
+        """Mean loss and gradient over A micro-batches: batch i32[A, B/A, T+1]."""
+        grad_fn = jax.value_and_grad(self.loss)
+        if batch.shape[0] == 1:
+            return grad_fn(params, batch[0])
+
+        def micro(carry, rows):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(params, rows)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            grad_sum = jax.lax.with_sharding_constraint(grad_sum, self.param_shardings)
+            return (loss_sum + loss, grad_sum), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+        scale = 1.0 / batch.shape[0]
+        return loss * scale, jax.tree.map(lambda g: g * scale, grads)
+
+    def _train_step(self, state: TrainState, batch: jax.Array):
+        rng, _step_key = jax.random.split(state.rng)  # _step_key: for stochastic objectives
+        loss, grads = self._grads(state.params, batch)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = Metrics(loss=loss, grad_norm=optax.tree.norm(grads),
+                          lr=jnp.asarray(self.schedule(state.step), jnp.float32))
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        return new, metrics
+
+    # ------------------------------------------------------------------ jitted steps
+
+    @functools.cached_property
+    def train_step(self):
+        """(TrainState, i32[A, B/A, T+1]) -> (TrainState, Metrics); donates the state."""
+        return jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self._metric_sharding),
+            donate_argnums=0,
+        )
+
+    @functools.cached_property
+    def eval_step(self):
+        """(params, i32[B, T+1]) -> f32[] mean loss."""
+        return jax.jit(self.loss, in_shardings=(self.param_shardings, self.eval_batch_sharding),
+                       out_shardings=mesh_lib.replicated(self.mesh))
+

@@ -1,0 +1,270 @@
+"""train.py / specjax.train: mesh parity, bit-exact resume, SIGTERM, config errors, HF export.
+
+All runs use configs/test_tiny.yaml (D 32, L 2, V 320, B 8, T 16) on a token stream of
+a few standard-library files under a 300-token BPE, on 8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import train as train_cli
+from specjax.errors import SpecjaxError
+from specjax.train import load_config, train
+from specjax.train import mesh as mesh_lib
+from specjax.train.checkpointing import Checkpoints
+from specjax.train.config import MeshConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "test_tiny.yaml")
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """{"tokens", "val", "tokenizer"}: a BPE of 300 tokens and the token streams of
+    a few standard-library files (EOS after each)."""
+    from specjax.testing.tiny import stdlib_texts
+    from specjax.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("corpus")
+    texts = stdlib_texts(12)
+    tok = train_bpe(texts, 300)
+    tok.save_pretrained(str(d / "tok"))
+    ids = []
+    for text in texts:
+        ids += tok.encode(text[:6000], add_special_tokens=False) + [tok.eos_token_id]
+    ids = np.asarray(ids, np.uint16)
+    np.save(d / "tokens.npy", ids[: len(ids) * 9 // 10])
+    np.save(d / "val.npy", ids[len(ids) * 9 // 10:])
+    return {"tokens": str(d / "tokens.npy"), "val": str(d / "val.npy"),
+            "tokenizer": str(d / "tok")}
+
+
+def tiny_args(corpus, mesh=(1, 1, 1), *extra):
+    d, f, m = mesh
+    return [f"data.tokens_npy={corpus['tokens']}", f"data.val_tokens_npy={corpus['val']}",
+            f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.model={m}", *extra]
+
+
+def tiny_cfg(corpus, run_dir, mesh=(1, 1, 1), *extra):
+    return load_config(TINY, tiny_args(corpus, mesh, *extra), run_dir=str(run_dir))
+
+
+def params_np(result):
+    return {k: np.asarray(v) for k, v in jax.device_get(result.state.params).items()}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """Memoised uninterrupted 5-step runs, keyed by (mesh, grad_accum)."""
+    cache = {}
+
+    def get(mesh, accum=1):
+        key = (mesh, accum)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp("run")
+            cache[key] = train(tiny_cfg(corpus, run_dir, mesh, f"train.grad_accum={accum}",
+                                        "export.enabled=false"), progress=False)
+        return cache[key]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- sharding
+
+@pytest.mark.parametrize("mesh,accum", [((2, 2, 2), 1), ((8, 1, 1), 1), ((2, 2, 2), 2)])
+def test_losses_match_single_device(runs, mesh, accum):
+    ref = runs((1, 1, 1))
+    got = runs(mesh, accum)
+    assert sorted(ref.losses) == list(range(1, STEPS + 1))
+    a = np.array([ref.losses[s] for s in sorted(ref.losses)])
+    b = np.array([got.losses[s] for s in sorted(got.losses)])
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+    assert a[-1] < a[0]  # it learns
+    np.testing.assert_allclose(got.val_losses[STEPS], ref.val_losses[STEPS], rtol=1e-5)
+
+
+def test_shardings_follow_the_rules(runs):
+    res = runs((2, 2, 2))
+    params = res.state.params
+    assert params["q_proj"].get_value().sharding.spec == P(None, "model", "fsdp")  # [L,NH,D]
+    assert params["down_proj"].get_value().sharding.spec == P(None, "fsdp", "model")
+    assert params["embed"].get_value().sharding.spec == P("model", "fsdp")  # [V, D]
+    assert params["input_norm"].get_value().sharding.spec == P(None, None)
+    mu = res.state.opt_state[1][0].mu  # clip, then AdamW's scale_by_adam
+    assert mu["gate_proj"].get_value().sharding.spec == P(None, "model", "fsdp")
+    assert res.trainer.batch_sharding.spec == P(None, ("data", "fsdp"), None)
+    # a dimension the mesh does not divide stays replicated
+    mesh = mesh_lib.make_mesh(MeshConfig(1, 1, 8))
+    assert mesh_lib.logical_spec(mesh, ("layers", "kv_heads", "embed"), (2, 12, 32)) == P(
+        None, None, None)
+
+
+# ----------------------------------------------------------------------------- resume
+
+def test_resume_is_bit_exact(runs, corpus, tmp_path):
+    ref = runs((2, 2, 2))
+    # async saves every step: the next step donates the state while orbax writes it
+    cfg = tiny_cfg(corpus, tmp_path / "run", (2, 2, 2), "export.enabled=false",
+                   "train.async_checkpointing=true", "train.checkpoint_every=1")
+    first = train(cfg, stop_at=3, progress=False)
+    assert first.step == 3 and not first.preempted
+    assert Checkpoints(str(tmp_path / "run" / "checkpoints"), 2).latest_step() == 3
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2", "3"]  # keep 2
+    second = train(cfg, progress=False)
+    assert sorted(second.losses) == [4, 5]
+    for s in (4, 5):
+        assert second.losses[s] == ref.losses[s], s  # bit for bit
+    for s in (1, 2, 3):
+        assert first.losses[s] == ref.losses[s], s
+    want, got = params_np(ref), params_np(second)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_resume_on_another_mesh(runs, corpus, tmp_path):
+    ref = runs((1, 1, 1))
+    first = train(tiny_cfg(corpus, tmp_path / "run", (2, 2, 2), "export.enabled=false"),
+                  stop_at=3, progress=False)
+    second = train(tiny_cfg(corpus, tmp_path / "run", (1, 4, 2), "export.enabled=false"),
+                   progress=False)
+    assert sorted(first.losses) == [1, 2, 3] and sorted(second.losses) == [4, 5]
+    got = [{**first.losses, **second.losses}[s] for s in range(1, STEPS + 1)]
+    np.testing.assert_allclose(got, [ref.losses[s] for s in range(1, STEPS + 1)], rtol=1e-5)
+    assert second.state.params["embed"].get_value().sharding.spec == P("model", "fsdp")
+
+
+def test_sigterm_checkpoints_and_exits_0(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = tiny_args(corpus, (2, 2, 2), "train.steps=100000", "export.enabled=false")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--run-dir",
+           str(run_dir), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", PYTHONPATH=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and any('"loss"' in line for line in open(metrics)):
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "preempted" in err
+    lines = [json.loads(x) for x in open(metrics)]
+    assert lines[-1]["event"] == "preempted"
+    step = Checkpoints(str(run_dir / "checkpoints"), 2).latest_step()
+    assert step is not None and step == lines[-1]["step"] >= 1
+    assert not [d for d in os.listdir(run_dir / "checkpoints") if "tmp" in d]
+    # the checkpoint loads: resuming runs exactly one more step from it
+    cfg = tiny_cfg(corpus, run_dir, (2, 2, 2), "train.steps=100000", "export.enabled=false")
+    res = train(cfg, stop_at=step + 1, progress=False)
+    assert sorted(res.losses) == [step + 1] and np.isfinite(res.losses[step + 1])
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _cli(args, capsys):
+    code = train_cli.main(["--config", TINY, "--no-progress", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--set", "train.stepz=3"], "unknown config key train.stepz"),
+    (["--set", "bogus=1"], "unknown config key bogus"),
+    (["--set", "train.steps=many"], "train.steps must be an integer"),
+    (["--set", "mesh.data=3"], "does not divide the 8 devices"),
+    (["--set", "mesh.data=4", "--set", "train.batch_size=6"], "not divisible by data*fsdp=4"),
+    (["--set", "mesh.data=2", "--set", "mesh.fsdp=2", "--set", "train.grad_accum=4"],
+     "not divisible by data*fsdp=4"),
+    (["--set", "data.tokens_npy=/nonexistent/t.npy"], "data.tokens_npy /nonexistent/t.npy"),
+    (["--set", "data.tokens_npy=null", "--set", "data.val_tokens_npy=null",
+      "--set", "data.corpus=stdlib", "--set", "data.corpus_root=/nonexistent"], "data.corpus_root /nonexistent"),
+    (["--set", "objective=ttt"], "objective='ttt' is not implemented"),
+])
+def test_bad_config_exits_2_with_one_line(corpus, tmp_path, capsys, extra, needle):
+    sets = []
+    for s in tiny_args(corpus, (8, 1, 1)):
+        sets += ["--set", s]
+    code, err = _cli(["--run-dir", str(tmp_path / "run"), *sets, *extra], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
+    assert needle in err, err
+
+
+def test_unknown_key_in_yaml_file_via_subprocess(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(TINY).read().replace("  grad_accum: 1", "  grad_acum: 1"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                           str(bad)], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "unknown config key train.grad_acum" in proc.stderr
+
+
+def test_config_roundtrip_and_overrides(tmp_path):
+    cfg = load_config(TINY, ["optim.lr=3e-4", "model.eos_token_ids=[0, 2]",
+                             "data.seq_len=32"], run_dir=str(tmp_path))
+    assert cfg.optim.lr == 3e-4 and cfg.model.eos_token_ids == (0, 2)
+    assert cfg.data.seq_len == 32 and cfg.run_dir == str(tmp_path)
+    from specjax.train.config import dump_config
+
+    dump_config(cfg, str(tmp_path / "c.yaml"))
+    assert load_config(str(tmp_path / "c.yaml")) == cfg
+    with pytest.raises(SpecjaxError, match="train.batch_size=6 is not divisible by "
+                                           "train.grad_accum=4"):
+        load_config(TINY, ["train.batch_size=6", "train.grad_accum=4"])
+    for path in ("configs/demo_target.yaml", "configs/demo_draft.yaml"):
+        c = load_config(os.path.join(ROOT, path))
+        assert c.data.cache_dir == "runs/data/stdlib-bpe8192"
+    target = load_config(os.path.join(ROOT, "configs/demo_target.yaml")).model
+    assert 20e6 < target.num_params < 30e6
+
+
+# ----------------------------------------------------------------------------- export
+
+def test_export_loads_in_transformers(corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from specjax.checkpoint import load_model
+
+    cfg = tiny_cfg(corpus, tmp_path / "run", (2, 1, 2),
+                   f"data.tokenizer_dir={corpus['tokenizer']}")
+    res = train(cfg, progress=False)
+    hf_dir = res.export_dir
+    assert hf_dir == str(tmp_path / "run" / "hf")
+    gen = json.load(open(os.path.join(hf_dir, "generation_config.json")))
+    assert gen["eos_token_id"] == 0  # from the tokenizer
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ids = np.asarray([tok.encode("def main():\n    return 42\n")], np.int32)
+    T = ids.shape[1]
+    trained = res.trainer.model(jax.device_get(res.state.params))
+    positions = np.arange(T, dtype=np.int32)[None]
+    want = np.asarray(trained(ids, positions, trained.init_cache(1, T)).logits)
+    loaded = load_model(hf_dir)
+    got = np.asarray(loaded(ids, positions, loaded.init_cache(1, T)).logits)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ref, want, atol=1e-4, rtol=1e-4)
