@@ -56,7 +56,7 @@ def layer_shapes(cfg: ModelConfig) -> dict:
 class ForwardOutput(NamedTuple):
     """logits: f32[B,T',V] (T' = T, or the width of `logits_at`);
     hidden: [C,B,T,D] residual stream at the captured depths (None if none asked);
-    cache: the updated KVCache."""
+    cache: the updated KVCache (None for a cache-free forward)."""
 
     logits: jax.Array
     hidden: jax.Array | None
@@ -161,7 +161,7 @@ class Transformer(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        cache: KVCache,
+        cache: KVCache | None,
         *,
         capture: tuple[int, ...] = (),
         logits_at: jax.Array | None = None,
@@ -173,24 +173,29 @@ class Transformer(nnx.Module):
           positions: i32[B,T] absolute positions; K/V of token t of row b go to slot
             positions[b,t]. Each row's positions must be contiguous and start at or
             before its first uncached position. Positions >= S are dropped.
-          cache: KVCache with k, v [L,B,S,K,H].
+          cache: KVCache with k, v [L,B,S,K,H]; or None for a cache-free causal forward
+            over the T tokens alone (training: no scatter, scores [T,T] instead of [T,S]).
           capture: depths d in 0..L whose residual stream (the input of layer d; d = L is
             the last layer's output before the final norm) is returned, in this order.
           logits_at: optional i32[B,T'] indices into T; logits only at those tokens.
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
-          lengths = positions[:, -1] + 1).
+          lengths = positions[:, -1] + 1, or None without a cache).
         """
         c = self.cfg
         B, T = tokens.shape
         N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         R = N // K
-        S = cache.capacity
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0)  # [B,T,D]
         cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
-        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        if cache is None:  # keys are the T new tokens themselves: a causal mask [B,T,T]
+            mask = positions[:, None, :] <= positions[:, :, None]
+            k_cache = v_cache = jnp.zeros((), self.dtype)  # unused carry
+        else:
+            mask = jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+            k_cache, v_cache = cache.k, cache.v
         batch_idx = jnp.arange(B)[:, None]
         scale = 1.0 / np.sqrt(H)
         depths = jnp.asarray(capture, jnp.int32) if capture else None
@@ -215,9 +220,12 @@ class Transformer(nnx.Module):
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            k_all = k_all.at[l, batch_idx, positions].set(k, mode="drop")
-            v_all = v_all.at[l, batch_idx, positions].set(v, mode="drop")
-            k_l, v_l = k_all[l], v_all[l]  # [B,S,K,H]
+            if cache is None:
+                k_l, v_l = k, v  # [B,T,K,H]
+            else:
+                k_all = k_all.at[l, batch_idx, positions].set(k, mode="drop")
+                v_all = v_all.at[l, batch_idx, positions].set(v, mode="drop")
+                k_l, v_l = k_all[l], v_all[l]  # [B,S,K,H]
             qg = q.reshape(B, T, K, R, H)
             scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k_l,
                                 preferred_element_type=jnp.float32) * scale
@@ -235,7 +243,7 @@ class Transformer(nnx.Module):
             return (x, k_all, v_all, captured, l + 1), None
 
         weights = self.layer_weights()
-        carry = (x, cache.k, cache.v, captured, jnp.int32(0))
+        carry = (x, k_cache, v_cache, captured, jnp.int32(0))
         if isinstance(weights["q_proj"], tuple):
             # Separate per-layer buffers: a Python loop reads each weight in place. (Slicing a
             # stacked weight, under scan or statically, copies it on XLA:CPU: ~2x per token.)
@@ -252,5 +260,6 @@ class Transformer(nnx.Module):
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         head = embed if self.lm_head is None else self.lm_head[...]
         logits = jnp.einsum("BTD,VD->BTV", x, head, preferred_element_type=jnp.float32)
-        new_cache = KVCache(k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        new_cache = None if cache is None else KVCache(
+            k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
         return ForwardOutput(logits, captured, new_cache)

@@ -36,3 +36,17 @@ def test_unrolled_equals_scan(family, bias):
 def test_bad_layer_loop():
     with pytest.raises(ValueError, match="layer_loop"):
         decoding_params({}, "loop")
+
+
+def test_cache_free_forward_equals_cached():
+    """Training's cache-free causal forward computes what the cached forward computes."""
+    cfg = tiny_config(vocab_size=64, hidden_size=32, num_layers=2, head_dim=8,
+                      intermediate_size=48)
+    model = peaked_model(cfg, seed=5, scale=4.0)
+    toks = jax.random.randint(jax.random.key(1), (2, 7), 0, 64)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    cached = model(toks, pos, model.init_cache(2, 7), capture=(1,))
+    free = model(toks, pos, None, capture=(1,))
+    assert free.cache is None
+    np.testing.assert_allclose(np.asarray(free.logits), np.asarray(cached.logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(free.hidden), np.asarray(cached.hidden), atol=1e-5)
