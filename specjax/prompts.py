@@ -1,0 +1,97 @@
+"""Held-out code-completion prompts for the demo: prefixes of VALIDATION files only.
+
+    python -m specjax.prompts checkpoints/demo/prompts.jsonl --n 50
+
+How a prompt is chosen (deterministic for a given standard library and seed):
+  1. Validation files (`specjax.data.split_of`) in sorted order, shuffled by `seed`.
+  2. In each file, the top-level or method `def` lines whose function body is at least
+     4 lines; one is picked at random (seeded).
+  3. The prompt is the file's text from at most `context_lines` lines before that `def`
+     through the `def` line and, if present, its docstring: the model is asked to write
+     the function body.
+  4. One prompt per file, until `n` prompts; prompts over `max_chars` are trimmed from the
+     front at a line boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+
+from specjax.data import corpus_files, read_source, split_of, stdlib_root
+
+_DEF = re.compile(r"^(\s*)(async\s+)?def\s+\w+\s*\(")
+
+
+def _candidates(lines: list[str]) -> list[tuple[int, int]]:
+    """(def line index, index of the first body line after an optional docstring)."""
+    out = []
+    for i, line in enumerate(lines):
+        m = _DEF.match(line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        j = i
+        while j < len(lines) and not lines[j].rstrip().endswith(":"):  # multi-line signature
+            j += 1
+        j += 1
+        body_start = j
+        if j < len(lines) and lines[j].strip().startswith(('"""', "'''")):
+            quote = lines[j].strip()[:3]
+            k = j if lines[j].strip().count(quote) >= 2 and len(lines[j].strip()) > 3 else j + 1
+            while k < len(lines) and quote not in lines[k]:
+                k += 1
+            body_start = k + 1
+        body = 0
+        while (body_start + body < len(lines)
+               and (not lines[body_start + body].strip()
+                    or len(lines[body_start + body]) - len(lines[body_start + body].lstrip())
+                    > indent)):
+            body += 1
+        if body >= 4:
+            out.append((i, body_start))
+    return out
+
+
+def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
+                     max_chars: int = 1500, root: str | None = None) -> list[dict]:
+    """[{"id", "prompt", "source"}] from validation files only (see the module docstring)."""
+    root = root or stdlib_root()
+    files = [f for f in corpus_files(root) if split_of(f) == "val"]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out = []
+    for rel in files:
+        lines = read_source(root, rel).splitlines(keepends=True)
+        cands = _candidates(lines)
+        if not cands:
+            continue
+        i, body_start = rng.choice(cands)
+        text = "".join(lines[max(0, i - context_lines):body_start])
+        while len(text) > max_chars and "\n" in text:
+            text = text[text.index("\n") + 1:]
+        out.append({"id": f"{rel}:{i + 1}", "prompt": text, "source": rel})
+        if len(out) == n:
+            break
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Write held-out code-completion prompts (JSONL).")
+    ap.add_argument("out")
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    prompts = held_out_prompts(args.n, args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        for p in prompts:
+            f.write(json.dumps(p) + "\n")
+    print(f"wrote {len(prompts)} prompts to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
