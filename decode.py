@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
 
@@ -134,14 +133,6 @@ def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]
     return [(pid, ids) for pid, ids, _ in items]
 
 
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _format_table(summary: dict) -> str:
     rows = [("new tokens", f"{summary['new_tokens']}"),
             ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),
@@ -169,6 +160,7 @@ def run(args) -> int:
     from specjax.drafters.ngram import NgramDrafter
     from specjax.engine import Engine, Stats
     from specjax.errors import SpecjaxError
+    from specjax.fileio import atomic_write
     from specjax.sampling import SamplingParams
 
     validate_flags(args)
@@ -251,9 +243,11 @@ def run(args) -> int:
     print(f"\nsummary ({drafter_arg}, G={summary['gamma']}, {summary['verify']}):")
     print(_format_table(summary))
     if args.output:
-        _atomic_write(args.output, "".join(json.dumps(r) + "\n" for r in records))
+        lines = "".join(json.dumps(r) + "\n" for r in records).encode()
+        atomic_write(args.output, lambda f: f.write(lines))
     if args.summary:
-        _atomic_write(args.summary, json.dumps(summary, indent=2) + "\n")
+        text = (json.dumps(summary, indent=2) + "\n").encode()
+        atomic_write(args.summary, lambda f: f.write(text))
     return 0
 
 

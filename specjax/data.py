@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specjax.errors import SpecjaxError
+from specjax.fileio import atomic_write
 from specjax.packing import PackedStream
 from specjax.tokenizer import train_bpe
 
@@ -181,21 +182,6 @@ def _fingerprint(tokenizer_dir: str, root: str, splits: dict[str, list[str]],
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _atomic_write(path: str, write) -> None:
-    """Calls `write(f)` on a temporary file next to `path`, then renames it to `path`."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-
-
 def load_manifest(cache_dir: str) -> dict | None:
     """The manifest of a token cache (fingerprint, dtype, per-split counts), or None."""
     try:
@@ -294,12 +280,12 @@ def tokenize_corpus(tokenizer_dir: str, cache_dir: str, root: str | None = None,
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(cache_dir, MANIFEST))
     for split, path in paths.items():
-        _atomic_write(path, lambda f, a=streams[split]: np.save(f, a))
+        atomic_write(path, lambda f, a=streams[split]: np.save(f, a))
     manifest = {"fingerprint": fingerprint, "format": _FORMAT,
                 "dtype": np.dtype(dtype).name, "vocab_size": len(tok),
                 "eos_id": tok.eos_token_id, "val_fraction": val_fraction,
                 "splits": {s: {"file": os.path.basename(paths[s]), **counts[s]}
                            for s in splits}}
-    _atomic_write(os.path.join(cache_dir, MANIFEST),
+    atomic_write(os.path.join(cache_dir, MANIFEST),
                   lambda f: f.write(json.dumps(manifest, indent=1).encode("utf-8")))
     return paths
