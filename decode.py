@@ -1,8 +1,13 @@
 """Speculative decoding from local HF Qwen3 / Llama-3 checkpoints.
 
+    python decode.py          # the demo: bundled target + draft LM on the bundled prompts
     python decode.py --target DIR [--drafter {none,ngram,DIR}] --prompt TEXT
     python decode.py --target DIR --drafter DIR --prompts prompts.jsonl --output out.jsonl \
-        --summary summary.json --compare-ar
+        --summary summary.json
+
+With a drafter, autoregressive decoding of the same prompts also runs, interleaved
+batch by batch, and the summary reports the speedup and whether greedy outputs are
+identical (--no-compare-ar skips it).
 
 Prompt lines are JSON objects with "prompt" (text) or "input_ids" (list of ints) and
 an optional "id". Output lines, in input order: id, output_ids (new tokens only),
@@ -52,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: float32 on CPU, bfloat16 on TPU/GPU")
     ap.add_argument("--output", help="write completions to this JSONL file")
     ap.add_argument("--summary", help="write the summary to this JSON file")
-    ap.add_argument("--compare-ar", action="store_true",
-                    help="also run autoregressive decoding and report the speedup")
+    ap.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=True,
+                    help="with a drafter, also run autoregressive decoding (interleaved) and "
+                         "report the speedup (default: on)")
     ap.add_argument("--show", type=int, default=3, help="completions to print")
     return ap
 
@@ -150,6 +156,17 @@ def _format_table(summary: dict) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def _show(rec: dict, prompt_ids: list[int], tokenizer, context_lines: int = 4) -> str:
+    """The last lines of the prompt, then the completion, for the terminal."""
+    if tokenizer is None:
+        return (f"=== {rec['id']}: {len(prompt_ids)} prompt tokens -> "
+                f"{' '.join(map(str, rec['output_ids']))}")
+    tail = tokenizer.decode(prompt_ids, skip_special_tokens=True).splitlines()[-context_lines:]
+    n = len(rec["output_ids"])
+    return (f"=== prompt {rec['id']} (last {len(tail)} lines)\n" + "\n".join(tail)
+            + f"\n--- completion ({n} tokens)\n{rec['text']}\n")
+
+
 def run(args) -> int:
     import jax
     import jax.numpy as jnp
@@ -237,9 +254,8 @@ def run(args) -> int:
         if tokenizer is not None:
             rec["text"] = tokenizer.decode(ids, skip_special_tokens=True)
         records.append(rec)
-    for rec in records[:args.show]:
-        shown = rec.get("text", " ".join(map(str, rec["output_ids"])))
-        print(f"--- {rec['id']}\n{shown}")
+    for (_, prompt_ids), rec in zip(prompts[:args.show], records[:args.show], strict=True):
+        print(_show(rec, prompt_ids, tokenizer))
     print(f"\nsummary ({drafter_arg}, G={summary['gamma']}, {summary['verify']}):")
     print(_format_table(summary))
     if args.output:

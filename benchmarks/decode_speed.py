@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._common import (  # noqa: E402
+    common_prefix,
+    environment,
+    load_transformers,
+    summary,
+    usable_cores,
+)
 from specjax.checkpoint import save_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
@@ -130,10 +136,6 @@ def redraw_weights(model: Transformer, seed: int, gain: float = 2.0) -> None:
         var[...] = (std * jax.random.normal(jax.random.fold_in(key, i), w.shape)).astype(w.dtype)
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def measure_bandwidth(mib: int, repeats: int = 5) -> dict:
     """GB/s of a jitted f32 sum over a `mib` MiB array (median of `repeats`)."""
     n = mib * 2**20 // 4
@@ -147,15 +149,6 @@ def measure_bandwidth(mib: int, repeats: int = 5) -> dict:
         samples.append(n * 4 / (time.perf_counter() - t0) / 1e9)
     del x
     return {"array_bytes": n * 4, "samples_gbps": samples, **summary(samples)}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class SpecjaxSystem:
@@ -181,19 +174,6 @@ class SpecjaxSystem:
         steps = int(out.steps.sum())
         tau = 1.0 + float(out.accepted.sum()) / steps if self.gamma and steps else None
         return out.outputs[0], out.wall_s, tau
-
-
-def load_transformers(model_dir):
-    """transformers model (torch, f32) with EOS disabled."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    gc = model.generation_config
-    gc.eos_token_id = None
-    gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
-    return model
 
 
 class TransformersSystem:
@@ -223,27 +203,6 @@ class TransformersSystem:
         return out[0, self.ids.shape[1]:].tolist(), wall, None
 
 
-def environment(threads: list[int]) -> dict:
-    env = {"python": platform.python_version(), "jax": jax.__version__,
-           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-           "cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-           "torch_threads": threads, "machine": platform.machine(),
-           "processor": platform.processor()}
-    try:
-        import flax
-        env["flax"] = flax.__version__
-    except Exception:  # noqa: BLE001 - informational only
-        pass
-    try:
-        import torch
-        import transformers
-        env["torch"] = torch.__version__
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return env
-
-
 def render_table(result: dict) -> str:
     systems = result["systems"]
     refs = [s for n, s in systems.items() if n.startswith("transformers")]
@@ -266,7 +225,7 @@ def render_table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     threads = args.threads or [cores]
     cfg = model_config(args.quick)
     weight_bytes = cfg.num_params * 4

@@ -2,8 +2,13 @@
 drafters and the attention kernel.
 
 Layout (documented once, read in place by later drafters):
-  k, v: [L, B, S, K, H]   slot s of row b holds the key/value of position s
+  k, v: [L, B, K, S, H]   slot s of row b, KV head k: key/value of position s
   lengths: i32[B]         positions 0..lengths-1 of each row are valid
+
+Heads before positions: per (row, KV head) the keys are one contiguous [S, H] block,
+so attention is a plain batched matmul with no per-step transpose of the cache (the
+[L,B,S,K,H] order made XLA:CPU transpose every layer's slice on every step), and an
+attention kernel tiles S directly.
 
 Writes go straight into the full buffers (a scatter at the given positions), so
 inside a jitted loop they happen in place. Rewinding a row is moving its length
@@ -22,7 +27,7 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, S, K, H] (model dtype); lengths: i32[B]."""
+    """k, v: [L, B, K, S, H] (model dtype); lengths: i32[B]."""
 
     k: jax.Array
     v: jax.Array
@@ -31,7 +36,7 @@ class KVCache:
     @classmethod
     def init(cls, num_layers, batch, capacity, num_kv_heads, head_dim, dtype=jnp.float32):
         """An empty cache of capacity S = `capacity` positions per row."""
-        shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -41,7 +46,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """S, in positions."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def rewind(self, lengths: jax.Array) -> KVCache:
         """Sets each row's valid length to `lengths` (i32[B]); entries past it become stale."""

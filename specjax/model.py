@@ -173,7 +173,7 @@ class Transformer(nnx.Module):
           positions: i32[B,T] absolute positions; K/V of token t of row b go to slot
             positions[b,t]. Each row's positions must be contiguous and start at or
             before its first uncached position. Positions >= S are dropped.
-          cache: KVCache with k, v [L,B,S,K,H]; or None for a cache-free causal forward
+          cache: KVCache with k, v [L,B,K,S,H]; or None for a cache-free causal forward
             over the T tokens alone (training: no scatter, scores [T,T] instead of [T,S]).
           capture: depths d in 0..L whose residual stream (the input of layer d; d = L is
             the last layer's output before the final norm) is returned, in this order.
@@ -196,6 +196,7 @@ class Transformer(nnx.Module):
         else:
             mask = jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]  # [B,T,S]
             k_cache, v_cache = cache.k, cache.v
+        mask_q = jnp.tile(mask, (1, R, 1))  # [B,R*T,S'], row r*T + t is token t's mask
         batch_idx = jnp.arange(B)[:, None]
         scale = 1.0 / np.sqrt(H)
         depths = jnp.asarray(capture, jnp.int32) if capture else None
@@ -221,17 +222,19 @@ class Transformer(nnx.Module):
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             if cache is None:
-                k_l, v_l = k, v  # [B,T,K,H]
+                k_l, v_l = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
             else:
-                k_all = k_all.at[l, batch_idx, positions].set(k, mode="drop")
-                v_all = v_all.at[l, batch_idx, positions].set(v, mode="drop")
-                k_l, v_l = k_all[l], v_all[l]  # [B,S,K,H]
-            qg = q.reshape(B, T, K, R, H)
-            scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k_l,
+                k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
+                v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
+                k_l, v_l = k_all[l], v_all[l]  # [B,K,S,H]
+            # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
+            qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
+            scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_l,
                                 preferred_element_type=jnp.float32) * scale
-            scores = jnp.where(mask[:, None, None], scores, -1e30)
+            scores = jnp.where(mask_q[:, None], scores, -1e30)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_l.dtype)
-            attn = jnp.einsum("BKRTS,BSKH->BTKRH", probs, v_l).reshape(B, T, N * H)
+            attn = jnp.einsum("BKQS,BKSH->BKQH", probs, v_l).reshape(B, K, R, T, H)
+            attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
             o = jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
             if c.attention_bias:
                 o = o + w["o_bias"]

@@ -31,7 +31,7 @@ class LoopView(NamedTuple):
     tokens: i32[B,S'] committed tokens (prompt + output); row b's tokens 0..lengths-1
       are valid and token lengths-1 is pending (its target K/V not yet cached).
     lengths: i32[B].
-    target_cache: the target KVCache (k, v [L,B,S,K,H]).
+    target_cache: the target KVCache (k, v [L,B,K,S,H]).
     hidden: [C,B,T,D] target residual stream at `Drafter.capture` depths for the
       tokens of the latest target forward (prefill: the prompt; verify: the G+1 fed
       tokens), or None when `capture` is empty.

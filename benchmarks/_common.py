@@ -1,0 +1,71 @@
+"""Helpers shared by the benchmark scripts (decode_speed.py, compare.py).
+
+jax, torch and transformers are imported inside the functions: a benchmark script sets
+its environment (JAX_NUM_CPU_DEVICES, HF offline flags) before the first jax import.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+
+
+def summary(values: list[float]) -> dict:
+    """median, min and max of `values`."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_transformers(model_dir):
+    """transformers model (torch, f32, eval mode) with EOS disabled."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    gc = model.generation_config
+    gc.eos_token_id = None
+    gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
+    return model
+
+
+def environment(threads: list[int]) -> dict:
+    """Versions, backend, devices and core counts of this process."""
+    import jax
+
+    env = {"python": platform.python_version(), "jax": jax.__version__,
+           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+           "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+           "torch_threads": threads, "machine": platform.machine(),
+           "processor": platform.processor()}
+    try:
+        import flax
+        env["flax"] = flax.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        import torch
+        import transformers
+        env["torch"] = torch.__version__
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
