@@ -201,14 +201,16 @@ def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     return out
 
 
-def save_model(model: Transformer, path: str, *, dtype=jnp.float32, tokenizer=None) -> None:
+def save_model(model: Transformer, path: str, *, dtype=jnp.float32, tokenizer=None,
+               max_shard_bytes: int | None = None) -> None:
     """Writes `model` as a HF checkpoint directory that transformers and `load_model` read.
 
     Writes config.json, generation_config.json, model.safetensors (f32 or bf16) and,
-    if given, the tokenizer. The directory appears complete or not at all: files are
+    if given, the tokenizer. With `max_shard_bytes`, weights larger than that go to
+    HF-style shards model-0000i-of-0000n.safetensors plus model.safetensors.index.json
+    (a tensor is never split). The directory appears complete or not at all: files are
     written into a temporary sibling directory that is renamed at the end.
     """
-    from safetensors.numpy import save_file
 
     cfg = model.cfg
     dtype_name = "bfloat16" if dtype in (jnp.bfloat16, ml_dtypes.bfloat16) else "float32"
@@ -229,8 +231,7 @@ def save_model(model: Transformer, path: str, *, dtype=jnp.float32, tokenizer=No
             gen["pad_token_id"] = cfg.pad_token_id
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)
-        save_file(to_hf_tensors(model, dtype), os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        _save_tensors(to_hf_tensors(model, dtype), tmp, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if os.path.exists(path):
@@ -239,3 +240,27 @@ def save_model(model: Transformer, path: str, *, dtype=jnp.float32, tokenizer=No
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_tensors(tensors: dict, directory: str, max_shard_bytes: int | None) -> None:
+    """model.safetensors, or shards of at most `max_shard_bytes` plus the HF index."""
+    from safetensors.numpy import save_file
+
+    total = sum(t.nbytes for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -205,6 +205,28 @@ def test_sharded_checkpoint(saved, tmp_path):
     assert max_err(specjax_logits(model, TOKENS), ref) <= 1e-4
 
 
+def test_sharded_export(saved, tmp_path):
+    """save_model(max_shard_bytes=) writes HF shards + index; transformers and specjax load
+    them as the same model, bit for bit the unsharded tensors."""
+    family, hf, path, ref = saved
+    out = tmp_path / "export-sharded"
+    save_model(load_model(str(path)), str(out), max_shard_bytes=20_000)
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert sorted(set(index["weight_map"].values())) == shards
+    orig = load_file(path / "model.safetensors")
+    new = {}
+    for n in shards:
+        new.update(load_file(out / n))
+    assert sorted(orig) == sorted(new)
+    for k in orig:
+        np.testing.assert_array_equal(new[k], orig[k], err_msg=k)
+    assert max_err(hf_logits(load_hf(out), TOKENS), ref) <= 1e-5
+    assert max_err(specjax_logits(load_model(str(out)), TOKENS), ref) <= 1e-4
+
+
 def test_old_style_config(saved, tmp_path):
     """Top-level rope_theta / rope_scaling, torch_dtype, no head_dim (where H = D/N)."""
     family, hf, src, ref = saved
