@@ -175,7 +175,7 @@ def run(args) -> int:
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
-    from specjax.engine import Engine, Stats
+    from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write
     from specjax.sampling import SamplingParams
@@ -199,7 +199,7 @@ def run(args) -> int:
                 f"prompt {pid}: {len(ids)} prompt tokens + --max-new-tokens "
                 f"{args.max_new_tokens} > --max-length {max_length}; raise --max-length or "
                 "shorten the prompt")
-    prompt_width = min(max_length, -(-longest // 16) * 16)
+    prompt_width = prompt_width_for(longest, max_length)
 
     drafter_arg = args.drafter
     if drafter_arg is None:

@@ -444,7 +444,7 @@ def run(args) -> dict:
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
-    from specjax.engine import Engine
+    from specjax.engine import Engine, prompt_width_for
     from specjax.fileio import atomic_write
     from specjax.sampling import SamplingParams
 
@@ -462,7 +462,7 @@ def run(args) -> dict:
     n = len(prompts)
     longest = max(len(p) for p in prompts)
     max_length = longest + N_new
-    prompt_width = min(max_length, -(-longest // 16) * 16)
+    prompt_width = prompt_width_for(longest, max_length)
     greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0)
     draft0, dparams0 = DraftLMDrafter.create(draft, G, greedy, V)  # checks the vocabulary
     draft1, dparams1 = DraftLMDrafter.create(draft, G, t1, V)

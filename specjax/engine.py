@@ -26,6 +26,12 @@ from specjax.model import decoding_params
 from specjax.sampling import SamplingParams
 
 
+def prompt_width_for(longest: int, max_length: int, multiple: int = 16) -> int:
+    """Tp: the longest prompt rounded up to `multiple` (so nearby prompt sets share one
+    compiled shape), at most `max_length`."""
+    return min(max_length, -(-longest // multiple) * multiple)
+
+
 @dataclasses.dataclass
 class BatchOutput:
     """outputs: new token ids per real row; steps: target forwards after the prefill per
