@@ -141,3 +141,16 @@ def test_bad_flag_value_is_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--gamma" in err
+
+
+def test_no_pytorch_advisory_without_torch(tiny_demo, tmp_path):
+    """A user without torch (decode.py never needs it) sees no transformers advisory."""
+    code = ("import sys, runpy; sys.modules['torch'] = None; "  # as if torch were absent
+            f"sys.argv = ['decode.py', *{[str(a) for a in base_args(tiny_demo, tmp_path)]!r}, "
+            "'--drafter', 'ngram', '--no-compare-ar']; runpy.run_path('decode.py', "
+            "run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PyTorch was not found" not in proc.stderr + proc.stdout

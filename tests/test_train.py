@@ -268,3 +268,22 @@ def test_export_loads_in_transformers(corpus, tmp_path):
     with torch.no_grad():
         ref = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(ref, want, atol=1e-4, rtol=1e-4)
+
+
+def test_init_from_continues_an_exported_model(runs, corpus, tmp_path, capsys):
+    first = train(tiny_cfg(corpus, tmp_path / "a", (1, 1, 1),
+                           f"data.tokenizer_dir={corpus['tokenizer']}"), progress=False)
+    cont = train(tiny_cfg(corpus, tmp_path / "b", (2, 1, 2), f"train.init_from={first.export_dir}",
+                          "export.enabled=false", "train.steps=1"), progress=False)
+    # The fresh state starts from the exported weights (f32 export: exactly) ...
+    start = cont.trainer.load_init_params(first.export_dir)
+    for k, v in params_np(first).items():
+        np.testing.assert_array_equal(np.asarray(start[k].get_value()), v)
+    # ... so its first loss is the trained model's loss, well below a random init's.
+    assert cont.losses[1] < runs((1, 1, 1)).losses[1] - 0.3
+    code = train_cli.main(["--config", TINY, "--run-dir", str(tmp_path / "c"),
+                           *sum((["--set", a] for a in tiny_args(
+                               corpus, (1, 1, 1), f"train.init_from={first.export_dir}",
+                               "model.hidden_size=64")), [])])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds another model" in err and len(err.strip().splitlines()) == 1

@@ -145,6 +145,10 @@ class LoopConfig:
       checkpoint_every: steps between checkpoints (0 = only at the end or on SIGTERM).
       keep_checkpoints: checkpoints kept on disk (older ones are deleted).
       async_checkpointing: write checkpoints in a background thread.
+      init_from: an HF checkpoint directory whose weights start the run instead of a
+        random initialisation (continued pre-training; the optimizer state is fresh).
+        Its config.json must describe the same model as the `model` section. Ignored
+        when the run dir already holds a checkpoint (that one is resumed).
     """
 
     steps: int = 1000
@@ -158,6 +162,7 @@ class LoopConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
+    init_from: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",

@@ -161,7 +161,8 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
     trainer = Trainer(model_cfg, dtype, tx, schedule, mesh, seed=loop.seed, grad_accum=A,
                       micro_batch=loop.micro_batch, eval_batch=B, seq_len=T)
     if latest is None:
-        state, position = trainer.init_state(), 0
+        init = trainer.load_init_params(loop.init_from) if loop.init_from else None
+        state, position = trainer.init_state(init), 0
     else:
         state, meta = ckpts.restore(latest, trainer.abstract_target())
         position = int(meta["data_position"])

@@ -90,9 +90,41 @@ class Trainer:
                           opt_state=self.tx.init(params),
                           rng=jax.random.PRNGKey(self.seed + 1))
 
-    def init_state(self) -> TrainState:
-        """A fresh state, created directly in its shardings (no host copy)."""
-        return jax.jit(self._init, out_shardings=self.state_shardings)()
+    def init_state(self, params: nnx.State | None = None) -> TrainState:
+        """A fresh state, created directly in its shardings (no host copy of a random
+        init). `params`: starting weights (an nnx.State like `abstract_state.params`,
+        e.g. from `load_init_params`) instead of the random initialisation; the
+        optimizer state is fresh either way."""
+        if params is None:
+            return jax.jit(self._init, out_shardings=self.state_shardings)()
+        params = jax.device_put(params, self.param_shardings)
+
+        def from_params(p):
+            return TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                              opt_state=self.tx.init(p),
+                              rng=jax.random.PRNGKey(self.seed + 1))
+
+        return jax.jit(from_params, out_shardings=self.state_shardings)(params)
+
+    def load_init_params(self, path: str) -> nnx.State:
+        """The parameters of the HF checkpoint at `path`, cast to the training dtype.
+
+        Raises: SpecjaxError if the directory is unreadable or its model differs from
+          the one being trained (another shape, family or vocabulary)."""
+        from specjax.checkpoint import load_model
+        from specjax.config import ModelConfig
+        from specjax.errors import SpecjaxError
+
+        theirs = ModelConfig.from_dir(path)
+        fields = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "intermediate_size", "tie_word_embeddings")
+        diff = [f"{f} {getattr(theirs, f)} != {getattr(self.model_cfg, f)}"
+                for f in fields if getattr(theirs, f) != getattr(self.model_cfg, f)]
+        if diff:
+            raise SpecjaxError(f"train.init_from {path} holds another model ({', '.join(diff)}); "
+                               "make the model section match it")
+        _, params, _ = nnx.split(load_model(path, dtype=self.dtype), nnx.Param, ...)
+        return params
 
     def abstract_target(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the restore target for orbax."""
