@@ -56,11 +56,14 @@ def layer_shapes(cfg: ModelConfig) -> dict:
 class ForwardOutput(NamedTuple):
     """logits: f32[B,T',V] (T' = T, or the width of `logits_at`);
     hidden: [C,B,T,D] residual stream at the captured depths (None if none asked);
-    cache: the updated KVCache (None for a cache-free forward)."""
+    cache: the updated KVCache (None for a cache-free forward);
+    kv: (k, v), each [Ls,B,K,T,H] (post-norm, post-RoPE, as a cache would hold them),
+      of the `capture_kv` layers of a cache-free forward (None if none asked)."""
 
     logits: jax.Array
     hidden: jax.Array | None
     cache: KVCache
+    kv: tuple[jax.Array, jax.Array] | None = None
 
 
 def unstack_layers(state):
@@ -165,6 +168,7 @@ class Transformer(nnx.Module):
         *,
         capture: tuple[int, ...] = (),
         logits_at: jax.Array | None = None,
+        capture_kv: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
 
@@ -178,10 +182,13 @@ class Transformer(nnx.Module):
           capture: depths d in 0..L whose residual stream (the input of layer d; d = L is
             the last layer's output before the final norm) is returned, in this order.
           logits_at: optional i32[B,T'] indices into T; logits only at those tokens.
+          capture_kv: layers l in 0..L-1 whose keys and values are returned (cache-free
+            forward only: with a cache, read them from the cache). Training of KV-reuse
+            drafters uses them.
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
-          lengths = positions[:, -1] + 1, or None without a cache).
+          lengths = positions[:, -1] + 1, or None without a cache, kv or None).
         """
         c = self.cfg
         B, T = tokens.shape
@@ -201,9 +208,14 @@ class Transformer(nnx.Module):
         scale = 1.0 / np.sqrt(H)
         depths = jnp.asarray(capture, jnp.int32) if capture else None
         captured = jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype) if capture else None
+        if capture_kv and cache is not None:
+            raise ValueError("capture_kv needs a cache-free forward (cache=None)")
+        kv_layers = jnp.asarray(capture_kv, jnp.int32) if capture_kv else None
+        kv_shape = (len(capture_kv), B, K, T, H)
+        kv_out = (jnp.zeros(kv_shape, self.dtype),) * 2 if capture_kv else None
 
         def layer(carry, w):
-            x, k_all, v_all, captured, l = carry
+            x, k_all, v_all, captured, l, kv_out = carry
             if capture:
                 hit = (depths == l)[:, None, None, None]
                 captured = jnp.where(hit, x[None], captured)
@@ -223,6 +235,10 @@ class Transformer(nnx.Module):
             k = apply_rope(k, cos, sin)
             if cache is None:
                 k_l, v_l = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
+                if capture_kv:
+                    hit = (kv_layers == l)[:, None, None, None, None]
+                    kv_out = (jnp.where(hit, k_l[None], kv_out[0]),
+                              jnp.where(hit, v_l[None], kv_out[1]))
             else:
                 k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
                 v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
@@ -243,19 +259,19 @@ class Transformer(nnx.Module):
             gate = jnp.einsum("BTD,FD->BTF", h, w["gate_proj"])
             up = jnp.einsum("BTD,FD->BTF", h, w["up_proj"])
             x = x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, w["down_proj"])
-            return (x, k_all, v_all, captured, l + 1), None
+            return (x, k_all, v_all, captured, l + 1, kv_out), None
 
         weights = self.layer_weights()
-        carry = (x, k_cache, v_cache, captured, jnp.int32(0))
+        carry = (x, k_cache, v_cache, captured, jnp.int32(0), kv_out)
         if isinstance(weights["q_proj"], tuple):
             # Separate per-layer buffers: a Python loop reads each weight in place. (Slicing a
             # stacked weight, under scan or statically, copies it on XLA:CPU: ~2x per token.)
             for i in range(c.num_layers):
-                carry = (*carry[:4], i)  # a static layer index
+                carry = (*carry[:4], i, carry[5])  # a static layer index
                 carry, _ = layer(carry, {n: w[i] for n, w in weights.items()})
-            x, k_all, v_all, captured, _ = carry
+            x, k_all, v_all, captured, _, kv_out = carry
         else:
-            (x, k_all, v_all, captured, _), _ = jax.lax.scan(layer, carry, weights)
+            (x, k_all, v_all, captured, _, kv_out), _ = jax.lax.scan(layer, carry, weights)
         if capture:
             captured = jnp.where((depths == c.num_layers)[:, None, None, None], x[None], captured)
         if logits_at is not None:
@@ -265,4 +281,4 @@ class Transformer(nnx.Module):
         logits = jnp.einsum("BTD,VD->BTV", x, head, preferred_element_type=jnp.float32)
         new_cache = None if cache is None else KVCache(
             k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
-        return ForwardOutput(logits, captured, new_cache)
+        return ForwardOutput(logits, captured, new_cache, kv_out)

@@ -1,0 +1,58 @@
+"""Drafters: the loop interface (base), the draft LM and n-gram lookup, and the learned
+drafters that read the target (eagle3, kv, hybrid, block; DESIGN.md section 5).
+
+    net = build_network(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=dcfg.gamma,
+                                    sampling=SamplingParams())
+    speculative_loop(..., drafter, dparams, ...)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.config import DrafterConfig
+from specjax.sampling import SamplingParams
+
+
+def network_class(kind: str):
+    """The nnx.Module class of a drafter kind."""
+    from specjax.drafters.block import BlockNet
+    from specjax.drafters.eagle3 import Eagle3
+    from specjax.drafters.hybrid import Hybrid
+    from specjax.drafters.kv import KVOnly
+
+    return {"eagle3": Eagle3, "hybrid": Hybrid, "kv": KVOnly, "block": BlockNet}[kind]
+
+
+def build_network(dcfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
+    """A randomly initialised drafter network (its nnx.Param leaves are the drafter's own
+    weights; the target's embedding and LM head are not part of it)."""
+    return network_class(dcfg.kind)(dcfg, dtype=dtype, rngs=rngs)
+
+
+def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | None = None,
+                 sampling: SamplingParams = SamplingParams()):
+    """(drafter, params) for `speculative_loop`: the loop adapter of `net`'s kind, and
+    params {"net": net's state, "embed", "head", "inv_freq"} taken from `target` (a
+    `specjax.model.Transformer`; its arrays are shared, not copied).
+
+    Raises: SpecjaxError if `target` has other shapes than the drafter was built for.
+    """
+    from specjax.drafters.block import BlockDrafter
+    from specjax.drafters.eagle3 import Eagle3Drafter
+    from specjax.drafters.kv import KVDrafter
+
+    dcfg.check_target(target.cfg)
+    graphdef, state = nnx.split(net)
+    cls = {"eagle3": Eagle3Drafter, "hybrid": Eagle3Drafter, "kv": KVDrafter,
+           "block": BlockDrafter}[dcfg.kind]
+    drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling)
+    embed = target.embed[...]
+    head = embed if target.lm_head is None else target.lm_head[...]
+    params = {"net": state, "embed": embed, "head": head, "inv_freq": target.inv_freq[...]}
+    return drafter, params
+
+
+__all__ = ["DrafterConfig", "build_network", "make_drafter", "network_class"]

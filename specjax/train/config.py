@@ -2,15 +2,18 @@
 
     cfg = load_config("configs/demo_target.yaml", ["train.steps=20", "optim.lr=1e-3"])
 
-A YAML file holds the sections below (every key optional except `model`); keys use
-the dataclass field names, and `--set` overrides use the same dotted names
-(`train.batch_size=16`, `mesh.fsdp=2`, `model.num_layers=4`). An unknown key, a
-value of the wrong type or an inconsistent combination raises SpecjaxError with a
-one-line message; the CLI turns it into exit code 2.
+A YAML file holds the sections below (every key optional except `data`, and `model`
+for objective lm, `drafter` for ttt and block); keys use the dataclass field names,
+and `--set` overrides use the same dotted names (`train.batch_size=16`, `mesh.fsdp=2`,
+`model.num_layers=4`, `drafter.gamma=5`). An unknown key, a value of the wrong type
+or an inconsistent combination raises SpecjaxError with a one-line message; the CLI
+turns it into exit code 2.
 
-    objective: lm            # the only objective so far (ttt, block: later issues)
-    run_dir: runs/NAME       # checkpoints, metrics.jsonl, config.yaml, hf/ (export)
-    model:  specjax.config.ModelConfig fields (family, vocab_size, hidden_size, ...)
+    objective: lm            # lm (a language model), ttt or block (a drafter, DESIGN.md 6)
+    run_dir: runs/NAME       # checkpoints, metrics.jsonl, config.yaml, hf/ or drafter/
+    model:  specjax.config.ModelConfig fields (family, vocab_size, hidden_size, ...); lm only
+    target: DIR              # ttt / block: the frozen target's HF directory
+    drafter: DrafterTrainConfig   # ttt / block: the drafter and its loss
     data:   DataConfig       # corpus: stdlib, or tokens_npy (+ tokenizer_dir)
     mesh:   MeshConfig       # data x fsdp x model devices
     optim:  OptimConfig      # AdamW, warmup + cosine, global-norm clipping
@@ -30,7 +33,12 @@ import yaml
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 
-OBJECTIVES = ("lm",)  # "ttt" and "block" arrive with the drafter-training issues
+OBJECTIVES = ("lm", "ttt", "block")  # lm trains a Transformer; ttt and block a drafter
+DRAFTER_OBJECTIVES = ("ttt", "block")
+# Which drafter kinds each drafter objective trains (DESIGN.md 6): training-time test
+# unrolls the chain drafters; block-wise training is the parallel block drafter's.
+OBJECTIVE_KINDS = {"ttt": ("eagle3", "kv", "hybrid"), "block": ("block",)}
+DEFAULT_TARGET = "checkpoints/demo/target"  # the bundled demo target (relative to the cwd)
 CORPORA = ("stdlib",)
 DTYPES = ("float32", "bfloat16")
 
@@ -203,13 +211,97 @@ class ExportConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """One training run; see the module docstring for the YAML layout."""
+class DrafterTrainConfig:
+    """The drafter a `ttt` / `block` run trains, and its loss (DESIGN.md 5 and 6).
 
-    model: ModelConfig
+    The drafter's shapes follow the target (`DrafterConfig.for_target`); these fields
+    choose the rest.
+
+    Attributes:
+      kind: eagle3 | kv | hybrid (objective ttt) or block (objective block).
+      gamma: G, draft length: TTT unroll steps, or mask tokens per block.
+      num_layers: Ld, drafter layers (None: the kind's default; eagle3/hybrid: 1).
+      intermediate_size: F of the drafter MLP (None: the target's).
+      context: block only: hidden (DFlash), kv (merged target K/V) or both.
+      num_kv_layers: Ls, target layers merged into the KV memory (kv, hybrid, block kv/both).
+      mask_token_id: block only: id whose frozen target embedding fills the G draft
+        slots (None: the target's pad id).
+      soft_labels: train against the target's distribution (true) or against the data
+        tokens (false, DFlash's hard labels).
+      num_anchors: block only: blocks sampled per sequence per step.
+      gamma_w: block only: loss weight exp(-(k-1)/gamma_w) of block position k.
+      ttt_decay: ttt only: loss weight ttt_decay**k of unroll step k (EAGLE-3: 0.8).
+    """
+
+    kind: str
+    gamma: int = 7
+    num_layers: int | None = None
+    intermediate_size: int | None = None
+    context: str | None = None
+    num_kv_layers: int = 3
+    mask_token_id: int | None = None
+    soft_labels: bool = True
+    num_anchors: int = 32
+    gamma_w: float = 7.0
+    ttt_decay: float = 0.8
+
+    def __post_init__(self):
+        from specjax.drafters.config import CONTEXTS, KINDS
+
+        if self.kind not in KINDS:
+            raise SpecjaxError(f"drafter.kind={self.kind!r} is unknown; use one of {KINDS}")
+        for name in ("gamma", "num_kv_layers", "num_anchors"):
+            _check_positive(f"drafter.{name}", getattr(self, name))
+        for name in ("num_layers", "intermediate_size"):
+            if getattr(self, name) is not None:
+                _check_positive(f"drafter.{name}", getattr(self, name))
+        if self.kind == "block":
+            if self.context is not None and self.context not in CONTEXTS:
+                raise SpecjaxError(f"drafter.context={self.context!r} is unknown; use one of "
+                                   f"{CONTEXTS}")
+        else:
+            for name in ("context", "mask_token_id"):
+                if getattr(self, name) is not None:
+                    raise SpecjaxError(f"drafter.{name} is a block drafter setting; remove it "
+                                       f"for drafter.kind={self.kind}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise SpecjaxError(f"drafter.mask_token_id={self.mask_token_id} must be >= 0")
+        if not self.gamma_w > 0:
+            raise SpecjaxError(f"drafter.gamma_w={self.gamma_w} must be > 0")
+        if not 0 < self.ttt_decay <= 1:
+            raise SpecjaxError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+
+    def for_target(self, target: ModelConfig):
+        """The `specjax.drafters.config.DrafterConfig` of this drafter for `target`.
+
+        Raises: SpecjaxError if the combination is invalid for that target (e.g. a
+          mask_token_id outside its vocabulary)."""
+        from specjax.drafters.config import DrafterConfig
+
+        try:
+            return DrafterConfig.for_target(
+                target, self.kind, gamma=self.gamma, num_layers=self.num_layers,
+                intermediate_size=self.intermediate_size, context=self.context,
+                num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id)
+        except SpecjaxError as e:
+            raise SpecjaxError(f"drafter: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run; see the module docstring for the YAML layout.
+
+    `model` is the Transformer an `lm` run trains; a drafter run (`ttt`, `block`) has
+    none: its target's config.json (`target`, default DEFAULT_TARGET) fixes the shapes
+    and the vocabulary, and `drafter` describes the network trained against it.
+    """
+
     data: DataConfig
+    model: ModelConfig | None = None
     objective: str = "lm"
     run_dir: str = "runs/default"
+    target: str | None = None
+    drafter: DrafterTrainConfig | None = None
     mesh: MeshConfig = MeshConfig()
     optim: OptimConfig = OptimConfig()
     train: LoopConfig = LoopConfig()
@@ -219,6 +311,39 @@ class TrainConfig:
         if self.objective not in OBJECTIVES:
             raise SpecjaxError(f"objective={self.objective!r} is not implemented; use one of "
                                f"{OBJECTIVES}")
+        if self.objective == "lm":
+            if self.model is None:
+                raise SpecjaxError("objective lm needs a model section (the Transformer to "
+                                   "train); see configs/demo_target.yaml")
+            for name in ("target", "drafter"):
+                if getattr(self, name) is not None:
+                    raise SpecjaxError(f"{name} is a drafter-training setting (objective ttt "
+                                       "or block); remove it for objective lm")
+            return
+        if self.drafter is None:
+            raise SpecjaxError(f"objective={self.objective} trains a drafter and needs a "
+                               "drafter section (drafter.kind: ...); see configs/drafters/")
+        if self.model is not None:
+            raise SpecjaxError(f"objective={self.objective} takes the model from the target "
+                               "directory; remove the model section (set target instead)")
+        kinds = OBJECTIVE_KINDS[self.objective]
+        if self.drafter.kind not in kinds:
+            other = next(o for o, k in OBJECTIVE_KINDS.items() if self.drafter.kind in k)
+            raise SpecjaxError(f"objective={self.objective} trains drafter kinds {kinds}, not "
+                               f"drafter.kind={self.drafter.kind}; use objective={other}")
+        if self.train.init_from is not None:
+            raise SpecjaxError("train.init_from is for objective lm; a drafter run starts "
+                               "from a random initialisation")
+
+    @property
+    def trains_drafter(self) -> bool:
+        """True for the drafter objectives (ttt, block)."""
+        return self.objective in DRAFTER_OBJECTIVES
+
+    @property
+    def target_dir(self) -> str:
+        """The frozen target's HF directory of a drafter run."""
+        return self.target or DEFAULT_TARGET
 
     @property
     def cache_dir(self) -> str:
@@ -227,13 +352,16 @@ class TrainConfig:
 
     @property
     def export_dir(self) -> str:
-        return self.export.dir or os.path.join(self.run_dir, "hf")
+        """Where the export goes: export.dir, else `<run_dir>/hf` (lm) or
+        `<run_dir>/drafter` (ttt, block)."""
+        default = "drafter" if self.trains_drafter else "hf"
+        return self.export.dir or os.path.join(self.run_dir, default)
 
     def to_dict(self) -> dict:
         """Plain YAML-able dict that `from_dict` turns back into an equal config."""
         out = dataclasses.asdict(self)
         model = out["model"]
-        if model["rope_scaling"] is not None:
+        if model is not None and model["rope_scaling"] is not None:
             model["rope_scaling"] = dict(model["rope_scaling"])
         return _lists(out)
 
@@ -327,13 +455,15 @@ def apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str, overrides=(), run_dir: str | None = None) -> TrainConfig:
+def load_config(path: str, overrides=(), run_dir: str | None = None,
+                target: str | None = None) -> TrainConfig:
     """Reads a YAML config, applies `--set` overrides, and validates it.
 
     Args:
       path: YAML file.
       overrides: "dotted.key=value" strings, applied in order.
       run_dir: replaces `run_dir` when given (default in the file: runs/<file stem>).
+      target: replaces `target` (the frozen target of a drafter run) when given.
     Raises: SpecjaxError for an unreadable file, an unknown key or a bad value.
     """
     try:
@@ -353,6 +483,8 @@ def load_config(path: str, overrides=(), run_dir: str | None = None) -> TrainCon
         apply_override(raw, item)
     if run_dir is not None:
         raw["run_dir"] = run_dir
+    if target is not None:
+        raw["target"] = target
     try:
         return from_dict(TrainConfig, raw)
     except SpecjaxError as e:

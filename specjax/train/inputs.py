@@ -10,6 +10,11 @@ Two sources (TrainConfig.data):
   tokens_npy: PATH  a flat token stream (.npy, any integer dtype), with an optional
                     `val_tokens_npy` and `tokenizer_dir` (tests, custom corpora).
 With several processes, process 0 builds the caches first and the others follow.
+
+A drafter run (objective ttt / block) reads the vocabulary from its target instead of
+`model.vocab_size`, never trains a tokenizer (the target's is used: data.tokenizer_dir,
+else the target directory's own tokenizer), and refuses a tokenizer or a stream that
+does not fit the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -41,7 +46,33 @@ class RunData:
         return [i * batch_size for i in range(n)]
 
 
-def _load_tokenizer(path: str, vocab_size: int):
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+    """The vocabulary the streams must fit: V, how messages name it, and the fix."""
+
+    size: int
+    target: str | None = None  # the target directory of a drafter run
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, vocab_size: int | None) -> _Vocab:
+        if not cfg.trains_drafter:
+            return cls(cfg.model.vocab_size)
+        return cls(vocab_size, cfg.target_dir)
+
+    @property
+    def name(self) -> str:
+        if self.target is None:
+            return "model.vocab_size"
+        return f"target {self.target} vocab_size"
+
+    @property
+    def fix(self) -> str:
+        if self.target is None:
+            return "raise model.vocab_size"
+        return "use the target's tokenizer (data.tokenizer_dir) and token streams"
+
+
+def _load_tokenizer(path: str, vocab: _Vocab):
     if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
             os.path.join(path, "tokenizer_config.json")):
         raise SpecjaxError(f"data.tokenizer_dir {path} holds no tokenizer.json; pass a "
@@ -52,13 +83,13 @@ def _load_tokenizer(path: str, vocab_size: int):
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # tokenizers raise many types
         raise SpecjaxError(f"data.tokenizer_dir {path} is unreadable ({e})") from None
-    if len(tok) > vocab_size:
+    if len(tok) > vocab.size:
         raise SpecjaxError(f"the tokenizer in {path} has {len(tok)} tokens but "
-                           f"model.vocab_size={vocab_size}; raise model.vocab_size")
+                           f"{vocab.name}={vocab.size}; {vocab.fix}")
     return tok
 
 
-def _load_stream(path: str, key: str, vocab_size: int) -> np.ndarray:
+def _load_stream(path: str, key: str, vocab: _Vocab) -> np.ndarray:
     if not os.path.isfile(path):
         raise SpecjaxError(f"{key} {path} does not exist; pass an existing .npy token file")
     try:
@@ -68,9 +99,9 @@ def _load_stream(path: str, key: str, vocab_size: int) -> np.ndarray:
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise SpecjaxError(f"{key} {path} must be a 1-D integer array, got "
                            f"{tokens.dtype}{list(tokens.shape)}")
-    if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
-        raise SpecjaxError(f"{key} {path} holds token ids outside [0, {vocab_size}) "
-                           f"(model.vocab_size); raise model.vocab_size or re-tokenize")
+    if tokens.size and (int(tokens.max()) >= vocab.size or int(tokens.min()) < 0):
+        raise SpecjaxError(f"{key} {path} holds token ids outside [0, {vocab.size}) "
+                           f"({vocab.name}); {vocab.fix}")
     return tokens
 
 
@@ -83,11 +114,14 @@ def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
     if root is not None and not os.path.isdir(root):
         raise SpecjaxError(f"data.corpus_root {root} is not a directory; pass a directory "
                            "of .py files or leave it unset for the standard library")
-    tok_dir = d.tokenizer_dir or os.path.join(cfg.cache_dir, "tokenizer")
+    tok_dir = d.tokenizer_dir or _default_tokenizer_dir(cfg)
     if d.tokenizer_dir is not None and not os.path.isdir(tok_dir):
         raise SpecjaxError(f"data.tokenizer_dir {tok_dir} does not exist; leave it unset to "
                            "train a tokenizer into data.cache_dir")
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        if cfg.trains_drafter:
+            raise SpecjaxError(f"no tokenizer.json in {tok_dir}; set data.tokenizer_dir to "
+                               "the tokenizer of the target")
         corpus.train_tokenizer(tok_dir, vocab_size=cfg.model.vocab_size, root=root,
                                val_fraction=d.val_fraction)
     paths = corpus.tokenize_corpus(tok_dir, os.path.join(cfg.cache_dir, "tokens"), root,
@@ -95,16 +129,27 @@ def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
     return tok_dir, paths
 
 
-def prepare_data(cfg: TrainConfig) -> RunData:
+def _default_tokenizer_dir(cfg: TrainConfig) -> str:
+    """A corpus run's tokenizer when data.tokenizer_dir is unset: trained into the cache
+    (lm), or the target directory's own (drafter runs)."""
+    if cfg.trains_drafter:
+        return cfg.target_dir
+    return os.path.join(cfg.cache_dir, "tokenizer")
+
+
+def prepare_data(cfg: TrainConfig, vocab_size: int | None = None) -> RunData:
     """Validates the data section, builds any missing caches, and opens the streams.
 
+    Args:
+      cfg: the run's config.
+      vocab_size: V of the target (drafter runs; lm runs use model.vocab_size).
     Raises: SpecjaxError for a missing file or directory, a stream with ids outside
-    the vocabulary, a tokenizer larger than model.vocab_size, or a stream too short
+    the vocabulary, a tokenizer larger than the vocabulary, or a stream too short
     for one row of seq_len + 1 tokens.
     """
     import jax
 
-    d, V = cfg.data, cfg.model.vocab_size
+    d, V = cfg.data, _Vocab.of(cfg, vocab_size)
     if d.corpus is not None:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -117,6 +162,9 @@ def prepare_data(cfg: TrainConfig) -> RunData:
         train_key = val_key = "data.corpus cache"
     else:
         tok_dir, train_path, val_path = d.tokenizer_dir, d.tokens_npy, d.val_tokens_npy
+        if tok_dir is None and cfg.trains_drafter and os.path.isfile(
+                os.path.join(cfg.target_dir, "tokenizer.json")):
+            tok_dir = cfg.target_dir
         train_key, val_key = "data.tokens_npy", "data.val_tokens_npy"
     tokenizer = None
     if tok_dir is not None:

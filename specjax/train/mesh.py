@@ -32,24 +32,29 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "features": None,  # a drafter's concatenated inputs (C*D, 3D, D, Ls*K*H): the other
+                       # dimension of the same matrix is the one split
     "layers": None,
     "norm": None,
     "seq": None,
     "accum": None,
 }
 
-# Transformer parameter -> logical axes (HF [out, in] layout, stacked on L; model.py).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
+# Parameter name -> logical axes (HF [out, in] layout; layer weights stacked on L or Ld).
+# A name whose arrays come in several ranks (a drafter's norm [D] or stacked [Ld,D]) maps
+# to a tuple of rules, one per rank; see `param_axes`.
+PARAM_AXES: dict[str, tuple[str, ...] | tuple[tuple[str, ...], ...]] = {
+    # the Transformer (model.py) and the drafters' decoder layers (drafters/common.py)
     "embed": ("vocab", "embed"),  # [V, D]
     "lm_head": ("vocab", "embed"),  # [V, D]
-    "final_norm": ("norm",),  # [D]
+    "final_norm": (("norm",), ("layers", "norm")),  # [D] (drafters: [D] or [Ld, D])
     "input_norm": ("layers", "norm"),  # [L, D]
     "post_norm": ("layers", "norm"),  # [L, D]
     "q_norm": ("layers", "norm"),  # [L, H]
     "k_norm": ("layers", "norm"),  # [L, H]
-    "q_proj": ("layers", "heads", "embed"),  # [L, N*H, D]
-    "k_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]
-    "v_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]
+    "q_proj": ("layers", "heads", "embed"),  # [L, N*H, D]; eagle3/hybrid [1, N*H, 2D]
+    "k_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]; eagle3/hybrid [1, K*H, 2D]
+    "v_proj": ("layers", "kv_heads", "embed"),  # [L, K*H, D]; eagle3/hybrid [1, K*H, 2D]
     "o_proj": ("layers", "embed", "heads"),  # [L, D, N*H]
     "gate_proj": ("layers", "mlp", "embed"),  # [L, F, D]
     "up_proj": ("layers", "mlp", "embed"),  # [L, F, D]
@@ -58,7 +63,31 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "k_bias": ("layers", "kv_heads"),  # [L, K*H]
     "v_bias": ("layers", "kv_heads"),  # [L, K*H]
     "o_bias": ("layers", "norm"),  # [L, D]
+    # drafters only (DESIGN.md 5)
+    "fc": ("embed", "features"),  # [D, C*D]: target features -> D
+    "embed_norm": (("norm",), ("layers", "norm")),  # [D]
+    "hidden_norm": (("norm",), ("layers", "norm")),  # [D]
+    "merge_k": ("layers", "kv_heads", "features"),  # [Lm, K*H, Ls*K*H]
+    "merge_v": ("layers", "kv_heads", "features"),  # [Lm, K*H, Ls*K*H]
+    "cross_q": ("heads", "embed"),  # [N*H, D]  hybrid's cross-attention path
+    "cross_q_norm": ("norm",),  # [H]
+    "cross_o": ("embed", "heads"),  # [D, N*H]
+    "cross_norm": ("norm",),  # [D]
+    "gate_w": ("embed", "features"),  # [D, 3D]  hybrid's gate over [n; o; o - n]
+    "gate_b": ("norm",),  # [D]
+    "gate_d": ("embed", "features"),  # [D, D]
 }
+
+
+def param_axes(name: str, rank: int) -> tuple[str, ...] | None:
+    """The logical axes of parameter `name` at this rank, or None (no rule: replicated)."""
+    rules = PARAM_AXES.get(name)
+    if rules is None:
+        return None
+    if isinstance(rules[0], str):
+        rules = (rules,)
+    return next((r for r in rules if len(r) == rank), None)
+
 
 BATCH_AXES = ("accum", "batch", "seq")  # training batch i32[A, B/A, T+1]
 EVAL_BATCH_AXES = ("batch", "seq")  # validation batch i32[B, T+1]
@@ -136,24 +165,27 @@ def logical_spec(mesh, logical: tuple[str | None, ...], shape: tuple[int, ...]) 
 
 
 def _param_name(path) -> str | None:
-    """The Transformer parameter a tree path goes through (params, mu, nu, ...)."""
+    """The parameter a tree path goes through (params, mu, nu, ...): the innermost key
+    that names one (a drafter's submodule may carry another parameter's name)."""
+    found = None
     for key in path:
         name = getattr(key, "key", None)
         if isinstance(name, str) and name in PARAM_AXES:
-            return name
-    return None
+            found = name
+    return found
 
 
 def tree_shardings(mesh, abstract_tree):
     """NamedShardings for a tree of arrays (params, optimizer state, a train state):
-    a leaf under a parameter's name gets that parameter's spec when the ranks match;
-    everything else (step counters, RNG, scalars) is replicated."""
+    a leaf under a parameter's name gets that parameter's spec for its rank (see
+    `param_axes`); everything else (step counters, RNG, scalars) is replicated."""
 
     def one(path, leaf):
         name = _param_name(path)
         shape = tuple(np.shape(leaf))
-        if name is not None and len(PARAM_AXES[name]) == len(shape):
-            return NamedSharding(mesh, logical_spec(mesh, PARAM_AXES[name], shape))
+        axes = None if name is None else param_axes(name, len(shape))
+        if axes is not None:
+            return NamedSharding(mesh, logical_spec(mesh, axes, shape))
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(one, abstract_tree)

@@ -40,10 +40,11 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(params):
     """True for leaves that take weight decay: arrays of rank >= 2 (matrices; stacked
-    norm weights [L, D] are excluded by name)."""
+    norm weights [L, D] are excluded by name: the innermost string key of the path)."""
 
     def one(path, leaf):
-        name = next((k.key for k in path if isinstance(getattr(k, "key", None), str)), "")
+        keys = [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+        name = keys[-1] if keys else ""
         return leaf.ndim >= 2 and not name.endswith(("norm", "bias"))
 
     return jax.tree_util.tree_map_with_path(one, params)

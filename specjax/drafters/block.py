@@ -1,0 +1,158 @@
+"""DFlash-style parallel block drafter (z-lab/dflash; DESIGN.md section 5): ONE forward
+drafts all G tokens.
+
+The block is [pending token, G mask tokens] at positions lengths-1 .. lengths-1+G (the
+mask token's embedding is a frozen target row). Every layer attends, non-causally, to
+its own block and to a context of committed positions strictly before the pending one:
+
+  hidden: ctx = hidden_norm(fc(target features at Ld depths)); layer l projects it with
+          its own k/v projections (k_norm, RoPE at the context's positions) (DFlash);
+  kv:     the merged target KV memory M_l of the kv drafter (KVShot's conjecture: KV
+          reuse trained block-wise);
+  both:   both sources, concatenated along S.
+
+Logits at block positions 1..G are the draft distributions (each position sampled on its
+own: q_k does not depend on x_<k, which keeps the verifiers lossless). Decoding state:
+the context K/V of committed positions, [Ld,B,K,S,H] per source, extended per
+verification for the newly committed positions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters import common
+from specjax.drafters.config import DrafterConfig
+from specjax.kv_cache import KVCache
+from specjax.model import rms_norm
+from specjax.sampling import SamplingParams, sample_logits
+
+
+class BlockNet(nnx.Module):
+    """Ld layers (common.layer_weights), final_norm [D]; context hidden/both adds fc
+    [D,C*D] and hidden_norm [D]; kv/both adds merge_k/merge_v [Ld,K*H,Ls*K*H]."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.cfg, self.dtype = cfg, dtype
+        for name, p in common.layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
+            setattr(self, name, p)
+        if cfg.uses_hidden:
+            self.fc = common.normal(rngs, (D, len(cfg.capture) * D), dtype)
+            self.hidden_norm = common.ones((D,), dtype)
+        if cfg.uses_kv:
+            self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
+        self.final_norm = common.ones((D,), dtype)
+
+    def logits(self, out, head):
+        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+
+    def hidden_context(self, hidden, positions, inv_freq):
+        """Per-layer context K/V from target features hidden [C,B,T,D] at `positions`
+        [B,T]: (k, v) each [Ld,B,K,T,H]."""
+        C, B, T, D = hidden.shape
+        flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
+        ctx = rms_norm(jnp.einsum("BTI,DI->BTD", flat, self.fc[...]), self.hidden_norm[...],
+                       self.cfg.rms_norm_eps)
+        cos, sin = common.rope(inv_freq, positions, self.dtype)
+        ks, vs = [], []
+        for i in range(self.cfg.num_layers):
+            k, v = common.kv_only(common.layer(self, i), ctx, cos, sin, self.cfg.rms_norm_eps,
+                                  self.cfg)
+            ks.append(k)
+            vs.append(v)
+        return jnp.stack(ks), jnp.stack(vs)
+
+    def run_block(self, tokens, positions, contexts, block_mask, embed, inv_freq):
+        """The block forward.
+
+        Args:
+          tokens, positions: i32[B,Q] block tokens (anchor token, then mask ids) and
+            their positions (several blocks may be packed along Q).
+          contexts: list of ((k, v) [Ld,B,K,S,H], mask bool[B,Q,S]) context sources.
+          block_mask: bool[B,Q,Q], which block entries each query sees (its own block).
+          embed: [V,D]; inv_freq: f32[H/2].
+        Returns: outputs [B,Q,D] (pre-norm).
+        """
+        x = jnp.take(embed, tokens, axis=0)
+        cos, sin = common.rope(inv_freq, positions, self.dtype)
+        for i in range(self.cfg.num_layers):
+            q, k, v = common.layer_qkv(self, i, x, cos, sin)
+            sources = [(kv[0][i], kv[1][i], mask) for kv, mask in contexts]
+            sources.append((k.swapaxes(1, 2), v.swapaxes(1, 2), block_mask))
+            x = common.layer_out(self, i, x, common.attend(q, sources))
+        return x
+
+
+@struct.dataclass
+class BlockState:
+    hidden: KVCache | None  # context K/V from target features [Ld,B,K,S,H]
+    memory: KVCache | None  # merged target K/V [Ld,B,K,S,H]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDrafter:
+    """Loop adapter for BlockNet; params as for eagle3.Eagle3Drafter."""
+
+    graphdef: nnx.GraphDef
+    cfg: DrafterConfig
+    gamma: int
+    sampling: SamplingParams = SamplingParams()
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return self.cfg.capture if self.cfg.uses_hidden else ()
+
+    def _extend(self, net, params, state: BlockState, view) -> BlockState:
+        hidden, memory = state.hidden, state.memory
+        pos = view.positions
+        if hidden is not None:
+            k, v = net.hidden_context(view.hidden, pos, params["inv_freq"])
+            hidden = hidden.replace(k=common.scatter_positions(hidden.k, k, pos[:, 0]),
+                                    v=common.scatter_positions(hidden.v, v, pos[:, 0]))
+        if memory is not None:
+            memory = common.memory_update(net, self.cfg, memory, view.target_cache, pos,
+                                          params["inv_freq"])
+        return BlockState(hidden, memory)
+
+    def init(self, params, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        c, (B, _) = self.cfg, view.positions.shape
+
+        def empty():
+            return KVCache.init(c.num_layers, B, view.target_cache.capacity, c.num_kv_heads,
+                                c.head_dim, net.dtype)
+
+        state = BlockState(empty() if c.uses_hidden else None, empty() if c.uses_kv else None)
+        return self._extend(net, params, state, view)
+
+    def propose(self, params, state, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        G, B = self.gamma, view.lengths.shape[0]
+        offsets = jnp.arange(G + 1, dtype=jnp.int32)
+        pos = (view.lengths - 1)[:, None] + offsets[None, :]  # [B,G+1]
+        pending = jnp.take_along_axis(view.tokens, pos[:, :1], axis=1)
+        tokens = jnp.concatenate(
+            [pending, jnp.full((B, G), self.cfg.mask_token_id, jnp.int32)], axis=1)
+        contexts = []
+        for cache in (state.hidden, state.memory):
+            if cache is not None:
+                visible = jnp.arange(cache.capacity)[None, None, :] < pos[:, :1, None]
+                contexts.append(((cache.k, cache.v), jnp.broadcast_to(
+                    visible, (B, G + 1, cache.capacity))))
+        block_mask = jnp.ones((B, G + 1, G + 1), bool)
+        out = net.run_block(tokens, pos, contexts, block_mask, params["embed"],
+                            params["inv_freq"])
+        logits = net.logits(out[:, 1:], params["head"])  # [B,G,V]
+        keys = jax.random.split(key, G)
+        draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
+                            in_axes=(0, 1), out_axes=(1, 1))(keys, logits)
+        return draft, q, state
+
+    def update(self, params, state, view, num_accepted):
+        net = nnx.merge(self.graphdef, params["net"])
+        return self._extend(net, params, state, view)

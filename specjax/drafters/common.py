@@ -1,0 +1,243 @@
+"""Building blocks shared by the learned drafters (eagle3, kv, hybrid, block).
+
+- `DrafterWeights`: the stacked per-layer weights of Ld decoder layers (HF [out, in]
+  layout, the same names as the target's, so the mesh rules shard them alike);
+- `qkv` / `attend` / `mlp`: one decoder layer's pieces, where attention takes several
+  key/value sources at once (a memory, a causal self block, a "diagonal" of
+  training-time-test steps) under one softmax;
+- `merge_kv`: KVShot's learned merge of the target's K/V at Ls layers into one memory
+  (de-rotate, linear map over layers, re-rotate), and `gather_positions` to read the
+  newly verified positions of the target cache in place;
+- `context_kv`: the block drafter's context K/V from target hidden states (DFlash).
+
+Shapes follow DESIGN.md section 2; keys and values are [B,K,S,H] like one layer of the
+target cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters.config import DrafterConfig
+from specjax.model import apply_rope, rms_norm, rope_cos_sin
+
+NEG = -1e30
+
+
+def normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def ones(shape, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def layer_weights(cfg: DrafterConfig, rngs: nnx.Rngs, dtype, num_layers: int,
+                  in_dim: int | None = None, input_norm: bool = True) -> dict[str, nnx.Param]:
+    """Stacked weights of `num_layers` decoder layers whose q/k/v read `in_dim` features
+    (default D; eagle3 reads 2D): input_norm [Ld,D] (unless input_norm=False),
+    q_proj [Ld,N*H,in], k_proj/v_proj [Ld,K*H,in], q_norm/k_norm [Ld,H],
+    o_proj [Ld,D,N*H], post_norm [Ld,D], gate_proj/up_proj [Ld,F,D], down_proj [Ld,D,F]."""
+    D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+    Ld, In = num_layers, in_dim or D
+    norm = dict(input_norm=ones((Ld, D), dtype)) if input_norm else {}
+    return dict(**norm,
+        q_proj=normal(rngs, (Ld, N * H, In), dtype), k_proj=normal(rngs, (Ld, K * H, In), dtype),
+        v_proj=normal(rngs, (Ld, K * H, In), dtype), q_norm=ones((Ld, H), dtype),
+        k_norm=ones((Ld, H), dtype), o_proj=normal(rngs, (Ld, D, N * H), dtype),
+        post_norm=ones((Ld, D), dtype), gate_proj=normal(rngs, (Ld, F, D), dtype),
+        up_proj=normal(rngs, (Ld, F, D), dtype), down_proj=normal(rngs, (Ld, D, F), dtype))
+
+
+LAYER_KEYS = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj", "post_norm",
+              "gate_proj", "up_proj", "down_proj")
+
+
+def layer(module: nnx.Module, i: int) -> dict[str, jax.Array]:
+    """Layer i's weights (static index) of a module holding `layer_weights` attributes."""
+    return {k: getattr(module, k)[i] for k in LAYER_KEYS if hasattr(module, k)}
+
+
+def rope(inv_freq, positions, dtype):
+    """cos, sin [B,T,H] for i32[B,T] positions."""
+    return rope_cos_sin(inv_freq, positions, dtype)
+
+
+def qkv(w, x, cos, sin, eps, cfg: DrafterConfig):
+    """Projections of x [B,T,in] -> q [B,T,N,H], k, v [B,T,K,H] (q/k RMSNorm, RoPE)."""
+    B, T, _ = x.shape
+    q = jnp.einsum("BTI,EI->BTE", x, w["q_proj"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = jnp.einsum("BTI,EI->BTE", x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = jnp.einsum("BTI,EI->BTE", x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = apply_rope(rms_norm(q, w["q_norm"], eps), cos, sin)
+    k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
+    return q, k, v
+
+
+def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
+    """k, v [B,K,T,H] of x [B,T,in] (cache layout): the context projections of DFlash."""
+    B, T, _ = x.shape
+    k = jnp.einsum("BTI,EI->BTE", x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = jnp.einsum("BTI,EI->BTE", x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
+    return k.swapaxes(1, 2), v.swapaxes(1, 2)
+
+
+def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
+    """Attention of q [B,T,N,H] over several key/value sources under ONE softmax.
+
+    Args:
+      sources: (k [B,K,S,H], v [B,K,S,H], mask bool[B,T,S]) each (any S per source).
+      diag: (k [B,T,K,H], v [B,T,K,H]) each: query t sees only entry t of each (the
+        training-time-test diagonal: later steps at the same position).
+    Returns: [B,T,N*H] in q's dtype. Scores and softmax in f32. A query with no visible
+      key at all returns the mean of the values it masked (no NaN); callers never use it.
+    """
+    B, T, N, H = q.shape
+    K = (sources[0][0].shape[1] if sources else diag[0][0].shape[2])
+    R = N // K
+    scale = 1.0 / np.sqrt(H)
+    qg = q.reshape(B, T, K, R, H)
+    scores, values = [], []
+    for k, v, mask in sources:
+        s = jnp.einsum("BTKRH,BKSH->BKRTS", qg, k, preferred_element_type=jnp.float32) * scale
+        scores.append(jnp.where(mask[:, None, None], s, NEG))
+        values.append(("full", v))
+    for k, v in diag:
+        s = jnp.einsum("BTKRH,BTKH->BKRT", qg, k, preferred_element_type=jnp.float32) * scale
+        scores.append(s[..., None])
+        values.append(("diag", v))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for (how, v), s in zip(values, scores, strict=True):
+        width = s.shape[-1]
+        p = probs[..., start:start + width].astype(q.dtype)
+        start += width
+        if how == "full":
+            out = out + jnp.einsum("BKRTS,BKSH->BTKRH", p, v)
+        else:
+            out = out + p[..., 0].transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :]
+    return out.reshape(B, T, N * H)
+
+
+def mlp(w, x, eps):
+    """x + SwiGLU(post_norm(x)) for x [B,T,D]."""
+    h = rms_norm(x, w["post_norm"], eps)
+    gate = jnp.einsum("BTD,FD->BTF", h, w["gate_proj"])
+    up = jnp.einsum("BTD,FD->BTF", h, w["up_proj"])
+    return x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, w["down_proj"])
+
+
+def logits(x, final_norm, head, eps):
+    """f32[...,V] = head(final_norm(x)) with the target's LM head [V,D]."""
+    x = rms_norm(x, final_norm, eps)
+    return jnp.einsum("...D,VD->...V", x, head, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- KV merge
+
+def merge_init(cfg: DrafterConfig, dtype) -> tuple[nnx.Param, nnx.Param]:
+    """merge_k, merge_v [Lm, K*H, Ls*K*H]: memory m starts as an identity on target layer
+    kv_layers[merge_sources()[m]] (it then reproduces that layer's attention)."""
+    KH, Ls = cfg.num_kv_heads * cfg.head_dim, len(cfg.kv_layers)
+    w = np.zeros((cfg.num_memories, KH, Ls * KH), np.float32)
+    for m, src in enumerate(cfg.merge_sources()):
+        w[m, :, src * KH:(src + 1) * KH] = np.eye(KH)
+    return nnx.Param(jnp.asarray(w, dtype)), nnx.Param(jnp.asarray(w, dtype))
+
+
+def merge_kv(wk, wv, k_src, v_src, cos, sin):
+    """One merged memory from target K/V at Ls layers (KVShot; DESIGN.md section 5).
+
+    Args:
+      wk, wv: [K*H, Ls*K*H] merge maps.
+      k_src, v_src: [Ls,B,K,T,H] target keys (post-RoPE) and values at T positions.
+      cos, sin: [B,T,H] RoPE of those positions.
+    Returns: k, v [B,K,T,H]: keys de-rotated, merged, re-rotated at the same positions.
+    """
+    Ls, B, K, T, H = k_src.shape
+    cs, sn = cos[:, None], sin[:, None]  # [B,1,T,H]: broadcast over Ls and K
+    half = H // 2
+
+    def rot(x, s):
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cs + rotated * s
+
+    k_plain = rot(k_src, -sn)  # inverse RoPE
+    flat_k = k_plain.transpose(1, 3, 0, 2, 4).reshape(B, T, Ls * K * H)
+    flat_v = v_src.transpose(1, 3, 0, 2, 4).reshape(B, T, Ls * K * H)
+    mk = jnp.einsum("BTI,EI->BTE", flat_k, wk).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+    mv = jnp.einsum("BTI,EI->BTE", flat_v, wv).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+    return rot(mk, sn), mv
+
+
+def gather_positions(x, start, width: int):
+    """x [L,B,K,S,H] -> [L,B,K,width,H]: slots start[b] .. start[b]+width-1 of each row
+    (read in place by dynamic slices; start i32[B], clamped to the buffer)."""
+    def row(xb, s):  # xb [L,K,S,H]
+        return jax.lax.dynamic_slice_in_dim(xb, s, width, axis=2)
+
+    return jax.vmap(row, in_axes=(1, 0), out_axes=1)(x, start)
+
+
+def scatter_positions(buf, new, start):
+    """Writes new [L,B,K,W,H] into buf [L,B,K,S,H] at slots start[b].. of row b
+    (positions past S are dropped)."""
+    L, B, K, W, H = new.shape
+    pos = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]  # [B,W]
+    b = jnp.arange(B)[:, None]
+    upd = new.transpose(1, 3, 0, 2, 4)  # [B,W,L,K,H]
+    return buf.transpose(1, 3, 0, 2, 4).at[b, pos].set(upd, mode="drop").transpose(2, 0, 3, 1, 4)
+
+
+def memory_from_target(module, cfg: DrafterConfig, k_all, v_all, cos, sin):
+    """Every merged memory for T positions: target k_all, v_all [Ls,B,K,T,H] ->
+    (k, v) each [Lm,B,K,T,H]."""
+    ks, vs = [], []
+    for m in range(cfg.num_memories):
+        k, v = merge_kv(module.merge_k[m], module.merge_v[m], k_all, v_all, cos, sin)
+        ks.append(k)
+        vs.append(v)
+    return jnp.stack(ks), jnp.stack(vs)
+
+
+def target_kv_layers(target_cache_k, target_cache_v, layers: tuple[int, ...]):
+    """The chosen layers of the target cache, [Ls,B,K,S,H] each (a static gather)."""
+    idx = np.asarray(layers)
+    return target_cache_k[idx], target_cache_v[idx]
+
+
+# ----------------------------------------------------------------------------- layers
+
+def layer_qkv(module, i: int, x, cos, sin):
+    """Layer i of a module with `layer_weights` (input_norm included): q [B,T,N,H],
+    k, v [B,T,K,H] of x [B,T,D]."""
+    w = layer(module, i)
+    eps = module.cfg.rms_norm_eps
+    return qkv(w, rms_norm(x, w["input_norm"], eps), cos, sin, eps, module.cfg)
+
+
+def layer_out(module, i: int, x, attn):
+    """Layer i's output: x + o_proj(attn [B,T,N*H]), then the MLP -> [B,T,D]."""
+    w = layer(module, i)
+    x = x + jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+    return mlp(w, x, module.cfg.rms_norm_eps)
+
+
+def memory_update(module, cfg: DrafterConfig, memory, target_cache, positions, inv_freq):
+    """Merged memories extended at `positions` [B,T] (contiguous per row) with the target
+    cache's K/V there, read in place: memory KVCache [Lm,B,K,S,H] -> the same."""
+    T = positions.shape[1]
+    k_new = gather_positions(target_cache.k, positions[:, 0], T)
+    v_new = gather_positions(target_cache.v, positions[:, 0], T)
+    idx = jnp.asarray(cfg.kv_layers)
+    cos, sin = rope(inv_freq, positions, module.dtype)
+    mk, mv = memory_from_target(module, cfg, k_new[idx], v_new[idx], cos, sin)
+    return memory.replace(k=scatter_positions(memory.k, mk, positions[:, 0]),
+                          v=scatter_positions(memory.v, mv, positions[:, 0]))

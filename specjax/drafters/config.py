@@ -1,0 +1,210 @@
+"""Configuration of the drafters that read the target (DESIGN.md section 5), and the
+`config.json` of an exported drafter directory.
+
+    cfg = DrafterConfig.for_target(target_cfg, "block", context="kv", num_layers=2)
+
+Every learned drafter here uses the target's attention shapes (N, K, H) and width D, so
+that merged target keys and values drop into its attention unchanged, and the target's
+embedding and LM head (frozen, not part of the drafter's weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
+
+KINDS = ("eagle3", "kv", "hybrid", "block")
+CONTEXTS = ("hidden", "kv", "both")
+CONFIG_NAME = "config.json"
+FORMAT = "specjax-drafter"
+
+
+def evenly_spaced_layers(num_layers: int, n: int) -> tuple[int, ...]:
+    """n target layer indices spread over 1 .. L-3 (DFlash's `build_target_layer_ids`:
+    skip the first layer and the last two), clipped to 0 .. L-1 for shallow targets."""
+    if n < 1:
+        raise SpecjaxError(f"need at least one target layer, got {n}")
+    lo, hi = min(1, num_layers - 1), max(min(1, num_layers - 1), num_layers - 3)
+    if n == 1:
+        return ((lo + hi) // 2,)
+    return tuple(int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Hyper-parameters of one learned drafter (shape letters: DESIGN.md section 2).
+
+    Attributes:
+      kind: "eagle3" (hidden states), "kv" (KVShot KV-only), "hybrid" (both, gated), or
+        "block" (DFlash-style parallel block drafter).
+      gamma: G, the draft length it is trained for (decode.py's default --gamma).
+      num_layers: Ld, drafter decoder layers (eagle3 and hybrid: 1).
+      hidden_size, num_heads, num_kv_heads, head_dim: D, N, K, H: the target's.
+      intermediate_size: F of the drafter's SwiGLU MLP.
+      vocab_size: V, the target's vocabulary (the drafter drafts over all of it).
+      rms_norm_eps, rope_theta: the target's; inv_freq is taken from the target.
+      capture: target depths whose residual stream the drafter reads (input of layer d;
+        eagle3: the inputs of layers {2, L/2, L-3}; block hidden/both: outputs of Ld
+        evenly spaced layers); empty for kv.
+      kv_layers: Ls target layers whose K/V are merged into the drafter's memory (kv,
+        hybrid, block kv/both); empty otherwise.
+      context: block only: "hidden", "kv" or "both".
+      mask_token_id: block only: the id whose (frozen) target embedding fills the G
+        draft slots of a block; the tokenizer's pad token by default.
+      target_num_layers: L of the target it was built for (checked at load).
+    """
+
+    kind: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_num_layers: int
+    gamma: int = 7
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    capture: tuple[int, ...] = ()
+    kv_layers: tuple[int, ...] = ()
+    context: str | None = None
+    mask_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise SpecjaxError(f"drafter kind {self.kind!r}; use one of {KINDS}")
+        if self.gamma < 1 or self.num_layers < 1:
+            raise SpecjaxError(f"drafter gamma={self.gamma} and num_layers={self.num_layers} "
+                               "must be >= 1")
+        if self.kind in ("eagle3", "hybrid") and self.num_layers != 1:
+            raise SpecjaxError(f"{self.kind} drafters have one layer, got num_layers="
+                               f"{self.num_layers}")
+        if self.kind == "block":
+            if self.context not in CONTEXTS:
+                raise SpecjaxError(f"block drafter context {self.context!r}; use one of "
+                                   f"{CONTEXTS}")
+            if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+                raise SpecjaxError(f"block drafter mask_token_id={self.mask_token_id} must be "
+                                   f"a token id in [0, {self.vocab_size})")
+        elif self.context is not None:
+            raise SpecjaxError(f"context={self.context!r} is a block drafter setting")
+        if self.uses_hidden and not self.capture:
+            raise SpecjaxError(f"{self.kind} drafter needs capture depths")
+        if self.uses_kv and not self.kv_layers:
+            raise SpecjaxError(f"{self.kind} drafter needs kv_layers")
+        for d in self.capture:
+            if not 0 <= d <= self.target_num_layers:
+                raise SpecjaxError(f"capture depth {d} outside 0..{self.target_num_layers}")
+        for layer in self.kv_layers:
+            if not 0 <= layer < self.target_num_layers:
+                raise SpecjaxError(f"kv layer {layer} outside 0..{self.target_num_layers - 1}")
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def uses_hidden(self) -> bool:
+        """Reads target hidden states (eagle3, hybrid, block hidden/both)."""
+        return self.kind in ("eagle3", "hybrid") or (
+            self.kind == "block" and self.context in ("hidden", "both"))
+
+    @property
+    def uses_kv(self) -> bool:
+        """Reads the target KV cache (kv, hybrid, block kv/both)."""
+        return self.kind in ("kv", "hybrid") or (
+            self.kind == "block" and self.context in ("kv", "both"))
+
+    @property
+    def num_memories(self) -> int:
+        """Merged target-KV memories: one per drafter layer (kv, block), one for hybrid."""
+        if not self.uses_kv:
+            return 0
+        return 1 if self.kind == "hybrid" else self.num_layers
+
+    def merge_sources(self) -> tuple[int, ...]:
+        """For each memory, the index into kv_layers that its merge map starts as (an
+        identity on that layer): evenly spread, the deepest for a single memory."""
+        n, s = self.num_memories, len(self.kv_layers)
+        if n == 1:
+            return (s - 1,)
+        return tuple(int(round(i * (s - 1) / (n - 1))) for i in range(n))
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, kind: str, *, gamma: int = 7,
+                   num_layers: int | None = None, intermediate_size: int | None = None,
+                   context: str | None = None, num_kv_layers: int = 3,
+                   mask_token_id: int | None = None) -> DrafterConfig:
+        """A drafter config sized for `target` with the defaults of DESIGN.md section 5:
+        eagle3 captures the inputs of layers {2, L/2, L-3}; kv has Ld = 2 layers over
+        Ls = 3 target layers; block has Ld = 2 layers, context "hidden"; F defaults to
+        the target's."""
+        L = target.num_layers
+        if num_layers is None:
+            num_layers = 2 if kind in ("kv", "block") else 1
+        if kind == "block" and context is None:
+            context = "hidden"
+        capture: tuple[int, ...] = ()
+        if kind in ("eagle3", "hybrid"):
+            capture = tuple(sorted({min(2, L), L // 2, max(L - 3, 0)}))
+            if len(capture) < 3:  # shallow targets: any three depths
+                capture = tuple(sorted({0, L // 2, L}))
+        elif kind == "block" and context in ("hidden", "both"):
+            capture = tuple(i + 1 for i in evenly_spaced_layers(L, num_layers))
+        kv_layers = ()
+        if kind in ("kv", "hybrid") or (kind == "block" and context in ("kv", "both")):
+            kv_layers = tuple(sorted(set(evenly_spaced_layers(L, num_kv_layers))))
+        if kind == "block" and mask_token_id is None:
+            mask_token_id = target.pad_token_id if target.pad_token_id is not None else 0
+        return cls(kind=kind, hidden_size=target.hidden_size, num_heads=target.num_heads,
+                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   intermediate_size=intermediate_size or target.intermediate_size,
+                   vocab_size=target.vocab_size, target_num_layers=L, gamma=gamma,
+                   num_layers=num_layers, rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta, capture=capture, kv_layers=kv_layers,
+                   context=context if kind == "block" else None,
+                   mask_token_id=mask_token_id if kind == "block" else None)
+
+    def check_target(self, target: ModelConfig, where: str = "drafter") -> None:
+        """Raises SpecjaxError unless `target` has the shapes this drafter was built for."""
+        want = dict(hidden_size=self.hidden_size, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    vocab_size=self.vocab_size, num_layers=self.target_num_layers)
+        diff = [f"{k} {getattr(target, k)} != {v}" for k, v in want.items()
+                if getattr(target, k) != v]
+        if diff:
+            raise SpecjaxError(f"{where} was built for another target ({', '.join(diff)})")
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_json_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["capture"], out["kv_layers"] = list(self.capture), list(self.kv_layers)
+        return {"format": FORMAT, **out}
+
+    @classmethod
+    def from_json_dict(cls, raw: dict, where: str = "drafter config") -> DrafterConfig:
+        raw = {k: v for k, v in raw.items() if k not in ("format", "target")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise SpecjaxError(f"{where}: unknown keys {unknown}")
+        for key in ("capture", "kv_layers"):
+            if key in raw:
+                raw[key] = tuple(raw[key])
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise SpecjaxError(f"{where}: {e}") from None
+
+    @staticmethod
+    def is_drafter_dir(path: str) -> bool:
+        """True if `path` holds a specjax drafter config.json (not an HF model's)."""
+        try:
+            with open(os.path.join(path, CONFIG_NAME)) as f:
+                return json.load(f).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False

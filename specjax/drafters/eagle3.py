@@ -1,0 +1,196 @@
+"""EAGLE-3 drafter (hidden states only; Li et al. 2025, arXiv 2503.01840; layout of
+SafeAILab/EAGLE and SpecForge, DESIGN.md section 5).
+
+One decoder layer over x_t = [embed_norm(embed(token_{t+1})) ; hidden_norm(h_t)] (2D
+features), with h as its residual: h_0 = fc(concat of target features at 3 depths),
+later steps feed back the layer's own pre-norm output. Logits come from the target's LM
+head after the drafter's final norm. Entry t (RoPE position t) pairs feature t with
+token t+1 and predicts token t+2.
+
+Decoding state (`Eagle3State`): the drafter's one-layer KV cache [1,B,K,S,H], valid for
+positions 0..lengths-2 (built from TARGET features of committed tokens), and h_last
+[B,D], its output at position lengths-2, which predicts the first draft token. Each
+step drafts with G-1 one-token forwards (slots lengths-1 .. lengths+G-3, overwritten
+later) and, after verification, rebuilds the entries of the newly committed positions
+in one (G+1)-token forward from the verify pass's target features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters import common
+from specjax.drafters.config import DrafterConfig
+from specjax.kv_cache import KVCache
+from specjax.model import rms_norm
+from specjax.sampling import SamplingParams, sample_logits
+
+
+class Eagle3(nnx.Module):
+    """The EAGLE-3 network: fc [D, C*D], embed_norm/hidden_norm [D], one layer reading
+    2D features (common.layer_weights), final_norm [D]."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, C = cfg.hidden_size, len(cfg.capture)
+        self.cfg, self.dtype = cfg, dtype
+        self.fc = common.normal(rngs, (D, C * D), dtype)
+        self.embed_norm = common.ones((D,), dtype)
+        self.hidden_norm = common.ones((D,), dtype)
+        for name, p in common.layer_weights(cfg, rngs, dtype, 1, 2 * D, False).items():
+            setattr(self, name, p)
+        self.final_norm = common.ones((D,), dtype)
+
+    def features(self, hidden):
+        """fc over the captured target features: hidden [C,B,T,D] -> [B,T,D]."""
+        C, B, T, D = hidden.shape
+        flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
+        return jnp.einsum("BTI,DI->BTD", flat, self.fc[...])
+
+    def project(self, emb, h, cos, sin):
+        """q [B,T,N,H], k, v [B,T,K,H] of one step's input (emb, h [B,T,D])."""
+        eps = self.cfg.rms_norm_eps
+        x = jnp.concatenate([rms_norm(emb, self.embed_norm[...], eps),
+                             rms_norm(h, self.hidden_norm[...], eps)], axis=-1)
+        return common.qkv(common.layer(self, 0), x, cos, sin, eps, self.cfg)
+
+    def finish(self, h, attn):
+        """The layer's output (pre-norm, fed back as the next step's h): h + o(attn),
+        then the MLP. attn [B,T,N*H] -> [B,T,D]."""
+        w = common.layer(self, 0)
+        x = h + jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+        return common.mlp(w, x, self.cfg.rms_norm_eps)
+
+    def logits(self, out, head):
+        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+
+    def extra(self, out, q_positions, limit, memory, inv_freq):
+        """Hook for the hybrid's cross-attention path (identity here); returns (out, gate
+        or None). See Hybrid.extra."""
+        return out, None
+
+
+@struct.dataclass
+class Eagle3State:
+    cache: KVCache  # k, v [1,B,K,S,H]; positions 0..lengths-2 valid after update
+    h_last: jax.Array  # [B,D] output at position lengths-2
+    memory: KVCache | None  # hybrid: merged target K/V [1,B,K,S,H]; None for eagle3
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3 and Hybrid networks.
+
+    graphdef: `nnx.split(net)[0]` (static). params: {"net": its state, "embed": [V,D],
+    "head": [V,D], "inv_freq": f32[H/2]} (the target's arrays, not copied).
+    """
+
+    graphdef: nnx.GraphDef
+    cfg: DrafterConfig
+    gamma: int
+    sampling: SamplingParams = SamplingParams()
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return self.cfg.capture
+
+    # ------------------------------------------------------------------ pieces
+
+    def _entries(self, net, params, cache, memory, feats, positions, next_tokens):
+        """Writes drafter entries for `positions` [B,T] from target feats [C,B,T,D] and the
+        tokens that follow them; returns (outputs [B,T,D], cache)."""
+        g = net.features(feats)
+        emb = jnp.take(params["embed"], next_tokens, axis=0)
+        cos, sin = common.rope(params["inv_freq"], positions, net.dtype)
+        q, k, v = net.project(emb, g, cos, sin)
+        cache = _write(cache, k, v, positions)
+        attn = common.attend(q, [(cache.k[0], cache.v[0], _visible(cache, positions))])
+        out, _ = net.extra(net.finish(g, attn), positions, positions, _kv(memory),
+                           params["inv_freq"])
+        return out, cache
+
+    def _memory(self, net, params, memory, view, positions):
+        """Extends the hybrid's merged memory with the target K/V at `positions`."""
+        if memory is None:
+            return None
+        return common.memory_update(net, self.cfg, memory, view.target_cache, positions,
+                                    params["inv_freq"])
+
+    # ------------------------------------------------------------------ protocol
+
+    def init(self, params, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        B, T = view.positions.shape
+        S = view.target_cache.capacity
+        c = self.cfg
+        cache = KVCache.init(1, B, S, c.num_kv_heads, c.head_dim, net.dtype)
+        memory = None
+        if c.uses_kv:
+            memory = KVCache.init(c.num_memories, B, S, c.num_kv_heads, c.head_dim, net.dtype)
+            memory = self._memory(net, params, memory, view, view.positions)
+        nxt = jax.lax.dynamic_slice_in_dim(view.tokens, 1, T, axis=1)
+        out, cache = self._entries(net, params, cache, memory, view.hidden, view.positions, nxt)
+        return Eagle3State(cache, _at(out, view.lengths - 2), memory)
+
+    def propose(self, params, state, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        keys = jax.random.split(key, self.gamma)
+        x, q = sample_logits(keys[0], net.logits(state.h_last, params["head"]), self.sampling)
+
+        def step(carry, k):
+            cache, h, tok, pos = carry  # pos [B,1]: this entry's slot
+            emb = jnp.take(params["embed"], tok[:, None], axis=0)
+            cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
+            qh, kh, vh = net.project(emb, h[:, None], cos, sin)
+            cache = _write(cache, kh, vh, pos)
+            attn = common.attend(qh, [(cache.k[0], cache.v[0], _visible(cache, pos))])
+            out, _ = net.extra(net.finish(h[:, None], attn), pos, anchor, _kv(state.memory),
+                               params["inv_freq"])
+            nxt, probs = sample_logits(k, net.logits(out[:, 0], params["head"]), self.sampling)
+            return (cache, out[:, 0], nxt, pos + 1), (nxt, probs)
+
+        pos0 = (view.lengths - 1)[:, None]
+        anchor = pos0 - 1  # the last committed entry: memory slots <= it are visible
+        (cache, _, _, _), (xs, qs) = jax.lax.scan(step, (state.cache, state.h_last, x, pos0),
+                                                  keys[1:])
+        draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
+        q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
+        return draft, q_all, state.replace(cache=cache)
+
+    def update(self, params, state, view, num_accepted):
+        net = nnx.merge(self.graphdef, params["net"])
+        pos = view.positions  # [B,G+1]: old lengths-1 .. old lengths-1+G
+        memory = self._memory(net, params, state.memory, view, pos)
+        nxt = jnp.take_along_axis(view.tokens, jnp.minimum(pos + 1, view.tokens.shape[1] - 1),
+                                  axis=1)
+        out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
+        last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
+        return Eagle3State(cache, _index(out, last), memory)
+
+
+def _kv(memory: KVCache | None):
+    return None if memory is None else (memory.k[0], memory.v[0])
+
+
+def _write(cache: KVCache, k, v, positions) -> KVCache:
+    """Writes k, v [B,T,K,H] of layer 0 at `positions` [B,T] (past S: dropped)."""
+    b = jnp.arange(k.shape[0])[:, None]
+    return cache.replace(k=cache.k.at[0, b, :, positions].set(k, mode="drop"),
+                         v=cache.v.at[0, b, :, positions].set(v, mode="drop"))
+
+
+def _visible(cache: KVCache, positions):
+    """bool[B,T,S]: slot s is visible to the entry at positions[b,t] iff s <= it."""
+    return jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]
+
+
+def _index(x, idx):
+    """x [B,T,D] at i32[B] indices -> [B,D]."""
+    return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+def _at(x, idx):
+    return _index(x, jnp.clip(idx, 0, x.shape[1] - 1))

@@ -1,0 +1,61 @@
+"""KVShot hybrid drafter (arXiv 2604.26412; DESIGN.md section 5): the EAGLE-3 path n plus
+a cross-attention path o over a merged memory M of the target's K/V, mixed by a gate:
+
+    o = n + cross_o(attend(rope(q_norm(cross_q(cross_norm(n)))), M[positions <= t]))
+    g = sigmoid(gate_w [n; o; o - n] + gate_b)          g in (0, 1)^D, 0.5 at init
+    h = n + g * gate_d (o - n)                            gate_d starts as the identity
+
+With gate_d = 0 (or g -> 0) h = n: the hybrid is exactly EAGLE-3. The memory M of entry t
+(and of every draft step anchored at t) holds target positions <= t: everything the
+target has cached. Decoding keeps M in the drafter state, extended per verification
+(see eagle3.Eagle3Drafter); training reports the gate's mean.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters import common
+from specjax.drafters.config import DrafterConfig
+from specjax.drafters.eagle3 import Eagle3
+from specjax.model import apply_rope, rms_norm
+
+
+class Hybrid(Eagle3):
+    """Eagle3's weights plus merge_k/merge_v [1,K*H,Ls*K*H], cross_norm [D], cross_q
+    [N*H,D], cross_q_norm [H], cross_o [D,N*H], gate_w [D,3D], gate_b [D], gate_d [D,D]."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
+        self.cross_norm = common.ones((D,), dtype)
+        self.cross_q = common.normal(rngs, (N * H, D), dtype)
+        self.cross_q_norm = common.ones((H,), dtype)
+        self.cross_o = common.normal(rngs, (D, N * H), dtype)
+        self.gate_w = common.normal(rngs, (D, 3 * D), dtype)
+        self.gate_b = nnx.Param(jnp.zeros((D,), dtype))
+        self.gate_d = nnx.Param(jnp.asarray(np.eye(D), dtype))
+
+    def extra(self, n, q_positions, limit, memory, inv_freq):
+        """n [B,T,D] (the EAGLE-3 output) -> (h [B,T,D], gate [B,T,D]).
+
+        q_positions i32[B,T]: RoPE positions of the queries; limit i32[B,T]: memory slots
+        <= limit are visible; memory: (k, v) [B,K,S,H] with slot s = position s.
+        """
+        c = self.cfg
+        B, T, D = n.shape
+        mk, mv = memory
+        eps = c.rms_norm_eps
+        x = rms_norm(n, self.cross_norm[...], eps)
+        q = jnp.einsum("BTD,ED->BTE", x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
+        cos, sin = common.rope(inv_freq, q_positions, n.dtype)
+        q = apply_rope(rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
+        mask = jnp.arange(mk.shape[2])[None, None, :] <= limit[:, :, None]
+        o = n + jnp.einsum("BTE,DE->BTD", common.attend(q, [(mk, mv, mask)]), self.cross_o[...])
+        g = jax.nn.sigmoid(jnp.einsum("BTI,DI->BTD", jnp.concatenate([n, o, o - n], -1),
+                                      self.gate_w[...]) + self.gate_b[...])
+        return n + g * jnp.einsum("BTD,ED->BTE", o - n, self.gate_d[...]), g

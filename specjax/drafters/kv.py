@@ -1,0 +1,138 @@
+"""KVShot KV-only drafter (arXiv 2604.26412; DESIGN.md section 5): a small causal decoder
+whose input is the token embedding alone and whose every layer attends to a memory M_l
+merged from the target's K/V at Ls layers (positions <= the last committed entry),
+followed by its own K/V for the tokens it is drafting.
+
+    layer l, query at position p:  attend(q, [M_l[slots <= t] ; own_l[t+1 .. p]])
+
+where t = lengths-2 is the last position the target has cached. Decoding state: the
+merged memories [Ld,B,K,S,H] for committed positions, extended per verification from
+the target cache in place (`common.memory_update`); the own K/V live only inside one
+proposal (G slots). A proposal runs G one-token forwards: the pending token, then
+x_1 .. x_{G-1}.
+
+Training-time test (objectives/ttt.py): step k at anchor t feeds token t+k+1 at position
+t+k+1; it sees M_l[<= t] and its own K/V of steps 0..k at t (the TTT diagonal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.drafters import common
+from specjax.drafters.config import DrafterConfig
+from specjax.kv_cache import KVCache
+from specjax.sampling import SamplingParams, sample_logits
+
+
+class KVOnly(nnx.Module):
+    """Ld layers (common.layer_weights with input_norm), merge_k/merge_v
+    [Ld,K*H,Ls*K*H], final_norm [D]."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        for name, p in common.layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
+            setattr(self, name, p)
+        self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
+        self.final_norm = common.ones((cfg.hidden_size,), dtype)
+
+    def logits(self, out, head):
+        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+
+    def ttt(self, memory, tokens, embed, inv_freq, steps: int):
+        """Training-time-test unroll (DESIGN.md section 6).
+
+        Args:
+          memory: (k, v) [Ld,B,K,T,H], merged from the target at positions 0..T-1.
+          tokens: i32[B,T+1] rows; step k at anchor t reads token t+k+1 (clipped past T).
+          embed: [V,D] target embedding; inv_freq: f32[H/2].
+        Returns: outputs [steps,B,T,D] (pre-norm); step k at t predicts token t+k+2.
+        """
+        mk, mv = memory
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        causal = pos[:, None, :] <= pos[:, :, None]
+        own = [[] for _ in range(self.cfg.num_layers)]
+        outs = []
+        for k in range(steps):
+            x = jnp.take(embed, _shifted(tokens, k + 1, T), axis=0)
+            cos, sin = common.rope(inv_freq, pos + k + 1, self.dtype)
+            for i in range(self.cfg.num_layers):
+                q, kk, vv = common.layer_qkv(self, i, x, cos, sin)
+                own[i].append((kk, vv))
+                attn = common.attend(q, [(mk[i], mv[i], causal)], own[i])
+                x = common.layer_out(self, i, x, attn)
+            outs.append(x)
+        return jnp.stack(outs)
+
+
+def _shifted(tokens, shift: int, T: int):
+    """tokens[:, t + shift] for t in 0..T-1, clipped to the last column: i32[B,T]."""
+    idx = jnp.minimum(jnp.arange(T) + shift, tokens.shape[1] - 1)
+    return tokens[:, idx]
+
+
+@struct.dataclass
+class KVState:
+    memory: KVCache  # merged target K/V [Ld,B,K,S,H]; positions 0..lengths-2 valid
+
+
+@dataclasses.dataclass(frozen=True)
+class KVDrafter:
+    """Loop adapter for KVOnly; params as for eagle3.Eagle3Drafter."""
+
+    graphdef: nnx.GraphDef
+    cfg: DrafterConfig
+    gamma: int
+    sampling: SamplingParams = SamplingParams()
+    capture: tuple[int, ...] = ()
+
+    def init(self, params, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        c, (B, _) = self.cfg, view.positions.shape
+        memory = KVCache.init(c.num_layers, B, view.target_cache.capacity, c.num_kv_heads,
+                              c.head_dim, net.dtype)
+        return KVState(common.memory_update(net, c, memory, view.target_cache, view.positions,
+                                            params["inv_freq"]))
+
+    def propose(self, params, state, view, key):
+        net = nnx.merge(self.graphdef, params["net"])
+        c, G = self.cfg, self.gamma
+        B = view.lengths.shape[0]
+        limit = (view.lengths - 2)[:, None]  # memory slots <= limit are committed
+        S = state.memory.capacity
+        mem_mask = jnp.arange(S)[None, None, :] <= limit[:, :, None]  # [B,1,S]
+        own_shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
+        slots = jnp.arange(G)
+        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+
+        def step(carry, inp):
+            own_k, own_v, tok = carry
+            j, k = inp
+            pos = (view.lengths - 1 + j)[:, None]
+            cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
+            x = jnp.take(params["embed"], tok[:, None], axis=0)
+            own_mask = jnp.broadcast_to(slots[None, None, :] <= j, (B, 1, G))
+            for i in range(c.num_layers):
+                q, kk, vv = common.layer_qkv(net, i, x, cos, sin)
+                own_k = own_k.at[i, :, :, j].set(kk[:, 0])
+                own_v = own_v.at[i, :, :, j].set(vv[:, 0])
+                attn = common.attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
+                                         (own_k[i], own_v[i], own_mask)])
+                x = common.layer_out(net, i, x, attn)
+            nxt, probs = sample_logits(k, net.logits(x[:, 0], params["head"]), self.sampling)
+            return (own_k, own_v, nxt), (nxt, probs)
+
+        zeros = jnp.zeros(own_shape, net.dtype)
+        keys = jax.random.split(key, G)
+        _, (xs, qs) = jax.lax.scan(step, (zeros, zeros, pending), (slots, keys))
+        return xs.T, jnp.moveaxis(qs, 0, 1), state
+
+    def update(self, params, state, view, num_accepted):
+        net = nnx.merge(self.graphdef, params["net"])
+        return KVState(common.memory_update(net, self.cfg, state.memory, view.target_cache,
+                                            view.positions, params["inv_freq"]))
