@@ -67,6 +67,46 @@ class BlockNet(nnx.Module):
             vs.append(v)
         return jnp.stack(ks), jnp.stack(vs)
 
+    def memory_context(self, kv, positions, inv_freq):
+        """Per-layer merged memories from target K/V kv = (k, v) [Ls,B,K,T,H] at
+        `positions` [B,T]: (k, v) each [Ld,B,K,T,H]."""
+        cos, sin = common.rope(inv_freq, positions, self.dtype)
+        return common.memory_from_target(self, self.cfg, kv[0], kv[1], cos, sin)
+
+    def contexts(self, hidden, kv, positions, inv_freq):
+        """The context sources this drafter reads, each (k, v) [Ld,B,K,T,H]."""
+        out = []
+        if self.cfg.uses_hidden:
+            out.append(self.hidden_context(hidden, positions, inv_freq))
+        if self.cfg.uses_kv:
+            out.append(self.memory_context(kv, positions, inv_freq))
+        return out
+
+    def blocks(self, contexts, anchors, tokens, embed, inv_freq, gamma: int):
+        """Packed training blocks (DFlash; DESIGN.md section 6): block j of row b is
+        [tokens[b, anchors[b,j]], G mask tokens] at positions anchor .. anchor+G; it sees
+        context positions strictly before its anchor and its own block (bidirectional).
+
+        Args:
+          contexts: context sources (k, v) [Ld,B,K,T,H] at positions 0..T-1.
+          anchors: i32[B,A] anchor positions; tokens: i32[B,T].
+        Returns: outputs [B,A,G+1,D] (pre-norm); block position k >= 1 predicts the
+          token at anchor + k.
+        """
+        B, A = anchors.shape
+        T, G = tokens.shape[1], gamma
+        pos = (anchors[:, :, None] + jnp.arange(G + 1, dtype=jnp.int32)).reshape(B, -1)
+        first = jnp.take_along_axis(tokens, anchors, axis=1)[:, :, None]
+        blk = jnp.concatenate([first, jnp.full((B, A, G), self.cfg.mask_token_id, jnp.int32)],
+                              axis=2).reshape(B, -1)
+        anchor_q = jnp.repeat(anchors, G + 1, axis=1)  # [B,Q]
+        ctx_mask = jnp.arange(T)[None, None, :] < anchor_q[:, :, None]
+        bid = jnp.repeat(jnp.arange(A), G + 1)
+        block_mask = jnp.broadcast_to(bid[:, None] == bid[None, :], (B, bid.size, bid.size))
+        out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], block_mask, embed,
+                             inv_freq)
+        return out.reshape(B, A, G + 1, -1)
+
     def run_block(self, tokens, positions, contexts, block_mask, embed, inv_freq):
         """The block forward.
 

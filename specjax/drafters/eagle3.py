@@ -67,6 +67,42 @@ class Eagle3(nnx.Module):
     def logits(self, out, head):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
+    def ttt(self, hidden, tokens, embed, inv_freq, steps: int, memory=None):
+        """Training-time-test unroll (EAGLE-3; DESIGN.md section 6).
+
+        Step 0 runs on fc(target features) with a causal mask; step k at position t reads
+        the embedding of token t+k+1 and step k-1's output at t, uses RoPE position t+k,
+        and attends to step-0 keys at positions <= t plus position t of steps 1..k.
+
+        Args:
+          hidden: [C,B,T,D] target features at `cfg.capture` depths for positions 0..T-1.
+          tokens: i32[B,T+1] rows (indices past T are clipped; those outputs are unused).
+          embed: [V,D]; inv_freq: f32[H/2].
+          memory: hybrid only: (k, v) [B,K,T,H] merged target K/V at positions 0..T-1.
+        Returns: (outputs [steps,B,T,D] pre-norm, gates [steps,B,T,D] or None); step k at
+          t predicts token t+k+2 (the target's distribution at position t+k+1).
+        """
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        causal = pos[:, None, :] <= pos[:, :, None]
+        h = self.features(hidden)
+        self_keys, diag, outs, gates = None, [], [], []
+        for k in range(steps):
+            idx = jnp.minimum(jnp.arange(T) + k + 1, tokens.shape[1] - 1)
+            emb = jnp.take(embed, tokens[:, idx], axis=0)
+            cos, sin = common.rope(inv_freq, pos + k, self.dtype)
+            q, kk, vv = self.project(emb, h, cos, sin)
+            if k == 0:
+                self_keys = (kk.swapaxes(1, 2), vv.swapaxes(1, 2), causal)
+            else:
+                diag.append((kk, vv))
+            out = self.finish(h, common.attend(q, [self_keys], diag))
+            out, gate = self.extra(out, pos + k, pos, memory, inv_freq)
+            outs.append(out)
+            gates.append(gate)
+            h = out
+        return jnp.stack(outs), (None if gates[0] is None else jnp.stack(gates))
+
     def extra(self, out, q_positions, limit, memory, inv_freq):
         """Hook for the hybrid's cross-attention path (identity here); returns (out, gate
         or None). See Hybrid.extra."""

@@ -87,6 +87,9 @@ def save_drafter(path: str, dcfg: DrafterConfig, params: nnx.State, target_dir: 
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(raw, f, indent=2)
         save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "specjax"})
+        for name in (CONFIG_NAME, WEIGHTS_NAME):  # mkdtemp and safetensors make them private
+            os.chmod(os.path.join(tmp, name), 0o644)
+        os.chmod(tmp, 0o755)
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=".old-drafter-", dir=parent)
             os.replace(path, os.path.join(old, "d"))

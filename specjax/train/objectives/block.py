@@ -1,0 +1,58 @@
+"""Block-wise training (DFlash; DESIGN.md section 6) for the parallel block drafter.
+
+Per row, A anchors are drawn without replacement from positions 1 .. T-G (resampled
+every step from the step's key); block j = [token at anchor_j, G mask tokens] sees the
+context strictly before anchor_j and its own block. Block position k >= 1 predicts the
+token at anchor_j + k: soft label softmax(target logits at anchor_j + k - 1), or hard
+label the data token. Loss weights w_k = exp(-(k-1) / gamma_w); the loss is the
+w-weighted mean over all block positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int):
+    """i32[B,A], A = min(num_anchors, T-G): distinct anchors in 1 .. T-G per row, sorted."""
+    n = seq_len - gamma
+    A = min(num_anchors, n)
+    noise = jax.random.uniform(key, (batch, n))
+    return jnp.sort(jnp.argsort(noise, axis=1)[:, :A] + 1, axis=1).astype(jnp.int32)
+
+
+def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = True,
+               gamma_w: float = 7.0, gamma: int | None = None):
+    """Weighted block loss and acceptance statistics.
+
+    Args:
+      net: BlockNet; tgt: the target's cache-free ForwardOutput on rows[:, :T] (hidden at
+        net.cfg.capture, kv at net.cfg.kv_layers); rows: i32[B,T+1]; frozen:
+        objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma).
+    Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
+      block positions 1..k+1 all equal the target's argmax.
+    """
+    G = gamma or net.cfg.gamma
+    B, T = rows.shape[0], rows.shape[1] - 1
+    anchors = sample_anchors(key, B, T, G, num_anchors)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    contexts = net.contexts(tgt.hidden, tgt.kv, pos, frozen.inv_freq)
+    out = net.blocks(contexts, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, G)
+    logits = net.logits(out[:, :, 1:], frozen.head)  # [B,A,G,V]
+    at = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # target positions [B,A,G]
+    tl = jnp.take_along_axis(tgt.logits, at.reshape(B, -1)[:, :, None], axis=1)
+    tl = tl.reshape(*at.shape, -1)
+    if soft:
+        ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(tl.astype(jnp.float32), -1))
+    else:
+        hard = jnp.take_along_axis(rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, hard)
+    w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / gamma_w)
+    loss = jnp.sum(ce * w) / (jnp.sum(w) * B * anchors.shape[1])
+    match = jnp.argmax(logits, axis=-1) == jnp.argmax(tl, axis=-1)  # [B,A,G]
+    chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
+    stats = {"accepted": jnp.sum(chain, axis=(0, 1)),
+             "chains": jnp.asarray(B * anchors.shape[1], jnp.float32)}
+    return loss, stats
