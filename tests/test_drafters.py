@@ -24,14 +24,14 @@ T1 = SamplingParams(temperature=1.0)  # q = softmax(draft logits): compares dist
 
 
 @functools.cache
-def net_for(kind, context, seed=0):
+def net_for(kind, context, seed=0, scale=20.0):
     dcfg = DrafterConfig.for_target(CFG, kind, context=context, gamma=4,
                                     mask_token_id=1 if kind == "block" else None)
     net = build_network(dcfg, rngs=nnx.Rngs(seed))
     # Random-init weights are tiny (std 0.02): scale them so the drafter is opinionated
     # and a wrong cache entry would show in q.
     graphdef, state = nnx.split(net)
-    state = jax.tree.map(lambda x: x * 20.0 if x.ndim >= 2 and x.shape[-2] != x.shape[-1]
+    state = jax.tree.map(lambda x: x * scale if x.ndim >= 2 and x.shape[-2] != x.shape[-1]
                          else x, state)
     return dcfg, nnx.merge(graphdef, state)
 
@@ -96,3 +96,120 @@ def test_decoding_path_equals_training_path(kind, context):
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
         dstate = drafter.update(dparams, dstate, after, n_acc)
+
+
+# ----------------------------------------------------------------------------- causality
+
+def _target_out(kind, context, T=12, seed=0):
+    target, _ = models()
+    dcfg, net = net_for(kind, context, scale=3.0)  # softmaxes far from saturation
+    rows = jnp.asarray(np.random.RandomState(seed).randint(2, V, size=(2, T + 1)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    tgt = target(rows[:, :T], pos, None, capture=dcfg.capture, capture_kv=dcfg.kv_layers)
+    return dcfg, net, rows, tgt, Frozen.from_target(target)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "kv", "hybrid"])
+def test_ttt_output_sees_nothing_after_its_anchor(kind):
+    """Step k at anchor t: zero gradient from target features / K/V at positions > t, and
+    no change when tokens after t+k+1 change."""
+    dcfg, net, rows, tgt, frozen = _target_out(kind, None)
+    G, t = 3, 5
+
+    def out_at(hidden, kv, rows, k):
+        outs, _ = draft_outputs(net, tgt._replace(hidden=hidden, kv=kv), rows, frozen, G)
+        return outs[k, :, t].sum()
+
+    for k in range(G):
+        gh, gkv = jax.grad(out_at, argnums=(0, 1))(tgt.hidden, tgt.kv, rows, k)
+        if gh is not None:
+            assert float(jnp.abs(gh[:, :, t + 1:]).max()) == 0.0
+            assert float(jnp.abs(gh[:, :, t]).max()) > 0.0
+        if gkv is not None:
+            for g in gkv:
+                assert float(jnp.abs(g[:, :, :, t + 1:]).max()) == 0.0
+                assert float(jnp.abs(g[:, :, :, t]).max()) > 0.0
+        changed = rows.at[:, t + k + 2:].set((rows[:, t + k + 2:] + 1) % V)
+        np.testing.assert_array_equal(np.asarray(out_at(tgt.hidden, tgt.kv, changed, k)),
+                                      np.asarray(out_at(tgt.hidden, tgt.kv, rows, k)))
+        seen = rows.at[:, t + k + 1].set((rows[:, t + k + 1] + 1) % V)
+        assert out_at(tgt.hidden, tgt.kv, seen, k) != out_at(tgt.hidden, tgt.kv, rows, k)
+
+
+@pytest.mark.parametrize("context", ["hidden", "kv", "both"])
+def test_block_sees_only_context_before_its_anchor(context):
+    dcfg, net, rows, tgt, frozen = _target_out("block", context)
+    T = rows.shape[1] - 1
+    anchors = jnp.asarray([[3, 6], [4, 7]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+
+    def block_out(hidden, kv, j):
+        ctx = net.contexts(hidden, kv, pos, frozen.inv_freq)
+        return net.blocks(ctx, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, 4)[:, j].sum()
+
+    for j in range(2):
+        gh, gkv = jax.grad(block_out, argnums=(0, 1))(tgt.hidden, tgt.kv, j)
+        for b in range(2):
+            a = int(anchors[b, j])
+            for g in ([gh[:, b]] if dcfg.uses_hidden else []) + (
+                    [x[:, b] for x in gkv] if dcfg.uses_kv else []):
+                axis_t = g.ndim - 2 if g.ndim == 4 else 1  # kv [Ls,K,T,H]; hidden [C,T,D]
+                after = jnp.take(g, jnp.arange(a, T), axis=axis_t)
+                before = jnp.take(g, jnp.arange(0, a), axis=axis_t)
+                assert float(jnp.abs(after).max()) == 0.0
+                assert float(jnp.abs(before).max()) > 0.0
+
+
+# ----------------------------------------------------------------------------- KV merge
+
+def test_merge_initialised_to_one_layer_reproduces_its_attention():
+    """At init each merged memory is exactly its source target layer's K/V (de-rotate,
+    identity map, re-rotate), so any query attends to it as to that layer's cache."""
+    from specjax.drafters import common
+
+    dcfg, net, rows, tgt, frozen = _target_out("block", "kv")
+    fresh = build_network(dcfg, rngs=nnx.Rngs(1))  # unscaled: merge maps at init
+    T = rows.shape[1] - 1
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    mk, mv = fresh.memory_context(tgt.kv, pos, frozen.inv_freq)
+    q = jax.random.normal(jax.random.key(0), (2, T, CFG.num_heads, CFG.head_dim))
+    causal = pos[:, None, :] <= pos[:, :, None]
+    for m, src in enumerate(dcfg.merge_sources()):
+        np.testing.assert_allclose(np.asarray(mk[m]), np.asarray(tgt.kv[0][src]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(mv[m]), np.asarray(tgt.kv[1][src]), atol=1e-6)
+        got = common.attend(q, [(mk[m], mv[m], causal)])
+        want = common.attend(q, [(tgt.kv[0][src], tgt.kv[1][src], causal)])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- hybrid
+
+def test_hybrid_with_gate_zero_is_eagle3():
+    """h = n + g * gate_d(o - n): with gate_d = 0 the hybrid's outputs, TTT and decoding,
+    are exactly EAGLE-3's with the same shared weights."""
+    target, _ = models()
+    e_cfg, e_net = net_for("eagle3", None)
+    h_cfg = DrafterConfig.for_target(CFG, "hybrid", gamma=4)
+    hybrid = build_network(h_cfg, rngs=nnx.Rngs(5))
+    shared = nnx.state(e_net, nnx.Param)
+    nnx.update(hybrid, shared)
+    hybrid.gate_d.set_value(jnp.zeros_like(hybrid.gate_d[...]))
+    _, _, rows, tgt, frozen = _target_out("hybrid", None)
+    e_out, _ = draft_outputs(e_net, tgt, rows, frozen, 3)
+    h_out, gates = draft_outputs(hybrid, tgt, rows, frozen, 3)
+    np.testing.assert_array_equal(np.asarray(h_out), np.asarray(e_out))
+    assert 0.3 < float(gates.mean()) < 0.7  # the gate itself starts near 0.5
+    toks, lens = prompts()
+    cfg = LoopConfig(max_length=TP + 12, prompt_width=TP)
+    g, p = nnx.split(target)
+    budgets = jnp.full((4,), 12, jnp.int32)
+    from specjax.generate import speculative_loop
+
+    outs = []
+    for dcfg, net in ((e_cfg, e_net), (h_cfg, hybrid)):
+        drafter, dparams = make_drafter(dcfg, net, target, gamma=3)
+        res = speculative_loop(g, p, drafter, dparams, cfg, toks, lens, budgets,
+                               jax.random.key(0))
+        outs.append((np.asarray(res.tokens), np.asarray(res.accepted), np.asarray(res.steps)))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
