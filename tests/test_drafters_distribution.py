@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_distribution import BATCH, LEVEL, N_NEW, PAD, PLAIN, PROMPT, PROMPT_WIDTH, _exact, _models
 
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.generate import LoopConfig, speculative_loop
-from test_distribution import BATCH, LEVEL, N_NEW, PAD, PLAIN, PROMPT, PROMPT_WIDTH, _exact, _models
 
 
 @functools.cache
