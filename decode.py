@@ -23,6 +23,9 @@ import os
 import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
+# The default drafter: the first of these under DEMO_DIR that exists.
+DEMO_DRAFTERS = ("drafters/block", "drafters/eagle3", "draft")
+DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,13 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the bundled demo)")
     ap.add_argument("--drafter", default=None,
-                    help="none (autoregressive), ngram (prompt lookup), or a draft LM directory "
-                         "(default: the bundled demo draft LM if present, else ngram)")
+                    help="none (autoregressive), ngram (prompt lookup), a drafter directory "
+                         "written by train.py (eagle3, kv, hybrid, block), or a draft LM "
+                         "directory (default: the best bundled demo drafter)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL file of prompts (default: the bundled demo prompts)")
     src.add_argument("--prompt", help="a single text prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length G")
+    ap.add_argument("--gamma", type=int, default=None,
+                    help="draft length G (default: the G a learned drafter was trained for, "
+                         "else 4)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_flags(args) -> None:
     from specjax.errors import SpecjaxError
 
-    if args.gamma < 1:
+    if args.gamma is not None and args.gamma < 1:
         raise SpecjaxError(f"--gamma={args.gamma} must be >= 1")
     if not args.temperature >= 0:
         raise SpecjaxError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
@@ -139,6 +145,34 @@ def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]
     return [(pid, ids) for pid, ids, _ in items]
 
 
+def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype):
+    """(drafter, params) from a drafter directory written by train.py, checked against the
+    target: same shapes, and trained against these weights (the fingerprint recorded at
+    export). Raises SpecjaxError naming both directories otherwise."""
+    from flax import nnx
+
+    from specjax.checkpoint import fingerprint
+    from specjax.drafters import build_network, make_drafter
+    from specjax.drafters.io import load_drafter
+    from specjax.errors import SpecjaxError
+
+    dcfg, params, record = load_drafter(path, dtype=dtype)
+    trained_on = record.get("path", "an unrecorded target")
+    recorded = record.get("weights_fingerprint")
+    if recorded is not None and recorded != fingerprint(target_dir):
+        raise SpecjaxError(f"drafter {path} was trained against target {trained_on}, not "
+                           f"--target {target_dir} (other weights); pass --target "
+                           f"{trained_on} or train a drafter for this target")
+    try:
+        dcfg.check_target(target.cfg, where=f"drafter {path}")
+    except SpecjaxError as e:
+        raise SpecjaxError(f"{e}: it was trained against {trained_on}, not --target "
+                           f"{target_dir}") from None
+    net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
+    nnx.update(net, params)
+    return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling)
+
+
 def _format_table(summary: dict) -> str:
     rows = [("new tokens", f"{summary['new_tokens']}"),
             ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),
@@ -173,6 +207,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.drafters.config import DrafterConfig
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.engine import Engine, Stats, prompt_width_for
@@ -203,12 +238,18 @@ def run(args) -> int:
 
     drafter_arg = args.drafter
     if drafter_arg is None:
-        demo_draft = os.path.join(DEMO_DIR, "draft")
-        drafter_arg = demo_draft if os.path.isdir(demo_draft) else "ngram"
+        found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
+        drafter_arg = os.path.join(DEMO_DIR, found[0]) if found else "ngram"
     drafter, dparams = None, None
     if drafter_arg == "ngram":
+        args.gamma = args.gamma or DEFAULT_GAMMA
         drafter, dparams = NgramDrafter(args.gamma, cfg.vocab_size, sampling=sampling), ()
+    elif DrafterConfig.is_drafter_dir(drafter_arg):
+        drafter, dparams = load_learned_drafter(drafter_arg, target, args.target, args.gamma,
+                                                sampling, dtype)
+        args.gamma = drafter.gamma
     elif drafter_arg != "none":
+        args.gamma = args.gamma or DEFAULT_GAMMA
         draft_model = load_model(drafter_arg, dtype=dtype)
         drafter, dparams = DraftLMDrafter.create(draft_model, args.gamma, sampling,
                                                  cfg.vocab_size)

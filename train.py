@@ -1,7 +1,9 @@
-"""Trains a language model (objective lm) on a device mesh; resumes from its run dir.
+"""Trains a language model (objective lm) or a drafter against a frozen target (objectives
+ttt and block) on a device mesh; resumes from its run dir.
 
     python train.py --config configs/demo_target.yaml
     python train.py --config configs/demo_draft.yaml --set train.steps=2000 --run-dir runs/d
+    python train.py --config configs/drafters/eagle3.yaml --target checkpoints/demo/target
     python train.py --config configs/demo_target.yaml --distributed     # one per host
 
 A run dir that holds checkpoints is resumed from the newest one. SIGTERM saves a
@@ -28,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(repeatable)")
     ap.add_argument("--run-dir", help="checkpoints, metrics and export (default: run_dir "
                                       "in the config, else runs/<config name>)")
+    ap.add_argument("--target", help="drafter objectives: the frozen target's HF directory "
+                                     "(overrides the config's target)")
     ap.add_argument("--stop-at-step", type=int, default=None,
                     help="checkpoint and exit after this step (the schedule keeps "
                          "train.steps)")
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
     try:
         from specjax.train import load_config, train
 
-        cfg = load_config(args.config, args.overrides, run_dir=args.run_dir)
+        cfg = load_config(args.config, args.overrides, run_dir=args.run_dir, target=args.target)
         if args.distributed:
             import jax
 
@@ -59,8 +63,11 @@ def main(argv=None) -> int:
     rate = f", {result.tokens_per_s:.0f} tokens/s" if result.tokens_per_s else ""
     val = result.val_losses.get(result.step)
     val = f", val_loss {val:.4f}" if val is not None else ""
+    best = ""
+    if result.best is not None:
+        best = f", best tau {result.best['tau']:.3f} at step {result.best['step']}"
     out = f", exported {result.export_dir}" if result.export_dir else ""
-    print(f"train.py: {what} at step {result.step} in {cfg.run_dir}{val}{rate}{out}",
+    print(f"train.py: {what} at step {result.step} in {cfg.run_dir}{val}{rate}{best}{out}",
           file=sys.stderr)
     return 0
 

@@ -264,3 +264,25 @@ def _save_tensors(tensors: dict, directory: str, max_shard_bytes: int | None) ->
         weight_map.update(dict.fromkeys(shard, fname))
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def fingerprint(path: str, chunk: int = 1 << 20) -> str:
+    """A cheap identity of the weights in an HF checkpoint directory (hex sha256 over each
+    weight file's name, size, first and last `chunk` bytes): retraining or re-saving the
+    model changes it; reading it costs at most 2 MiB per file, whatever the model size.
+    A drafter records its target's fingerprint so that a mismatch is caught at load.
+
+    Raises: SpecjaxError if the directory holds no safetensors weights.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in _weight_files(path):
+        size = os.path.getsize(name)
+        h.update(f"{os.path.basename(name)}:{size}:".encode())
+        with open(name, "rb") as f:
+            h.update(f.read(chunk))
+            if size > chunk:
+                f.seek(max(size - chunk, chunk))
+                h.update(f.read(chunk))
+    return h.hexdigest()

@@ -154,3 +154,49 @@ def test_no_pytorch_advisory_without_torch(tiny_demo, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "PyTorch was not found" not in proc.stderr + proc.stdout
+
+
+@pytest.fixture(scope="module")
+def learned_drafter(tiny_demo, tmp_path_factory):
+    """A random-init eagle3 drafter (G=3) exported for the tiny demo target."""
+    from flax import nnx
+
+    from specjax.config import ModelConfig
+    from specjax.drafters import DrafterConfig, build_network
+    from specjax.drafters.io import save_drafter
+
+    d = tmp_path_factory.mktemp("drafter") / "eagle3"
+    cfg = ModelConfig.from_dir(str(tiny_demo / "target"))
+    dcfg = DrafterConfig.for_target(cfg, "eagle3", gamma=3)
+    net = build_network(dcfg, rngs=nnx.Rngs(0))
+    save_drafter(str(d), dcfg, nnx.state(net, nnx.Param), str(tiny_demo / "target"))
+    return d
+
+
+def test_learned_drafter_dir_uses_its_gamma_and_equals_ar(tiny_demo, learned_drafter,
+                                                         tmp_path, capsys):
+    args = base_args(tiny_demo, tmp_path, "--drafter", learned_drafter, "--batch-size", 2)
+    code, out, err = run(args, capsys)
+    assert code == 0, err
+    s = json.load(open(tmp_path / "s.json"))
+    assert s["gamma"] == 3 and len(s["alpha"]) == 3  # G from the drafter's config.json
+    assert s["ar_identical"] is True
+    code, _, err = run(args + ["--gamma", 5], capsys)
+    assert code == 0, err
+    assert json.load(open(tmp_path / "s.json"))["gamma"] == 5
+
+
+def test_drafter_for_another_target_is_one_line_exit_2(tiny_demo, learned_drafter, tmp_path,
+                                                       capsys):
+    from specjax.checkpoint import load_model, save_model
+
+    other = tmp_path / "other_target"  # same shapes, other weights
+    model = load_model(str(tiny_demo / "target"))
+    model.final_norm.set_value(model.final_norm[...] * 1.5)
+    save_model(model, str(other))
+    shutil.copy(tiny_demo / "target" / "tokenizer.json", other)
+    args = base_args(tiny_demo, tmp_path, "--drafter", learned_drafter, "--target", other)
+    code, _, err = run(args, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(learned_drafter) in err and str(other) in err and "trained against" in err
+    assert not (tmp_path / "o.jsonl").exists()

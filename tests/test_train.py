@@ -199,7 +199,8 @@ def _cli(args, capsys):
     (["--set", "data.tokens_npy=/nonexistent/t.npy"], "data.tokens_npy /nonexistent/t.npy"),
     (["--set", "data.tokens_npy=null", "--set", "data.val_tokens_npy=null",
       "--set", "data.corpus=stdlib", "--set", "data.corpus_root=/nonexistent"], "data.corpus_root /nonexistent"),
-    (["--set", "objective=ttt"], "objective='ttt' is not implemented"),
+    (["--set", "objective=rl"], "objective='rl' is not implemented"),
+    (["--set", "objective=ttt"], "objective=ttt trains a drafter and needs a drafter section"),
 ])
 def test_bad_config_exits_2_with_one_line(corpus, tmp_path, capsys, extra, needle):
     sets = []

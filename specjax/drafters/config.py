@@ -187,7 +187,7 @@ class DrafterConfig:
 
     @classmethod
     def from_json_dict(cls, raw: dict, where: str = "drafter config") -> DrafterConfig:
-        raw = {k: v for k, v in raw.items() if k not in ("format", "target")}
+        raw = {k: v for k, v in raw.items() if k not in ("format", "target", "train")}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:

@@ -5,9 +5,10 @@
 
 A drafter directory holds
   config.json        `DrafterConfig.to_json_dict()` plus
-                     "target": {"path", "config_sha256", "num_params", "vocab_size"}: the
-                     target it was trained against (config_sha256: sha256 of the bytes of
-                     that target's config.json), and optionally "train": a record of the
+                     "target": {"path", "config_sha256", "weights_fingerprint",
+                     "num_params", "vocab_size"}: the target it was trained against
+                     (config_sha256: sha256 of the bytes of that target's config.json;
+                     weights_fingerprint: `checkpoint.fingerprint`), and optionally "train": a record of the
                      run that selected these weights ({"objective", "step", "tau", ...});
   model.safetensors  ONLY the drafter's own weights (the target's embedding and LM head
                      are not copied), named by their nnx path ("fc", "q_proj", ...; a
@@ -36,16 +37,19 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def target_record(target_dir: str) -> dict:
-    """{"path", "config_sha256", "num_params", "vocab_size"} of the HF target at
-    `target_dir` (path as given).
+    """{"path", "config_sha256", "weights_fingerprint", "num_params", "vocab_size"} of the
+    HF target at `target_dir` (path as given; fingerprint: `checkpoint.fingerprint`, which
+    decode.py compares to refuse a drafter trained against other weights).
 
-    Raises: SpecjaxError if its config.json is missing or unreadable."""
+    Raises: SpecjaxError if its config.json or weights are missing or unreadable."""
+    from specjax.checkpoint import fingerprint
     from specjax.config import ModelConfig
 
     cfg = ModelConfig.from_dir(target_dir)
     with open(os.path.join(target_dir, "config.json"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    return {"path": target_dir, "config_sha256": digest, "num_params": int(cfg.num_params),
+    return {"path": target_dir, "config_sha256": digest,
+            "weights_fingerprint": fingerprint(target_dir), "num_params": int(cfg.num_params),
             "vocab_size": int(cfg.vocab_size)}
 
 

@@ -4,8 +4,11 @@
     result = train(load_config("configs/demo_target.yaml", ["train.steps=20"]))
 
 Modules: config (YAML -> frozen dataclasses), mesh (mesh, logical-axis rules,
-NamedShardings), optim (AdamW schedule), step (train state, loss, jitted steps),
-inputs (token streams, tokenizer), checkpointing (orbax, SIGTERM), loop (train).
+NamedShardings), optim (AdamW schedule), step (train state, lm loss, jitted steps),
+drafter_step (the drafter trainer: frozen target inside the step, objectives ttt and
+block), drafter_run (a drafter run's validation alpha/tau, best-tau snapshot, export),
+objectives (the drafter losses), inputs (token streams, tokenizer), checkpointing
+(orbax, SIGTERM), loop (train).
 """
 
 from specjax.train.config import TrainConfig, load_config

@@ -2,13 +2,20 @@
 
     result = train(load_config("configs/demo_target.yaml"))
 
+The loop is the same for every objective; what differs lives in a run object:
+`_LMRun` below (objective lm: a Transformer, validation loss, HF export) and
+`drafter_run.DrafterRun` (ttt, block: a drafter against a frozen target, validation
+alpha / tau, best-tau snapshot, drafter export).
+
 Files in `cfg.run_dir`:
   config.yaml      the resolved config of the latest start
   metrics.jsonl    one JSON object per line: {"step", "loss", "grad_norm", "lr",
-                   "tokens_per_s", "tokens", "epoch"}, {"step", "val_loss"}, and
+                   "tokens_per_s", "tokens", "epoch"}, {"step", "val_loss"} (drafters:
+                   {"step", "val_loss", "alpha", "tau", "gate"?}), and
                    {"event": "start" | "resume" | "preempted" | "done", "step"}
   checkpoints/<s>  orbax checkpoints (see checkpointing.py)
   hf/              the exported HF directory (export.dir), once train.steps is reached
+  drafter/         drafters: the exported best-tau drafter instead (see drafter_run.py)
 
 Determinism: a run stopped at step s (SIGTERM, `stop_at`) and resumed continues with
 bit-identical losses and parameters, because the step is a pure function of the
@@ -30,7 +37,7 @@ import yaml
 from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
 from specjax.train.checkpointing import Checkpoints, Preemption
-from specjax.train.config import TrainConfig, dump_config
+from specjax.train.config import DEFAULT_TARGET, TrainConfig, dump_config
 from specjax.train.inputs import RunData, prepare_data, special_ids
 from specjax.train.optim import make_optimizer
 from specjax.train.step import Trainer, TrainState
@@ -40,7 +47,9 @@ from specjax.train.step import Trainer, TrainState
 class RunResult:
     """What `train` did. losses / val_losses: step -> loss (nats per token) for the
     steps of THIS call; tokens_per_s: training throughput after the first step
-    (compile excluded); compile_s: wall time of the first step, compile included."""
+    (compile excluded); compile_s: wall time of the first step, compile included;
+    val_metrics: step -> the whole validation record (drafters: val_loss, alpha, tau,
+    gate); best: drafters: the exported snapshot's record ({"step", "tau", ...})."""
 
     step: int
     losses: dict[int, float]
@@ -51,6 +60,8 @@ class RunResult:
     tokens_per_s: float | None
     compile_s: float | None
     export_dir: str | None
+    val_metrics: dict[int, dict] = dataclasses.field(default_factory=dict)
+    best: dict | None = None
 
 
 class _MetricsLog:
@@ -69,25 +80,31 @@ class _MetricsLog:
             self.f.close()
 
 
-def _check_resume_config(cfg: TrainConfig, path: str) -> None:
-    """Raises SpecjaxError if the run dir's saved config trains a different model."""
+def _check_resume_config(cfg: TrainConfig, path: str, keys=("model",)) -> None:
+    """Raises SpecjaxError if the run dir's saved config differs in `keys` (lm: the model;
+    drafters: objective, target, drafter)."""
     try:
         with open(path) as f:
             saved = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError):
         return
-    if saved.get("model") != cfg.to_dict()["model"]:
+    mine = cfg.to_dict()
+    if "target" in keys:  # unset means the default target; compare normalised paths
+        saved["target"] = os.path.normpath(saved.get("target") or DEFAULT_TARGET)
+        mine["target"] = os.path.normpath(cfg.target_dir)
+    diff = [k for k in keys if saved.get(k) != mine[k]]
+    if diff == ["model"]:
         raise SpecjaxError(f"run_dir {cfg.run_dir} holds checkpoints of a different model "
                            f"(see {path}); use a new run_dir or the same model section")
+    if diff:
+        raise SpecjaxError(f"run_dir {cfg.run_dir} holds checkpoints of another "
+                           f"{' / '.join(diff)} (see {path}); use a new run_dir or the same "
+                           "settings")
 
 
 def _host_params(state: TrainState):
     """The parameters as host numpy arrays (gathered from every process if needed)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(state.params, tiled=True)
-    return jax.device_get(state.params)
+    return mesh_lib.host_tree(state.params)
 
 
 def export(cfg: TrainConfig, trainer: Trainer, state: TrainState, tokenizer) -> str | None:
@@ -117,6 +134,55 @@ def evaluate(trainer: Trainer, state: TrainState, data: RunData, batch_size: int
     return float(np.mean(jax.device_get(losses)))
 
 
+class _LMRun:
+    """objective lm: the run object of `train` (see drafter_run.DrafterRun for drafters):
+    data, Trainer, fresh state (random or train.init_from), validation loss, HF export."""
+
+    resume_keys = ("model",)
+
+    def __init__(self, cfg: TrainConfig, mesh, tx, schedule, dtype):
+        loop = cfg.train
+        self.cfg = cfg
+        self.data = prepare_data(cfg)
+        model_cfg = special_ids(cfg, self.data.tokenizer)
+        T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
+        self.trainer = Trainer(model_cfg, dtype, tx, schedule, mesh, seed=loop.seed,
+                               grad_accum=A, micro_batch=loop.micro_batch, eval_batch=B,
+                               seq_len=T)
+        self.start_info = {"params": model_cfg.num_params}
+        self.best = None
+
+    def fresh_state(self) -> TrainState:
+        init_from = self.cfg.train.init_from
+        init = self.trainer.load_init_params(init_from) if init_from else None
+        return self.trainer.init_state(init)
+
+    def resumed(self) -> None:
+        pass
+
+    def validate(self, state) -> dict | None:
+        loop = self.cfg.train
+        val = evaluate(self.trainer, state, self.data, loop.batch_size, loop.eval_batches)
+        return None if val is None else {"val_loss": val}
+
+    @staticmethod
+    def describe(record: dict) -> str:
+        return f"val_loss {record['val_loss']:.4f}"
+
+    @staticmethod
+    def postfix(record: dict) -> dict:
+        return {}
+
+    def on_validation(self, step: int, state, record: dict) -> None:
+        pass
+
+    def export(self, state, step: int, record: dict | None) -> str | None:
+        return export(self.cfg, self.trainer, state, self.data.tokenizer)
+
+    def done_info(self) -> dict:
+        return {}
+
+
 def _progress(cfg: TrainConfig, start: int, enabled: bool):
     from tqdm import tqdm
 
@@ -135,48 +201,52 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
 
     Returns: RunResult. On SIGTERM the current step is checkpointed and the result has
       preempted=True; the export is written only when train.steps is reached.
-    Raises: SpecjaxError for a bad mesh, batch, data path, or a run_dir that holds
-      another model's checkpoints.
+    Raises: SpecjaxError for a bad mesh, batch, data path, target directory, or a
+      run_dir that holds another model's (or drafter's) checkpoints.
     """
     import jax.numpy as jnp
 
     loop, is_main = cfg.train, jax.process_index() == 0
     mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(mesh, loop)
-    data = prepare_data(cfg)
-    model_cfg = special_ids(cfg, data.tokenizer)
+    tx, schedule = make_optimizer(cfg.optim, loop.steps)
+    dtype = jnp.bfloat16 if loop.dtype == "bfloat16" else jnp.float32
+    if cfg.trains_drafter:
+        from specjax.train.drafter_run import DrafterRun
+
+        run = DrafterRun(cfg, mesh, tx, schedule, dtype)
+    else:
+        run = _LMRun(cfg, mesh, tx, schedule, dtype)
+    data, trainer = run.data, run.trainer
     os.makedirs(cfg.run_dir, exist_ok=True)
     ckpts = Checkpoints(os.path.join(cfg.run_dir, "checkpoints"), loop.keep_checkpoints,
                         loop.async_checkpointing)
     latest = ckpts.latest_step()
     config_path = os.path.join(cfg.run_dir, "config.yaml")
     if latest is not None:
-        _check_resume_config(cfg, config_path)
+        _check_resume_config(cfg, config_path, run.resume_keys)
     if is_main:
         dump_config(cfg, config_path)
 
-    tx, schedule = make_optimizer(cfg.optim, loop.steps)
-    dtype = jnp.bfloat16 if loop.dtype == "bfloat16" else jnp.float32
     T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
-    trainer = Trainer(model_cfg, dtype, tx, schedule, mesh, seed=loop.seed, grad_accum=A,
-                      micro_batch=loop.micro_batch, eval_batch=B, seq_len=T)
     if latest is None:
-        init = trainer.load_init_params(loop.init_from) if loop.init_from else None
-        state, position = trainer.init_state(init), 0
+        state, position = run.fresh_state(), 0
     else:
         state, meta = ckpts.restore(latest, trainer.abstract_target())
         position = int(meta["data_position"])
+        run.resumed()
     start = step = int(jax.device_get(state.step))
     last = loop.steps if stop_at is None else min(loop.steps, stop_at)
 
     log = _MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"), is_main)
     log.write(event="resume" if latest is not None else "start", step=step,
-              params=model_cfg.num_params, devices=int(mesh.size),
+              **run.start_info, devices=int(mesh.size),
               mesh=dict(zip(mesh.axis_names, map(int, mesh.devices.shape), strict=True)))
-    losses, val_losses, pending = {}, {}, []
+    losses, val_losses, val_metrics, pending = {}, {}, {}, []
     preempted, compile_s, tok_s = False, None, None
     timed_steps, timed_s = 0, 0.0
     t_last = time.perf_counter()
+    postfix_extra = {}
 
     def flush():
         nonlocal t_last, timed_steps, timed_s, compile_s, tok_s
@@ -199,9 +269,20 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
                       tokens=step * B * T, epoch=round(data.train.epoch(position), 4))
         log.write(**record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                        tok_s="-" if rate is None else f"{rate:.0f}", refresh=False)
+                        tok_s="-" if rate is None else f"{rate:.0f}", **postfix_extra,
+                        refresh=False)
         pending.clear()
         t_last = time.perf_counter()
+
+    def validate():
+        """Validation record of the current state (logged), or None without val data."""
+        record = run.validate(state)
+        if record is not None:
+            val_losses[step], val_metrics[step] = record["val_loss"], record
+            log.write(step=step, **record)
+            postfix_extra.update(run.postfix(record))
+            run.on_validation(step, state, record)
+        return record
 
     def save():
         ckpts.save(step, state, {"step": step, "data_position": position,
@@ -224,10 +305,9 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
                 if step == start + 1 or step % loop.log_every == 0 or step == last:
                     flush()
                 if loop.eval_every and step % loop.eval_every == 0 and step < loop.steps:
-                    val_losses[step] = evaluate(trainer, state, data, B, loop.eval_batches)
-                    if val_losses[step] is not None:
-                        log.write(step=step, val_loss=val_losses[step])
-                        bar.write(f"step {step}: val_loss {val_losses[step]:.4f}")
+                    record = validate()
+                    if record is not None:
+                        bar.write(f"step {step}: {run.describe(record)}")
                 if loop.checkpoint_every and step % loop.checkpoint_every == 0:
                     save()
                 if not pending:  # keep eval and checkpoint time out of tokens/s
@@ -240,17 +320,15 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
             if preempted:
                 log.write(event="preempted", step=step)
             elif step >= loop.steps:
-                val = evaluate(trainer, state, data, B, loop.eval_batches)
-                if val is not None:
-                    val_losses[step] = val
-                    log.write(step=step, val_loss=val)
-                export_dir = export(cfg, trainer, state, data.tokenizer)
+                record = validate()
+                val = None if record is None else record["val_loss"]
+                export_dir = run.export(state, step, record)
                 log.write(event="done", step=step, tokens_per_s=tok_s, compile_s=compile_s,
-                          val_loss=val, export_dir=export_dir)
+                          val_loss=val, export_dir=export_dir, **run.done_info())
     finally:
         bar.close()
         log.close()
         ckpts.close()
     return RunResult(step=step, losses=losses, val_losses=val_losses, preempted=preempted,
                      state=state, trainer=trainer, tokens_per_s=tok_s, compile_s=compile_s,
-                     export_dir=export_dir)
+                     export_dir=export_dir, val_metrics=val_metrics, best=run.best)

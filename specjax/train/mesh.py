@@ -216,3 +216,13 @@ def host_to_global(rows: np.ndarray, sharding: NamedSharding, batch_axis: int) -
     local = np.take(rows, np.arange(per * jax.process_index(), per * (jax.process_index() + 1)),
                     axis=batch_axis)
     return jax.make_array_from_process_local_data(sharding, local, rows.shape)
+
+
+def host_tree(tree):
+    """A tree of (sharded) arrays as host numpy arrays, gathered from every process when
+    several run (a collective: call it on every process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
