@@ -36,20 +36,17 @@ def net_for(kind, context, seed=0, scale=20.0):
     return dcfg, nnx.merge(graphdef, state)
 
 
-def reference_q(kind, net, dcfg, target, tokens, lengths, draft):
-    """Draft distributions from the training path on committed tokens + drafts: f32[B,G,V]."""
-    B, G = draft.shape
-    n = np.asarray(lengths) + G
-    W = int(n.max())
-    rows = np.zeros((B, W + 1), np.int32)
-    for b in range(B):
-        seq = np.concatenate([np.asarray(tokens)[b, :lengths[b]], np.asarray(draft)[b]])
-        rows[b, :len(seq)] = seq
-    rows = jnp.asarray(rows)
+W = TP + 32  # rows of the reference are right-padded to one width: one compile
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tgraphdef", "G"))
+def _reference(graphdef, state, tgraphdef, tstate, rows, lengths, G):
+    net, target = nnx.merge(graphdef, state), nnx.merge(tgraphdef, tstate)
+    dcfg, B = net.cfg, rows.shape[0]
     pos = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
     tgt = target(rows[:, :W], pos, None, capture=dcfg.capture, capture_kv=dcfg.kv_layers)
     frozen = Frozen.from_target(target)
-    if kind == "block":
+    if dcfg.kind == "block":
         ctx = net.contexts(tgt.hidden, tgt.kv, pos, frozen.inv_freq)
         out = net.blocks(ctx, (lengths - 1)[:, None], rows[:, :W], frozen.embed,
                          frozen.inv_freq, G)[:, 0, 1:]  # [B,G,D]
@@ -60,24 +57,37 @@ def reference_q(kind, net, dcfg, target, tokens, lengths, draft):
     return jax.nn.softmax(net.logits(out, frozen.head), axis=-1)
 
 
+def reference_q(net, target, tokens, lengths, draft):
+    """Draft distributions from the training path (TTT unroll or a packed block) on the
+    committed tokens followed by the drafts: f32[B,G,V]."""
+    B, G = draft.shape
+    rows = np.zeros((B, W + 1), np.int32)
+    for b in range(B):
+        seq = np.concatenate([np.asarray(tokens)[b, :lengths[b]], np.asarray(draft)[b]])
+        rows[b, :len(seq)] = seq
+    return _reference(*nnx.split(net), *nnx.split(target), jnp.asarray(rows), lengths, G)
+
+
 @pytest.mark.parametrize("kind,context", KINDS)
 def test_decoding_path_equals_training_path(kind, context):
     G = 4
     target, _ = models()
     dcfg, net = net_for(kind, context)
     drafter, dparams = make_drafter(dcfg, net, target, gamma=G, sampling=T1)
+    init, propose, update = (jax.jit(f) for f in (drafter.init, drafter.propose,
+                                                  drafter.update))
     cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, sampling=T1)
     toks, lens = prompts()
     key = jax.random.key(3)
     state, view = _prefill(target, cfg, toks, lens, jnp.full((4,), 20, jnp.int32), key, G,
                            drafter.capture)
-    dstate = drafter.init(dparams, view, key)
+    dstate = init(dparams, view, key)
     tokens, lengths, cache = state.tokens, state.lengths, state.cache
     B = lengths.shape[0]
     for round_ in range(3):
         view = LoopView(tokens, lengths, cache, None, (lengths - 1)[:, None])
-        draft, q, dstate = drafter.propose(dparams, dstate, view, jax.random.key(round_))
-        want = reference_q(kind, net, dcfg, target, tokens, lengths, draft)
+        draft, q, dstate = propose(dparams, dstate, view, jax.random.key(round_))
+        want = reference_q(net, target, tokens, lengths, draft)
         np.testing.assert_allclose(np.asarray(q), np.asarray(want), atol=2e-5, rtol=1e-4)
         assert float(jnp.max(q)) > 5.0 / V  # far from uniform: a wrong entry would show
         # A verification with a different number of accepted drafts per row (0..G), then
@@ -95,7 +105,7 @@ def test_decoding_path_equals_training_path(kind, context):
         lengths = lengths + n_acc + 1
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
-        dstate = drafter.update(dparams, dstate, after, n_acc)
+        dstate = update(dparams, dstate, after, n_acc)
 
 
 # ----------------------------------------------------------------------------- causality

@@ -187,13 +187,13 @@ def gather_positions(x, start, width: int):
 
 
 def scatter_positions(buf, new, start):
-    """Writes new [L,B,K,W,H] into buf [L,B,K,S,H] at slots start[b].. of row b
-    (positions past S are dropped)."""
+    """Writes new [L,B,K,W,H] into buf [L,B,K,S,H] at slots start[b].. of row b, in place
+    (one scatter; no copy of the buffer); positions past S are dropped."""
     L, B, K, W, H = new.shape
     pos = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]  # [B,W]
     b = jnp.arange(B)[:, None]
-    upd = new.transpose(1, 3, 0, 2, 4)  # [B,W,L,K,H]
-    return buf.transpose(1, 3, 0, 2, 4).at[b, pos].set(upd, mode="drop").transpose(2, 0, 3, 1, 4)
+    # buf[:, b, :, pos] has shape [B,W,L,K,H]: the advanced indices broadcast to the front.
+    return buf.at[:, b, :, pos].set(new.transpose(1, 3, 0, 2, 4), mode="drop")
 
 
 def memory_from_target(module, cfg: DrafterConfig, k_all, v_all, cos, sin):
