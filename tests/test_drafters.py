@@ -223,3 +223,18 @@ def test_hybrid_with_gate_zero_is_eagle3():
         outs.append((np.asarray(res.tokens), np.asarray(res.accepted), np.asarray(res.steps)))
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "kv", "hybrid"])
+def test_ttt_at_sampled_anchors_equals_full_unroll(kind):
+    """ttt_positions: unrolling only P anchors gives exactly the full unroll there."""
+    from specjax.train.objectives.ttt import sample_positions
+
+    dcfg, net, rows, tgt, frozen = _target_out(kind, None)
+    T = rows.shape[1] - 1
+    anchors = sample_positions(jax.random.key(1), 2, T, 5)
+    full, g_full = draft_outputs(net, tgt, rows, frozen, 3)
+    some, g_some = draft_outputs(net, tgt, rows, frozen, 3, anchors)
+    want = jnp.take_along_axis(full, anchors[None, :, :, None], axis=2)
+    np.testing.assert_allclose(np.asarray(some), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert anchors.shape == (2, 5) and bool(jnp.all(anchors[:, 1:] > anchors[:, :-1]))

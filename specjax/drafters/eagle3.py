@@ -67,37 +67,47 @@ class Eagle3(nnx.Module):
     def logits(self, out, head):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, hidden, tokens, embed, inv_freq, steps: int, memory=None):
+    def ttt(self, hidden, tokens, embed, inv_freq, steps: int, memory=None, anchors=None):
         """Training-time-test unroll (EAGLE-3; DESIGN.md section 6).
 
-        Step 0 runs on fc(target features) with a causal mask; step k at position t reads
-        the embedding of token t+k+1 and step k-1's output at t, uses RoPE position t+k,
-        and attends to step-0 keys at positions <= t plus position t of steps 1..k.
+        Step 0 runs on fc(target features) with a causal mask over all T positions; step
+        k at anchor t reads the embedding of token t+k+1 and step k-1's output at t, uses
+        RoPE position t+k, and attends to step-0 keys at positions <= t plus position t
+        of steps 1..k.
 
         Args:
           hidden: [C,B,T,D] target features at `cfg.capture` depths for positions 0..T-1.
           tokens: i32[B,T+1] rows (indices past T are clipped; those outputs are unused).
           embed: [V,D]; inv_freq: f32[H/2].
           memory: hybrid only: (k, v) [B,K,T,H] merged target K/V at positions 0..T-1.
-        Returns: (outputs [steps,B,T,D] pre-norm, gates [steps,B,T,D] or None); step k at
-          t predicts token t+k+2 (the target's distribution at position t+k+1).
+          anchors: i32[B,P] positions whose chains are unrolled (None: all T). Steps
+            k >= 1 cost P instead of T positions.
+        Returns: (outputs [steps,B,P,D] pre-norm, gates [steps,B,P,D] or None); step k
+          at anchor t predicts token t+k+2 (the target's distribution at t+k+1).
         """
         B, T = tokens.shape[0], tokens.shape[1] - 1
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        causal = pos[:, None, :] <= pos[:, :, None]
-        h = self.features(hidden)
-        self_keys, diag, outs, gates = None, [], [], []
-        for k in range(steps):
-            idx = jnp.minimum(jnp.arange(T) + k + 1, tokens.shape[1] - 1)
-            emb = jnp.take(embed, tokens[:, idx], axis=0)
-            cos, sin = common.rope(inv_freq, pos + k, self.dtype)
+        if anchors is None:
+            anchors = pos
+        visible = jnp.arange(T)[None, None, :] <= anchors[:, :, None]  # [B,P,T]
+        g = self.features(hidden)
+        # Step 0 over every position: its keys are the context of every later step.
+        emb = jnp.take(embed, tokens[:, 1:T + 1], axis=0)
+        cos, sin = common.rope(inv_freq, pos, self.dtype)
+        q, k0, v0 = self.project(emb, g, cos, sin)
+        self_keys = (k0.swapaxes(1, 2), v0.swapaxes(1, 2), visible)
+        q, g = _take(q, anchors), _take(g, anchors)
+        out, gate = self.extra(self.finish(g, common.attend(q, [self_keys])), anchors, anchors,
+                               memory, inv_freq)
+        outs, gates, diag, h = [out], [gate], [], out
+        for k in range(1, steps):
+            idx = jnp.minimum(anchors + k + 1, tokens.shape[1] - 1)
+            emb = jnp.take(embed, jnp.take_along_axis(tokens, idx, axis=1), axis=0)
+            cos, sin = common.rope(inv_freq, anchors + k, self.dtype)
             q, kk, vv = self.project(emb, h, cos, sin)
-            if k == 0:
-                self_keys = (kk.swapaxes(1, 2), vv.swapaxes(1, 2), causal)
-            else:
-                diag.append((kk, vv))
+            diag.append((kk, vv))
             out = self.finish(h, common.attend(q, [self_keys], diag))
-            out, gate = self.extra(out, pos + k, pos, memory, inv_freq)
+            out, gate = self.extra(out, anchors + k, anchors, memory, inv_freq)
             outs.append(out)
             gates.append(gate)
             h = out
@@ -205,6 +215,11 @@ class Eagle3Drafter:
         out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
         last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
         return Eagle3State(cache, _index(out, last), memory)
+
+
+def _take(x, idx):
+    """x [B,T,...] at i32[B,P] positions -> [B,P,...]."""
+    return jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
 def _kv(memory: KVCache | None):

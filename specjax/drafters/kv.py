@@ -43,37 +43,34 @@ class KVOnly(nnx.Module):
     def logits(self, out, head):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, memory, tokens, embed, inv_freq, steps: int):
+    def ttt(self, memory, tokens, embed, inv_freq, steps: int, anchors=None):
         """Training-time-test unroll (DESIGN.md section 6).
 
         Args:
           memory: (k, v) [Ld,B,K,T,H], merged from the target at positions 0..T-1.
           tokens: i32[B,T+1] rows; step k at anchor t reads token t+k+1 (clipped past T).
           embed: [V,D] target embedding; inv_freq: f32[H/2].
-        Returns: outputs [steps,B,T,D] (pre-norm); step k at t predicts token t+k+2.
+          anchors: i32[B,P] anchors whose chains are unrolled (None: all T positions).
+        Returns: outputs [steps,B,P,D] (pre-norm); step k at t predicts token t+k+2.
         """
         mk, mv = memory
         B, T = tokens.shape[0], tokens.shape[1] - 1
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        causal = pos[:, None, :] <= pos[:, :, None]
+        if anchors is None:
+            anchors = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        visible = jnp.arange(T)[None, None, :] <= anchors[:, :, None]  # [B,P,T]
         own = [[] for _ in range(self.cfg.num_layers)]
         outs = []
         for k in range(steps):
-            x = jnp.take(embed, _shifted(tokens, k + 1, T), axis=0)
-            cos, sin = common.rope(inv_freq, pos + k + 1, self.dtype)
+            idx = jnp.minimum(anchors + k + 1, tokens.shape[1] - 1)
+            x = jnp.take(embed, jnp.take_along_axis(tokens, idx, axis=1), axis=0)
+            cos, sin = common.rope(inv_freq, anchors + k + 1, self.dtype)
             for i in range(self.cfg.num_layers):
                 q, kk, vv = common.layer_qkv(self, i, x, cos, sin)
                 own[i].append((kk, vv))
-                attn = common.attend(q, [(mk[i], mv[i], causal)], own[i])
+                attn = common.attend(q, [(mk[i], mv[i], visible)], own[i])
                 x = common.layer_out(self, i, x, attn)
             outs.append(x)
         return jnp.stack(outs)
-
-
-def _shifted(tokens, shift: int, T: int):
-    """tokens[:, t + shift] for t in 0..T-1, clipped to the last column: i32[B,T]."""
-    idx = jnp.minimum(jnp.arange(T) + shift, tokens.shape[1] - 1)
-    return tokens[:, idx]
 
 
 @struct.dataclass

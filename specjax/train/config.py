@@ -231,6 +231,9 @@ class DrafterTrainConfig:
       num_anchors: block only: blocks sampled per sequence per step.
       gamma_w: block only: loss weight exp(-(k-1)/gamma_w) of block position k.
       ttt_decay: ttt only: loss weight ttt_decay**k of unroll step k (EAGLE-3: 0.8).
+      ttt_positions: ttt only: chains unrolled per sequence per step, at random anchors
+        resampled every step (None: every position, as EAGLE-3). The LM head of every
+        unroll step dominates the cost; 64 of 256 positions cut it 4x.
     """
 
     kind: str
@@ -244,6 +247,7 @@ class DrafterTrainConfig:
     num_anchors: int = 32
     gamma_w: float = 7.0
     ttt_decay: float = 0.8
+    ttt_positions: int | None = None
 
     def __post_init__(self):
         from specjax.drafters.config import CONTEXTS, KINDS
@@ -268,6 +272,8 @@ class DrafterTrainConfig:
             raise SpecjaxError(f"drafter.mask_token_id={self.mask_token_id} must be >= 0")
         if not self.gamma_w > 0:
             raise SpecjaxError(f"drafter.gamma_w={self.gamma_w} must be > 0")
+        if self.ttt_positions is not None:
+            _check_positive("drafter.ttt_positions", self.ttt_positions)
         if not 0 < self.ttt_decay <= 1:
             raise SpecjaxError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
 

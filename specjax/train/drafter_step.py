@@ -37,20 +37,22 @@ from specjax.train.objectives import Frozen
 from specjax.train.step import Metrics, Trainer, TrainState
 
 
-def objective_fn(objective: str, opts, gamma: int):
+def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False):
     """The loss of `objective` as f(net, tgt, rows, frozen, key) -> (f32[] loss, stats).
 
     Args:
       objective: "ttt" or "block".
       opts: the run's DrafterTrainConfig (soft_labels, num_anchors, gamma_w, ttt_decay).
       gamma: G (TTT unroll steps; block: mask tokens per block).
+      evaluation: the validation variant: TTT unrolls every position (no ttt_positions
+        sampling), so alpha_k and tau do not depend on the anchors drawn.
     """
     if objective == "ttt":
         from specjax.train.objectives.ttt import ttt_loss
 
-        loss = functools.partial(ttt_loss, steps=gamma, soft=opts.soft_labels,
-                                 decay=opts.ttt_decay)
-        return lambda net, tgt, rows, frozen, key: loss(net, tgt, rows, frozen)
+        return functools.partial(ttt_loss, steps=gamma, soft=opts.soft_labels,
+                                 decay=opts.ttt_decay,
+                                 num_positions=None if evaluation else opts.ttt_positions)
     if objective == "block":
         from specjax.train.objectives.block import block_loss
 
@@ -79,6 +81,7 @@ class DrafterTrainer(Trainer):
         self.schedule, self.mesh, self.seed, self.grad_accum = schedule, mesh, seed, grad_accum
         self.model_cfg = target.cfg
         self.loss_fn = objective_fn(objective, opts, dcfg.gamma)
+        self.eval_fn = objective_fn(objective, opts, dcfg.gamma, evaluation=True)
 
         # The drafter's final norm starts as the target's: its output then meets the
         # target's LM head at the scale that head was trained for (a ones init gave an
@@ -134,7 +137,8 @@ class DrafterTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_stats(self, params, rows: jax.Array, target_params, key: jax.Array):
+    def loss_and_stats(self, params, rows: jax.Array, target_params, key: jax.Array,
+                       evaluation: bool = False):
         """(f32[] loss, stats dict) of the drafter on rows i32[B, T+1]; the target runs on
         rows[:, :T], cache-free, under stop_gradient."""
         target = nnx.merge(self.target_graphdef, target_params, self.target_rest)
@@ -145,7 +149,8 @@ class DrafterTrainer(Trainer):
                      capture_kv=self.dcfg.kv_layers)
         tgt = jax.lax.stop_gradient(tgt)
         frozen = jax.lax.stop_gradient(Frozen.from_target(target))
-        return self.loss_fn(self.network(params), tgt, rows, frozen, key)
+        fn = self.eval_fn if evaluation else self.loss_fn
+        return fn(self.network(params), tgt, rows, frozen, key)
 
     def loss(self, params, rows, target_params, key) -> jax.Array:
         """The training loss only (f32[])."""
@@ -199,7 +204,7 @@ class DrafterTrainer(Trainer):
 
     def _eval(self, params, rows, target_params, index):
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed + 2), index)
-        return self.loss_and_stats(params, rows, target_params, key)
+        return self.loss_and_stats(params, rows, target_params, key, evaluation=True)
 
     @functools.cached_property
     def eval_step(self):

@@ -16,8 +16,9 @@ import optax
 from specjax.drafters import common
 
 
-def draft_outputs(net, tgt, rows, frozen, steps: int):
-    """(outputs [steps,B,T,D], gates [steps,B,T,D] | None) of the TTT unroll."""
+def draft_outputs(net, tgt, rows, frozen, steps: int, anchors=None):
+    """(outputs [steps,B,P,D], gates [steps,B,P,D] | None) of the TTT unroll at `anchors`
+    i32[B,P] (None: every position, P = T)."""
     cfg = net.cfg
     B, T = rows.shape[0], rows.shape[1] - 1
     memory = None
@@ -26,45 +27,58 @@ def draft_outputs(net, tgt, rows, frozen, steps: int):
         cos, sin = common.rope(frozen.inv_freq, pos, net.dtype)
         memory = common.memory_from_target(net, cfg, tgt.kv[0], tgt.kv[1], cos, sin)
     if cfg.kind == "kv":
-        return net.ttt(memory, rows, frozen.embed, frozen.inv_freq, steps), None
+        return net.ttt(memory, rows, frozen.embed, frozen.inv_freq, steps, anchors), None
     if memory is not None:
         memory = (memory[0][0], memory[1][0])
-    return net.ttt(tgt.hidden, rows, frozen.embed, frozen.inv_freq, steps, memory)
+    return net.ttt(tgt.hidden, rows, frozen.embed, frozen.inv_freq, steps, memory, anchors)
 
 
-def ttt_loss(net, tgt, rows, frozen, *, steps: int, soft: bool = True, decay: float = 0.8):
+def sample_positions(key, batch: int, seq_len: int, count: int):
+    """i32[B,P], P = min(count, T-1): distinct anchors in 0 .. T-2 per row, sorted."""
+    n = seq_len - 1
+    noise = jax.random.uniform(key, (batch, n))
+    return jnp.sort(jnp.argsort(noise, axis=1)[:, :min(count, n)], axis=1).astype(jnp.int32)
+
+
+def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
+             decay: float = 0.8, num_positions: int | None = None):
     """Weighted TTT loss and acceptance statistics.
 
     Args:
       net: Eagle3, Hybrid or KVOnly network; tgt: the target's cache-free ForwardOutput on
         rows[:, :T] (hidden at net.cfg.capture, kv at net.cfg.kv_layers); rows i32[B,T+1];
         frozen: objectives.Frozen; steps: G.
+      key, num_positions: unroll the chains of num_positions random anchors per row
+        (drawn with `key`) instead of all T positions: the LM head, which dominates the
+        cost, then runs on B*P instead of B*T rows per step.
     Returns: (loss f32[], stats) with stats as in objectives/__init__.py; a chain is an
       anchor t with all `steps` predictions inside the row (t + steps <= T-1).
     """
     B, T = rows.shape[0], rows.shape[1] - 1
-    outs, gates = draft_outputs(net, tgt, rows, frozen, steps)
-    t = jnp.arange(T)
+    anchors = None
+    if num_positions is not None and num_positions < T:
+        anchors = sample_positions(key, B, T, num_positions)
+    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if anchors is None else anchors
+    outs, gates = draft_outputs(net, tgt, rows, frozen, steps, anchors)
     target_top = jnp.argmax(tgt.logits, axis=-1)  # [B,T]
     total, matches = 0.0, []
     for k in range(steps):
-        logits = net.logits(outs[k], frozen.head)  # [B,T,V]
+        logits = net.logits(outs[k], frozen.head)  # [B,P,V]
         idx = jnp.minimum(t + k + 1, T - 1)
-        valid = (t + k + 1 <= T - 1).astype(jnp.float32)[None, :]
+        valid = (t + k + 1 <= T - 1).astype(jnp.float32)
         if soft:
-            labels = jax.nn.softmax(tgt.logits[:, idx].astype(jnp.float32), axis=-1)
-            ce = optax.softmax_cross_entropy(logits, labels)
+            tl = jnp.take_along_axis(tgt.logits, idx[:, :, None], axis=1)
+            ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(tl.astype(jnp.float32), -1))
         else:
-            hard = rows[:, jnp.minimum(t + k + 2, T)]
+            hard = jnp.take_along_axis(rows, jnp.minimum(t + k + 2, T), axis=1)
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, hard)
-        total = total + decay ** k * jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid) * B, 1)
-        matches.append(jnp.argmax(logits, axis=-1) == target_top[:, idx])
-    chain = jnp.cumprod(jnp.stack(matches).astype(jnp.float32), axis=0)  # [steps,B,T]
-    full = (t + steps <= T - 1).astype(jnp.float32)[None, None, :]
-    stats = {"accepted": jnp.sum(chain * full, axis=(1, 2)),
-             "chains": jnp.sum(jnp.broadcast_to(full[0], (B, T)))}
+        total = total + decay ** k * jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
+        matches.append(jnp.argmax(logits, -1) == jnp.take_along_axis(target_top, idx, axis=1))
+    chain = jnp.cumprod(jnp.stack(matches).astype(jnp.float32), axis=0)  # [steps,B,P]
+    full = (t + steps <= T - 1).astype(jnp.float32)[None]
+    stats = {"accepted": jnp.sum(chain * full, axis=(1, 2)), "chains": jnp.sum(full)}
     if gates is not None:
         stats["gate"] = jnp.sum(jnp.mean(gates, axis=-1))
-        stats["gate_count"] = jnp.asarray(gates.shape[0] * B * T, jnp.float32)
+        stats["gate_count"] = jnp.asarray(gates.shape[0] * gates.shape[1] * gates.shape[2],
+                                          jnp.float32)
     return total, stats
-
