@@ -52,3 +52,91 @@ def test_greedy_equals_autoregressive(kind, context, G):
     assert rows(sp) == rows(run_ar(BUDGETS))
     lens = np.asarray(sp.lengths) - PROMPT_LENS
     assert lens.tolist() == BUDGETS
+
+
+# ----------------------------------------------------------------------------- trained
+
+@functools.cache
+def trained(kind, context, G=3, steps=250):
+    """A drafter trained for `steps` Adam steps on the tiny target's own greedy outputs,
+    and its simulated tau before and after (held-in rows: this checks that the objectives
+    train and that acceptance in the loop follows, not generalisation)."""
+    import optax
+
+    from specjax.generate import autoregressive_loop
+    from specjax.train.objectives import Frozen, summarize
+    from specjax.train.objectives.block import block_loss
+    from specjax.train.objectives.ttt import ttt_loss
+
+    target, _ = models()
+    dcfg = DrafterConfig.for_target(target.cfg, kind, context=context, gamma=G,
+                                    mask_token_id=1 if kind == "block" else None)
+    net = build_network(dcfg, rngs=nnx.Rngs(0))
+    net.final_norm.set_value(target.final_norm[...])
+    g, p = nnx.split(target)
+    N, P, new = 32, 4, 28
+    starts = jnp.asarray(np.random.RandomState(1).randint(2, target.cfg.vocab_size, (N, P)),
+                         jnp.int32)
+    res = autoregressive_loop(g, p, LoopConfig(max_length=P + new, prompt_width=P), starts,
+                              jnp.full((N,), P, jnp.int32), jnp.full((N,), new, jnp.int32),
+                              jax.random.key(0))
+    data = res.tokens[:, :P + new]  # [N, T+1]
+    T = data.shape[1] - 1
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    tgt = target(data[:, :T], pos, None, capture=dcfg.capture, capture_kv=dcfg.kv_layers)
+    frozen = Frozen.from_target(target)
+    graphdef, params, rest = nnx.split(net, nnx.Param, ...)
+
+    def loss(params, key):
+        n = nnx.merge(graphdef, params, rest)
+        if kind == "block":
+            return block_loss(n, tgt, data, frozen, key, num_anchors=8, gamma=G)
+        return ttt_loss(n, tgt, data, frozen, steps=G)
+
+    tx = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, opt, key):
+        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params, key)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, stats
+
+    opt = tx.init(params)
+    before = summarize(jax.device_get(loss(params, jax.random.key(0))[1]))["tau"]
+    for i in range(steps):
+        params, opt, stats = step(params, opt, jax.random.key(i))
+    after = summarize(jax.device_get(loss(params, jax.random.key(0))[1]))["tau"]
+    return dcfg, nnx.merge(graphdef, params, rest), before, after
+
+
+def run_trained(kind, context, budgets, eos=()):
+    target, _ = models()
+    dcfg, net, _, _ = trained(kind, context)
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=3)
+    g, p = nnx.split(target)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos)
+    toks, lens = prompts()
+    return speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
+                            jnp.asarray(budgets, jnp.int32), jax.random.key(0))
+
+
+@pytest.mark.parametrize("kind,context", [("eagle3", None), ("block", "hidden")])
+def test_trained_drafter_is_accepted_and_stops_at_eos_inside_a_block(kind, context):
+    _, _, before, after = trained(kind, context)
+    assert after > before + 0.5, (before, after)  # the objective trains the drafter
+    sp = run_trained(kind, context, BUDGETS)
+    assert rows(sp) == rows(run_ar(BUDGETS))
+    acc, steps = np.asarray(sp.accepted), np.asarray(sp.steps)
+    assert acc[:, -1].sum() > 0  # whole blocks were accepted in the real loop
+    assert 1 + acc.sum() / steps.sum() > 1.5
+    # An EOS that the target emits inside an accepted block ends the row right there.
+    out0 = rows(run_ar(BUDGETS))[0][PROMPT_LENS[0]:]
+    eos = out0[6]
+    first = out0.index(eos)
+    sp_eos = run_trained(kind, context, BUDGETS, (eos,))
+    assert rows(sp_eos) == rows(run_ar(BUDGETS, (eos,)))
+    assert rows(sp_eos)[0][PROMPT_LENS[0]:] == out0[:first + 1]
+    # The verification steps of row 0 emitted `first` tokens after the prefill's; they
+    # accepted more than that (tau + 1 per step), so the last block was cut at the EOS.
+    acc0, steps0 = int(np.asarray(sp_eos.accepted)[0].sum()), int(np.asarray(sp_eos.steps)[0])
+    assert acc0 + steps0 > first, (acc0, steps0, first)
