@@ -1,7 +1,8 @@
-"""specjax against transformers on one target model: autoregressive, draft-LM and n-gram
-speculative decoding, greedy and sampled, and a batch-size sweep, in ONE process.
+"""specjax against transformers on one target model: autoregressive, draft-LM, n-gram and
+learned-drafter speculative decoding, greedy and sampled, and a batch-size sweep, in ONE
+process.
 
-    python benchmarks/compare.py                 # demo target + draft LM, 8 prompts x 128 tokens
+    python benchmarks/compare.py                 # demo target + drafters, 8 prompts x 128 tokens
     python benchmarks/compare.py --json out/compare.json --plot out/compare.png
     python benchmarks/compare.py --target DIR --draft DIR --prompts FILE.jsonl --gamma 4 \
         --num-prompts 8 --new-tokens 128 --repeats 3 --batch-sizes 1 4 16
@@ -22,9 +23,13 @@ Systems (batch 1, f32, EOS disabled everywhere so every system generates exactly
   specjax-ar-T1               `Engine` without a drafter, temperature 1
   specjax-draft-T1-token      draft LM at temperature 1, token-level rejection sampling
   specjax-draft-T1-block      draft LM at temperature 1, block verification
-Batch sweep: specjax-ar and specjax-draft (T=0) at each --batch-sizes B over the same first
---num-prompts prompts, repeated cyclically to fill every batch (B=1 reuses the rows above);
-throughput = new tokens summed over the batch / wall.
+  specjax-<name>[-T1-token|-T1-block]   each learned drafter directory of --drafters (train.py
+                              exports: eagle3, kv, hybrid, block), named by its directory,
+                              at the G it was trained for, T=0 and T=1 (token and block)
+Batch sweep: specjax-ar and every T=0 model drafter (draft LM and learned) at each
+--batch-sizes B over the same first --num-prompts prompts, repeated cyclically to fill
+every batch (B=1 reuses the rows above); throughput = new tokens summed over the batch /
+wall.
 
 The same prompts (encoded once with the target's tokenizer) and the same weights (the
 --target and --draft directories, loaded by specjax and by transformers) are used
@@ -48,14 +53,9 @@ CPU figures do not predict accelerator speedups (DESIGN.md section 9): on CPU a
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import io
 import json
-import math
 import os
-import statistics
 import sys
-import time
 import types
 
 # The benchmark measures ONE CPU device; a simulated multi-device setting (tests set
@@ -69,12 +69,15 @@ sys.path.append(ROOT)  # uninstalled checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks._common import (  # noqa: E402
-    common_prefix,
-    environment,
-    load_transformers,
-    summary,
-    usable_cores,
+from benchmarks._common import environment, load_transformers, usable_cores  # noqa: E402
+from benchmarks._report import render_tables, write_plot  # noqa: E402
+from benchmarks._systems import (  # noqa: E402
+    SpecjaxSystem,
+    TransformersSystem,
+    compact,
+    equality,
+    measure,
+    system_record,
 )
 from specjax.errors import SpecjaxError  # noqa: E402
 
@@ -85,11 +88,6 @@ JSON_KEYS = ("args", "environment", "load_average", "models", "prompts", "gamma"
              "new_tokens", "repeats", "threads", "systems", "lossless", "batch_sweep")
 TRANSFORMERS_SYSTEMS = ("transformers-greedy", "transformers-assisted",
                         "transformers-prompt-lookup")
-SPECJAX_SYSTEMS = ("specjax-ar", "specjax-draft", "specjax-ngram", "specjax-ar-T1",
-                   "specjax-draft-T1-token", "specjax-draft-T1-block")
-T0_SPECULATIVE = ("specjax-draft", "specjax-ngram")  # must equal specjax-ar token for token
-ALPHA_SYSTEMS = ("specjax-draft", "specjax-ngram", "specjax-draft-T1-token",
-                 "specjax-draft-T1-block")
 
 
 def log(msg: str) -> None:
@@ -108,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HF checkpoint directory of the target (default: the demo target)")
     ap.add_argument("--draft", default=os.path.join(DEMO_DIR, "draft"),
                     help="HF checkpoint directory of the draft LM (default: the demo draft)")
+    ap.add_argument("--drafters", nargs="*", default=None,
+                    help="learned drafter directories written by train.py (default: every "
+                         "one in drafters/ beside --target, as checkpoints/demo/ ships them); "
+                         "each runs at its trained G")
     ap.add_argument("--prompts", default=os.path.join(DEMO_DIR, "prompts.jsonl"),
                     help='JSONL, one object a line with "prompt" (text) or "input_ids"')
     ap.add_argument("--num-prompts", type=int, default=None,
@@ -116,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=None,
                     help=f"new tokens per prompt, exactly (default {DEFAULTS['new_tokens']}, "
                          f"--quick {QUICK['new_tokens']})")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length G of every drafter")
+    ap.add_argument("--gamma", type=int, default=4,
+                    help="draft length G of the draft LM and n-gram drafters")
     ap.add_argument("--repeats", type=int, default=None,
                     help=f"timed runs per system (default {DEFAULTS['repeats']}, "
                          f"--quick {QUICK['repeats']})")
@@ -154,6 +157,21 @@ def validate(args) -> None:
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if not os.path.isdir(path):
             raise SpecjaxError(f"{flag} {path} does not exist; pass a local HF model directory")
+    if args.drafters is None:
+        beside = os.path.join(os.path.dirname(os.path.abspath(args.target)), "drafters")
+        found = sorted(os.listdir(beside)) if os.path.isdir(beside) else []
+        args.drafters = [os.path.join(beside, d) for d in found
+                         if os.path.isdir(os.path.join(beside, d))]
+    from specjax.drafters.config import DrafterConfig
+
+    for path in args.drafters:
+        if not DrafterConfig.is_drafter_dir(path):
+            raise SpecjaxError(f"--drafters {path} is not a drafter directory written by "
+                               "train.py (no specjax-drafter config.json)")
+    names = [os.path.basename(os.path.normpath(p)) for p in args.drafters]
+    if len(set(names)) < len(names) or {"ar", "draft", "ngram"} & set(names):
+        raise SpecjaxError(f"--drafters names {names} must be distinct and not ar, draft or "
+                           "ngram (the directory name names the system)")
     if not os.path.isfile(args.prompts):
         raise SpecjaxError(f"--prompts {args.prompts} does not exist; pass a JSONL file")
     if args.plot:
@@ -191,256 +209,8 @@ def read_prompts(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
     return [ids for _, ids in decode.read_prompts(ns, tokenizer, vocab_size)[:n]]
 
 
-@dataclasses.dataclass
-class RunResult:
-    outputs: list[list[int]]  # new tokens per row
-    call_walls: list[float]  # seconds per generate call
-    stats: object | None = None  # engine.Stats (specjax)
-    target_forwards: int | None = None  # transformers, counted when asked
-
-    @property
-    def wall(self) -> float:
-        return sum(self.call_walls)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-
-class SpecjaxSystem:
-    kind = "specjax"
-
-    def __init__(self, name, engine, rows, new_tokens, *, temperature, verify, seed):
-        self.name, self.engine, self.rows, self.new_tokens = name, engine, rows, new_tokens
-        self.temperature, self.verify, self.seed = temperature, verify, seed
-        self.gamma = engine.gamma or None
-        self.batch_size = engine.batch_size
-        self.compile_s = None
-
-    def compile(self) -> float:
-        self.compile_s = self.engine.compile()
-        return self.compile_s
-
-    def run(self, count: bool = False) -> RunResult:
-        from specjax.engine import Stats
-
-        stats, outputs, walls = Stats(), [], []
-        base = jax.random.key(self.seed)
-        B = self.batch_size
-        for i in range(0, len(self.rows), B):
-            key = jax.random.fold_in(base, i // B)  # batch 1: one key per prompt
-            t0 = time.perf_counter()
-            out = self.engine.run(self.rows[i:i + B], self.new_tokens, key)
-            walls.append(time.perf_counter() - t0)
-            stats.add(out)
-            outputs.extend(out.outputs)
-        return RunResult(outputs, walls, stats=stats)
-
-
-class TransformersSystem:
-    kind = "transformers"
-    temperature = 0.0
-    batch_size = 1
-    compile_s = None
-
-    def __init__(self, name, model, rows, new_tokens, threads, *, gamma=None, verify=None,
-                 **generate_kwargs):
-        import torch
-
-        self.name, self.model, self.new_tokens, self.threads = name, model, new_tokens, threads
-        self.gamma, self.verify, self.kwargs, self.torch = gamma, verify, generate_kwargs, torch
-        self.ids = [torch.tensor([r], dtype=torch.long) for r in rows]
-
-    def compile(self) -> float:
-        return 0.0
-
-    def run(self, count: bool = False) -> RunResult:
-        torch = self.torch
-        torch.set_num_threads(self.threads)  # process-wide: set before every run
-        forwards = [0]
-        handle = None
-        if count:
-            def hook(module, inputs):
-                forwards[0] += 1
-            handle = self.model.register_forward_pre_hook(hook)
-        outputs, walls = [], []
-        try:
-            with torch.inference_mode():
-                for ids in self.ids:
-                    mask = torch.ones_like(ids)
-                    t0 = time.perf_counter()
-                    out = self.model.generate(
-                        ids, attention_mask=mask, do_sample=False,
-                        max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
-                        eos_token_id=None, use_cache=True, **self.kwargs)
-                    walls.append(time.perf_counter() - t0)
-                    outputs.append(out[0, ids.shape[1]:].tolist())
-        finally:
-            if handle is not None:
-                handle.remove()
-        return RunResult(outputs, walls, target_forwards=forwards[0] if count else None)
-
-
-def measure(systems, repeats: int, new_tokens: int) -> dict:
-    """Compile + one untimed warm-up per system, then `repeats` interleaved timed runs."""
-    res = {}
-    for s in systems:
-        c = s.compile()
-        log(f"{s.name}: compile {c:.2f} s; warm-up run" if c else f"{s.name}: warm-up run")
-        ref = s.run(count=True)
-        short = [len(o) for o in ref.outputs if len(o) != new_tokens]
-        if short:
-            log(f"WARNING: {s.name} generated {short[0]} tokens for a row, not {new_tokens}")
-        res[s.name] = {"ref": ref, "runs": [], "stable": True}
-    for r in range(repeats):
-        k = r % len(systems)
-        for s in systems[k:] + systems[:k]:
-            run = s.run()
-            entry = res[s.name]
-            if run.outputs != entry["ref"].outputs:
-                entry["stable"] = False
-                log(f"WARNING: {s.name}: output changed between runs")
-            entry["runs"].append(run)
-            log(f"repeat {r + 1}/{repeats} {s.name}: {run.new_tokens} tokens in "
-                f"{run.wall:.2f} s, {run.new_tokens / run.wall:.1f} tok/s")
-    return res
-
-
-def system_record(s, m: dict) -> dict:
-    """Raw figures of one measured system."""
-    ref, runs = m["ref"], m["runs"]
-    rec = {
-        "kind": s.kind, "temperature": s.temperature, "verify": s.verify, "gamma": s.gamma,
-        "batch_size": s.batch_size, "rows": len(ref.outputs),
-        "new_tokens_per_run": ref.new_tokens,
-        "wall_s": [r.wall for r in runs],
-        "call_wall_s": [r.call_walls for r in runs],
-        "tokens_per_s": summary([r.new_tokens / r.wall for r in runs]),
-        "compile_s": s.compile_s,
-        "tau": None, "alpha": None, "steps": None, "accepted": None, "target_forwards": None,
-        "outputs_stable": m["stable"],
-        "outputs": ref.outputs,
-    }
-    if ref.stats is not None:
-        rec["engine_wall_s"] = [r.stats.wall_s for r in runs]
-        rec["steps"] = ref.stats.steps
-        if s.gamma:
-            rec["accepted"] = ref.stats.accepted.tolist()
-            rec["tau"] = ref.stats.tau
-            rec["alpha"] = ref.stats.alpha
-    if ref.target_forwards is not None:
-        rec["target_forwards"] = ref.target_forwards
-        if s.gamma:
-            rec["tau"] = ref.new_tokens / ref.target_forwards
-    return rec
-
-
-def equality(outputs: list[list[int]], reference: list[list[int]]) -> dict:
-    same = [a == b for a, b in zip(outputs, reference, strict=True)]
-    prefixes = [common_prefix(a, b) for a, b in zip(outputs, reference, strict=True)]
-    return {"equal": sum(same), "of": len(same), "per_prompt": same,
-            "mean_common_prefix": statistics.mean(prefixes), "common_prefix": prefixes}
-
-
-def _compact(rec: dict, name: str) -> dict:
-    """A sweep entry: the record without its outputs (equality is recorded instead)."""
-    return {"system": name} | {k: v for k, v in rec.items() if k != "outputs"}
-
-
-def _fmt(x, spec=".1f", suffix=""):
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return format(x, spec) + suffix
-
-
-def render_tables(result: dict) -> str:
-    systems = result["systems"]
-    lines = ["| system | T | verify | tokens/s median | spread (min-max) | tau | alpha_k "
-             "| speedup vs specjax-ar (same T) | speedup vs transformers-greedy "
-             "| equal to transformers greedy (n/N) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, s in systems.items():
-        t = s["tokens_per_s"]
-        alpha = " ".join(_fmt(a, ".2f") for a in s["alpha"]) if s.get("alpha") else "-"
-        eq = s.get("equal_to_transformers_greedy")
-        if name == "transformers-greedy":
-            eq_s = "reference"
-        elif eq is None:
-            eq_s = "-"
-        else:
-            eq_s = f"{eq['equal']}/{eq['of']} (prefix {eq['mean_common_prefix']:.1f})"
-        lines.append(
-            f"| {name} | {s['temperature']:g} | {s['verify'] or '-'} | {t['median']:.1f} "
-            f"| {t['min']:.1f}-{t['max']:.1f} | {_fmt(s['tau'], '.2f')} | {alpha} "
-            f"| {_fmt(s.get('speedup_vs_specjax_ar'), '.2f', 'x')} "
-            f"| {_fmt(s.get('speedup_vs_transformers_greedy'), '.2f', 'x')} | {eq_s} |")
-    sweep = result["batch_sweep"]
-    if sweep:
-        lines += ["", "| batch | AR tok/s | spec tok/s | tau | speedup | spec == AR |",
-                  "|---|---|---|---|---|---|"]
-        for b in sweep:
-            lines.append(f"| {b['batch_size']} | {b['ar']['tokens_per_s']['median']:.1f} "
-                         f"| {b['spec']['tokens_per_s']['median']:.1f} "
-                         f"| {_fmt(b['spec']['tau'], '.2f')} | {b['speedup']:.2f}x "
-                         f"| {b['spec_equals_ar']} |")
-    return "\n".join(lines)
-
-
-def write_plot(path: str, result: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    systems = result["systems"]
-    names = list(systems)
-    med = [systems[n]["tokens_per_s"]["median"] for n in names]
-    err = [[m - systems[n]["tokens_per_s"]["min"] for n, m in zip(names, med, strict=True)],
-           [systems[n]["tokens_per_s"]["max"] - m for n, m in zip(names, med, strict=True)]]
-    colors = ["tab:blue" if systems[n]["temperature"] == 0 else "tab:orange" for n in names]
-    hatches = ["//" if systems[n]["kind"] == "transformers" else "" for n in names]
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5),
-                                   gridspec_kw={"width_ratios": [1.6, 1]})
-    bars = ax1.bar(range(len(names)), med, yerr=err, capsize=4, color=colors,
-                   edgecolor="black", linewidth=0.6)
-    for bar, h, m in zip(bars, hatches, med, strict=True):
-        bar.set_hatch(h)
-        ax1.annotate(f"{m:.0f}", (bar.get_x() + bar.get_width() / 2, m), ha="center",
-                     va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
-    ax1.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
-    ax1.set_ylabel("new tokens/s (median, min-max bars)")
-    ax1.set_title(f"batch 1, {result['prompts']['count']} prompts x {result['new_tokens']} "
-                  f"tokens, G={result['gamma']}")
-    ax1.legend(handles=[Patch(color="tab:blue", label="T=0 (greedy)"),
-                        Patch(color="tab:orange", label="T=1"),
-                        Patch(facecolor="white", edgecolor="black", hatch="//",
-                              label="transformers")], fontsize=8)
-    G = result["gamma"]
-    for n in ALPHA_SYSTEMS:
-        alpha = systems.get(n, {}).get("alpha")
-        if alpha:
-            ax2.plot(range(1, G + 1), [math.nan if a is None else a for a in alpha],
-                     marker="o", label=n)
-    ax2.set_xticks(range(1, G + 1))
-    ax2.set_xlabel("draft position k")
-    ax2.set_ylabel("alpha_k (accepted | earlier accepted)")
-    ax2.set_ylim(0, 1.05)
-    ax2.set_title("acceptance by draft position")
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    from specjax.fileio import atomic_write
-
-    data = buf.getvalue()
-    atomic_write(path, lambda f: f.write(data))
-
-
 def run(args) -> dict:
+    import decode
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
@@ -467,6 +237,13 @@ def run(args) -> dict:
     draft0, dparams0 = DraftLMDrafter.create(draft, G, greedy, V)  # checks the vocabulary
     draft1, dparams1 = DraftLMDrafter.create(draft, G, t1, V)
     ngram = NgramDrafter(G, V, sampling=greedy)
+    learned = {}  # name -> (T=0 drafter, params, T=1 drafter, params); checks each target
+    for path in args.drafters:
+        name = os.path.basename(os.path.normpath(path))
+        d0, p0 = decode.load_learned_drafter(path, target, args.target, None, greedy,
+                                             jnp.float32)
+        d1, p1 = decode.load_learned_drafter(path, target, args.target, None, t1, jnp.float32)
+        learned[name] = (d0, p0, d1, p1)
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:
         log(f"WARNING: load average {load0[0]:.2f} on {cores} cores: timings are indicative")
@@ -477,18 +254,19 @@ def run(args) -> dict:
         log(f"{args.prompts} holds {len(prompts)} prompts, fewer than --num-prompts "
             f"{args.num_prompts}: using them all")
     log(f"target {target.cfg.num_params / 1e6:.2f}M params, draft "
-        f"{draft.cfg.num_params / 1e6:.2f}M, {n} prompts ({longest} tokens at most), "
-        f"{N_new} new tokens, G={G}, {args.repeats} repeats, {cores} cores, torch threads "
-        f"{threads}, load average {load0[0]:.2f}")
+        f"{draft.cfg.num_params / 1e6:.2f}M, learned drafters {list(learned) or 'none'}, "
+        f"{n} prompts ({longest} tokens at most), {N_new} new tokens, G={G} (draft LM, "
+        f"n-gram), {args.repeats} repeats, {cores} cores, torch threads {threads}, load "
+        f"average {load0[0]:.2f}")
 
     def engine(batch_size=1, drafter=None, dparams=None, sampling=greedy, verify="block"):
         return Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
                       verify=verify, max_length=max_length, prompt_width=prompt_width,
                       batch_size=batch_size, eos_token_ids=())
 
-    def spec(name, eng, rows=prompts, temperature=0.0, verify=None):
+    def spec(name, eng, rows=prompts, temperature=0.0, verify=None, drafter=None):
         return SpecjaxSystem(name, eng, rows, N_new, temperature=temperature, verify=verify,
-                             seed=args.seed)
+                             seed=args.seed, drafter=drafter)
 
     systems = []
     if not args.no_transformers:
@@ -510,29 +288,33 @@ def run(args) -> dict:
                                gamma=G, verify="greedy", prompt_lookup_num_tokens=G,
                                max_matching_ngram_size=ngram.n_max),
         ]
-    systems += [
-        spec("specjax-ar", engine()),
-        spec("specjax-draft", engine(drafter=draft0, dparams=dparams0), verify="greedy"),
-        spec("specjax-ngram", engine(drafter=ngram, dparams=()), verify="greedy"),
-        spec("specjax-ar-T1", engine(sampling=t1), temperature=1.0),
-        spec("specjax-draft-T1-token",
-             engine(drafter=draft1, dparams=dparams1, sampling=t1, verify="token"),
-             temperature=1.0, verify="token"),
-        spec("specjax-draft-T1-block",
-             engine(drafter=draft1, dparams=dparams1, sampling=t1, verify="block"),
-             temperature=1.0, verify="block"),
-    ]
+    # T=0 speculative systems: drafter name -> (drafter, params); each must equal specjax-ar.
+    t0 = {"draft": (draft0, dparams0), "ngram": (ngram, ())}
+    t0.update({name: (d0, p0) for name, (d0, p0, _, _) in learned.items()})
+    t1_drafters = {"draft": (draft1, dparams1)}
+    t1_drafters.update({name: (d1, p1) for name, (_, _, d1, p1) in learned.items()})
+    systems.append(spec("specjax-ar", engine()))
+    systems += [spec(f"specjax-{name}", engine(drafter=d, dparams=p), verify="greedy",
+                     drafter=name) for name, (d, p) in t0.items()]
+    systems.append(spec("specjax-ar-T1", engine(sampling=t1), temperature=1.0))
+    for name, (d, p) in t1_drafters.items():
+        for rule in ("token", "block"):
+            systems.append(spec(f"specjax-{name}-T1-{rule}",
+                                engine(drafter=d, dparams=p, sampling=t1, verify=rule),
+                                temperature=1.0, verify=rule, drafter=name))
+    sweep_drafters = [name for name in t0 if name != "ngram"]  # model drafters
     sweep_systems = {}
     for B in args.batch_sizes:
         if B == 1:
             continue
         rows = [prompts[i % n] for i in range(-(-n // B) * B)]
-        sweep_systems[B] = (
-            spec(f"specjax-ar-B{B}", engine(batch_size=B), rows=rows),
-            spec(f"specjax-draft-B{B}", engine(B, draft0, dparams0), rows=rows,
-                 verify="greedy"))
-    all_systems = systems + [s for pair in sweep_systems.values() for s in pair]
-    measured = measure(all_systems, args.repeats, N_new)
+        sweep_systems[B] = {"ar": spec(f"specjax-ar-B{B}", engine(batch_size=B), rows=rows)}
+        for name in sweep_drafters:
+            d, p = t0[name]
+            sweep_systems[B][name] = spec(f"specjax-{name}-B{B}", engine(B, d, p), rows=rows,
+                                          verify="greedy", drafter=name)
+    all_systems = systems + [s for group in sweep_systems.values() for s in group.values()]
+    measured = measure(all_systems, args.repeats, N_new, log=log)
 
     # ---- main table
     records = {s.name: system_record(s, measured[s.name]) for s in systems}
@@ -549,7 +331,7 @@ def run(args) -> dict:
                                                if hf is not None and rec["temperature"] == 0
                                                else None)
         rec["equals_specjax_ar"] = None
-        if name in T0_SPECULATIVE:
+        if rec["kind"] == "specjax" and rec["temperature"] == 0 and rec["drafter"]:
             rec["equals_specjax_ar"] = lossless[name] = outs[name] == outs["specjax-ar"]
 
     # ---- batch sweep
@@ -557,22 +339,28 @@ def run(args) -> dict:
     ar1 = outs["specjax-ar"]
     for B in args.batch_sizes:
         if B == 1:
-            ar_rec, sp_rec = records["specjax-ar"], records["specjax-draft"]
-            ar_out, sp_out = ar1, outs["specjax-draft"]
+            ar_rec, ar_out, ar_name = records["specjax-ar"], ar1, "specjax-ar"
         else:
-            s_ar, s_sp = sweep_systems[B]
+            s_ar = sweep_systems[B]["ar"]
             ar_rec = system_record(s_ar, measured[s_ar.name])
-            sp_rec = system_record(s_sp, measured[s_sp.name])
-            ar_out, sp_out = ar_rec["outputs"], sp_rec["outputs"]
-            lossless[s_sp.name] = sp_out == ar_out
-        sweep.append({
-            "batch_size": B, "rows": len(ar_out),
-            "ar": _compact(ar_rec, "specjax-ar" if B == 1 else s_ar.name),
-            "spec": _compact(sp_rec, "specjax-draft" if B == 1 else s_sp.name),
-            "speedup": sp_rec["tokens_per_s"]["median"] / ar_rec["tokens_per_s"]["median"],
-            "spec_equals_ar": sp_out == ar_out,
-            "ar_equals_batch1_ar": all(o == ar1[i % n] for i, o in enumerate(ar_out)),
-        })
+            ar_out, ar_name = ar_rec["outputs"], s_ar.name
+        for name in sweep_drafters:
+            if B == 1:
+                sp_name = f"specjax-{name}"
+                sp_rec, sp_out = records[sp_name], outs[sp_name]
+            else:
+                s_sp = sweep_systems[B][name]
+                sp_name = s_sp.name
+                sp_rec = system_record(s_sp, measured[sp_name])
+                sp_out = sp_rec["outputs"]
+                lossless[sp_name] = sp_out == ar_out
+            sweep.append({
+                "batch_size": B, "drafter": name, "rows": len(ar_out),
+                "ar": compact(ar_rec, ar_name), "spec": compact(sp_rec, sp_name),
+                "speedup": sp_rec["tokens_per_s"]["median"] / ar_rec["tokens_per_s"]["median"],
+                "spec_equals_ar": sp_out == ar_out,
+                "ar_equals_batch1_ar": all(o == ar1[i % n] for i, o in enumerate(ar_out)),
+            })
 
     env = environment([threads])
     result = {
@@ -585,6 +373,10 @@ def run(args) -> dict:
                        "vocab_size": V},
             "draft": {"path": os.path.abspath(args.draft), "num_params": draft.cfg.num_params,
                       "family": draft.cfg.family},
+            "drafters": {name: {"path": os.path.abspath(path), "kind": d0.cfg.kind,
+                                "gamma": d0.gamma, "context": d0.cfg.context}
+                         for (name, (d0, _, _, _)), path in zip(learned.items(), args.drafters,
+                                                                 strict=True)},
         },
         "prompts": {"path": os.path.abspath(args.prompts), "count": n,
                     "lengths": [len(p) for p in prompts], "prompt_width": prompt_width,
@@ -596,8 +388,9 @@ def run(args) -> dict:
 
     end = result["load_average"]["end"][0]
     print(f"## specjax vs transformers: target {target.cfg.num_params / 1e6:.2f}M params, "
-          f"draft LM {draft.cfg.num_params / 1e6:.2f}M, f32, G={G}, {n} prompts x {N_new} "
-          f"new tokens, {args.repeats} interleaved repeats\n")
+          f"draft LM {draft.cfg.num_params / 1e6:.2f}M (G={G}), learned drafters "
+          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'}, f32, "
+          f"{n} prompts x {N_new} new tokens, {args.repeats} interleaved repeats\n")
     print(f"{jax.default_backend()} backend, jax {env['jax']}, torch {env.get('torch', '-')}, "
           f"transformers {env.get('transformers', '-')}, {cores} cores, torch threads {threads}, "
           f"load average {load0[0]:.2f} -> {end:.2f}\n")

@@ -19,9 +19,11 @@ JSON_KEYS = {"args", "environment", "load_average", "models", "prompts", "gamma"
              "new_tokens", "repeats", "threads", "systems", "lossless", "batch_sweep"}
 SYSTEMS = {"transformers-greedy", "transformers-assisted", "transformers-prompt-lookup",
            "specjax-ar", "specjax-draft", "specjax-ngram", "specjax-ar-T1",
-           "specjax-draft-T1-token", "specjax-draft-T1-block"}
-T0_SPECULATIVE = ("specjax-draft", "specjax-ngram")
-ALPHA = ("specjax-draft", "specjax-ngram", "specjax-draft-T1-token", "specjax-draft-T1-block")
+           "specjax-draft-T1-token", "specjax-draft-T1-block", "specjax-blk",
+           "specjax-blk-T1-token", "specjax-blk-T1-block"}
+T0_SPECULATIVE = ("specjax-draft", "specjax-ngram", "specjax-blk")
+ALPHA = ("specjax-draft", "specjax-ngram", "specjax-draft-T1-token", "specjax-draft-T1-block",
+         "specjax-blk", "specjax-blk-T1-token", "specjax-blk-T1-block")
 
 
 def run_script(args, timeout=240):
@@ -36,13 +38,29 @@ def demo_args(demo):
             "--prompts", demo / "prompts.jsonl"]
 
 
+def block_drafter(demo, path):
+    """A random-init block drafter (G=3) exported for the tiny demo target at `path`."""
+    from flax import nnx
+
+    from specjax.config import ModelConfig
+    from specjax.drafters import DrafterConfig, build_network
+    from specjax.drafters.io import save_drafter
+
+    cfg = ModelConfig.from_dir(str(demo / "target"))
+    dcfg = DrafterConfig.for_target(cfg, "block", gamma=3)
+    net = build_network(dcfg, rngs=nnx.Rngs(0))
+    save_drafter(str(path), dcfg, nnx.state(net, nnx.Param), str(demo / "target"))
+    return path
+
+
 def test_compare_quick(tiny_demo, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     js, png = tmp_path / "out" / "compare.json", tmp_path / "out" / "compare.png"
+    blk = block_drafter(tiny_demo, tmp_path / "blk")
     proc = run_script([*demo_args(tiny_demo), "--quick", "--threads", "1",
-                       "--json", js, "--plot", png])
+                       "--drafters", blk, "--json", js, "--plot", png])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| specjax-ar |" in proc.stdout and "| batch |" in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -65,7 +83,8 @@ def test_compare_quick(tiny_demo, tmp_path):
             assert s["equal_to_transformers_greedy"] is None, name
     for name in ALPHA:
         s = r["systems"][name]
-        assert len(s["alpha"]) == G and 1.0 <= s["tau"] <= G + 1, name
+        g = 3 if "blk" in name else G  # a learned drafter runs at its trained G
+        assert s["gamma"] == g and len(s["alpha"]) == g and 1.0 <= s["tau"] <= g + 1, name
         assert all(a is None or 0.0 <= a <= 1.0 for a in s["alpha"]), name
     assert r["systems"]["specjax-ar"]["tau"] is None
     assert r["systems"]["specjax-ar"]["speedup_vs_specjax_ar"] == pytest.approx(1.0)
@@ -78,7 +97,8 @@ def test_compare_quick(tiny_demo, tmp_path):
         assert r["lossless"][name] is True
     assert all(r["lossless"].values())
     sweep = r["batch_sweep"]
-    assert [b["batch_size"] for b in sweep] == [1, 2]
+    assert [(b["batch_size"], b["drafter"]) for b in sweep] == [
+        (1, "draft"), (1, "blk"), (2, "draft"), (2, "blk")]
     for b in sweep:
         assert b["spec_equals_ar"] is True
         assert b["ar"]["tokens_per_s"]["median"] > 0 and b["speedup"] > 0
