@@ -145,6 +145,36 @@ def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]
     return [(pid, ids) for pid, ids, _ in items]
 
 
+def make_drafter_from_args(args, target, sampling, dtype):
+    """(drafter, params, name) for args.drafter (None: the default demo drafter; "none":
+    (None, None, "none")); sets args.gamma to the G used (a learned drafter's trained G
+    unless --gamma is given, else DEFAULT_GAMMA)."""
+    from specjax.checkpoint import load_model
+    from specjax.drafters.config import DrafterConfig
+    from specjax.drafters.draft_lm import DraftLMDrafter
+    from specjax.drafters.ngram import NgramDrafter
+
+    name = args.drafter
+    if name is None:
+        found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
+        name = os.path.join(DEMO_DIR, found[0]) if found else "ngram"
+    V = target.cfg.vocab_size
+    if name == "none":
+        return None, None, name
+    if name == "ngram":
+        args.gamma = args.gamma or DEFAULT_GAMMA
+        return NgramDrafter(args.gamma, V, sampling=sampling), (), name
+    if DrafterConfig.is_drafter_dir(name):
+        drafter, dparams = load_learned_drafter(name, target, args.target, args.gamma,
+                                                sampling, dtype)
+        args.gamma = drafter.gamma
+        return drafter, dparams, name
+    args.gamma = args.gamma or DEFAULT_GAMMA
+    drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), args.gamma,
+                                             sampling, V)
+    return drafter, dparams, name
+
+
 def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype):
     """(drafter, params) from a drafter directory written by train.py, checked against the
     target: same shapes, and trained against these weights (the fingerprint recorded at
@@ -207,9 +237,6 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from specjax.checkpoint import load_model, load_tokenizer
-    from specjax.drafters.config import DrafterConfig
-    from specjax.drafters.draft_lm import DraftLMDrafter
-    from specjax.drafters.ngram import NgramDrafter
     from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write
@@ -236,23 +263,7 @@ def run(args) -> int:
                 "shorten the prompt")
     prompt_width = prompt_width_for(longest, max_length)
 
-    drafter_arg = args.drafter
-    if drafter_arg is None:
-        found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
-        drafter_arg = os.path.join(DEMO_DIR, found[0]) if found else "ngram"
-    drafter, dparams = None, None
-    if drafter_arg == "ngram":
-        args.gamma = args.gamma or DEFAULT_GAMMA
-        drafter, dparams = NgramDrafter(args.gamma, cfg.vocab_size, sampling=sampling), ()
-    elif DrafterConfig.is_drafter_dir(drafter_arg):
-        drafter, dparams = load_learned_drafter(drafter_arg, target, args.target, args.gamma,
-                                                sampling, dtype)
-        args.gamma = drafter.gamma
-    elif drafter_arg != "none":
-        args.gamma = args.gamma or DEFAULT_GAMMA
-        draft_model = load_model(drafter_arg, dtype=dtype)
-        drafter, dparams = DraftLMDrafter.create(draft_model, args.gamma, sampling,
-                                                 cfg.vocab_size)
+    drafter, dparams, drafter_arg = make_drafter_from_args(args, target, sampling, dtype)
     eos = () if args.ignore_eos else cfg.eos_token_ids
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos)

@@ -172,13 +172,17 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     def step(s: LoopState) -> LoopState:
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
-        draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
+        # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
+        with jax.named_scope("drafter_propose"):
+            draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
         pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
-        out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
-                    capture=drafter.capture)
-        p = filtered_probs(out.logits, cfg.sampling)
-        tau, nxt = verify(draft, q, p, k_verify)
+        with jax.named_scope("target_verify_forward"):
+            out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
+                        capture=drafter.capture)
+        with jax.named_scope("verify_rule"):
+            p = filtered_probs(out.logits, cfg.sampling)
+            tau, nxt = verify(draft, q, p, k_verify)
         # Candidate emission: x_1..x_tau, then the correction/bonus token.
         cand = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         cand = jnp.where(offsets[None, :] == tau[:, None], nxt[:, None], cand)
@@ -196,7 +200,8 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
-        dstate = drafter.update(drafter_params, dstate, after, tau)
+        with jax.named_scope("drafter_update"):
+            dstate = drafter.update(drafter_params, dstate, after, tau)
         act = active.astype(jnp.int32)
         accepted = s.accepted + act[:, None] * (offsets[None, :G] < tau[:, None])
         return s.replace(tokens=tokens, lengths=lengths, done=s.done | (active & stop),

@@ -45,3 +45,24 @@ def test_decode_speed_quick(tmp_path):
     assert parity["specjax-self-G4_equals_ar"] is True  # greedy speculative is lossless
     assert parity["ar_transformers_common_prefix"] >= 0
     assert result["bandwidth"]["median"] > 0 and result["floor_tokens_per_s"] > 0
+
+
+def test_profile_step_attributes_every_op(tiny_demo, tmp_path):
+    """benchmarks/profile_step.py: every op of the traced loop is matched to its HLO
+    instruction, the parts add up to the wall time, and the verify forward shows up."""
+    out = tmp_path / "profile.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_step.py"), "--target",
+         str(tiny_demo / "target"), "--drafter", str(tiny_demo / "draft"), "--prompts",
+         str(tiny_demo / "prompts.jsonl"), "--num-prompts", "2", "--new-tokens", "24",
+         "--runs", "1", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    parts = r["ms_per_step"]
+    assert sum(parts.values()) == pytest.approx(r["step_ms"], rel=1e-6)
+    assert parts["ops not matched to the module"] < 0.02 * r["step_ms"]
+    assert parts["target_verify_forward"] > 0 and parts["drafter_propose"] > 0
+    assert "| target_verify_forward |" in proc.stdout

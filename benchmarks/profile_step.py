@@ -1,0 +1,224 @@
+"""Where one speculative step's time goes: a `jax.profiler` trace of the compiled decoding
+loop, with every XLA op attributed to the part of the step it belongs to.
+
+    python benchmarks/profile_step.py                         # demo target + default drafter
+    python benchmarks/profile_step.py --drafter checkpoints/demo/drafters/block --runs 3 \
+        --json out/profile.json
+
+`specjax.generate.speculative_loop` labels its parts with `jax.named_scope`:
+drafter_propose, target_verify_forward, verify_rule, drafter_update. The script compiles
+the loop (batch 1, EOS off, exactly --new-tokens per prompt), runs it once untimed, then
+traces --runs passes over the prompts. Each op event of the trace (an XLA:CPU thunk: a
+fusion, a YNNPACK dot, a copy) is matched by name to its HLO instruction in the compiled
+module, whose metadata names the scope; ops of the while-loop body outside those scopes
+are the loop's bookkeeping (emission, EOS and budget checks, cache rewinds), ops outside
+the loop are the prefill and drafter init. Figures are milliseconds per target step
+(per verification), the mean over all steps of the traced runs; "not in any op" is the
+wall time of the runs minus the time inside ops (dispatch, thread wake-ups, host work).
+Progress goes to stderr, the table to stdout; bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # measure ONE CPU device
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)  # uninstalled checkout
+
+import jax  # noqa: E402
+
+from specjax.errors import SpecjaxError  # noqa: E402
+
+SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update")
+
+
+def log(msg: str) -> None:
+    print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import decode
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
+    ap.add_argument("--drafter", default=None,
+                    help="drafter directory, draft LM directory or ngram (default: decode.py's)")
+    ap.add_argument("--gamma", type=int, default=None, help="G (default: decode.py's)")
+    ap.add_argument("--prompts", default=os.path.join(decode.DEMO_DIR, "prompts.jsonl"))
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=2, help="traced passes over the prompts")
+    ap.add_argument("--json", help="write the figures to this JSON file")
+    return ap
+
+
+def _own_scope(op_name: str | None) -> str | None:
+    for s in SCOPES:
+        if op_name and (f"/{s}/" in op_name or op_name.endswith(f"/{s}")):
+            return s
+    return None
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CHILDREN = re.compile(r"(?:body|condition|to_apply)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+
+
+def instruction_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the part of the step it belongs to, from the compiled
+    module: its own op_name scope if it has one, else the scope of the control-flow op
+    whose body it runs in (the main while loop's body: loop_bookkeeping; the entry
+    computation: outside_the_loop). Control-flow ops themselves are left out: their
+    trace events span the ops inside them."""
+    comps: dict[str, list] = {}
+    entry, comp = None, None
+    for line in hlo_text.splitlines():
+        head = _HEADER.match(line)
+        if head and not line.startswith(" "):
+            comp = head.group(2)
+            comps[comp] = []
+            if head.group(1):
+                entry = comp
+            continue
+        if comp is None or line.strip() == "}":
+            comp = None if line.strip() == "}" else comp
+            continue
+        m = _NAME.match(line)
+        if not m:
+            continue
+        op = _OP_NAME.search(line)
+        children = []
+        if " fusion(" not in line:  # a fusion's calls= is its fused body: one thunk
+            for body, branches in _CHILDREN.findall(line):
+                children += [body] if body else [c.strip().lstrip("%") for c in
+                                                  branches.split(",") if c.strip()]
+        comps[comp].append((m.group(1), _own_scope(op.group(1) if op else None), children))
+    out: dict[str, str] = {}
+    todo = [(entry, "outside_the_loop")] if entry else []
+    seen = set()
+    while todo:
+        name, scope = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for inst, own, children in comps[name]:
+            eff = own or scope
+            if children:
+                inner = eff if (own or name != entry) else "loop_bookkeeping"
+                todo += [(c, inner) for c in children]
+            else:
+                out[inst] = eff
+    return out
+
+
+def trace_op_times(log_dir: str, names: dict[str, str]) -> tuple[dict, float]:
+    """Summed op durations (ms) per scope from the perfetto trace in `log_dir`, and the
+    time (ms) of op events that matched no instruction."""
+    files = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise SpecjaxError(f"jax.profiler wrote no perfetto trace under {log_dir}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    per_scope = collections.defaultdict(float)
+    unmatched = 0.0
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        scope = names.get(e.get("name", ""))
+        if scope is not None:
+            per_scope[scope] += e["dur"] / 1e3
+        elif e.get("name", "").startswith(("wrapped_", "ynn_", "fusion", "copy", "dot",
+                                           "scatter", "gather", "dynamic")):
+            unmatched += e["dur"] / 1e3  # should stay ~0: a name the module lacks
+    return dict(per_scope), unmatched
+
+
+def run(args) -> dict:
+    import jax.numpy as jnp
+
+    import decode
+    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.engine import Engine, Stats, prompt_width_for
+    from specjax.sampling import SamplingParams
+
+    if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
+        raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
+    ns = argparse.Namespace(prompt=None, prompts=args.prompts, target=args.target)
+    target = load_model(args.target, dtype=jnp.float32)
+    prompts = [ids for _, ids in decode.read_prompts(ns, load_tokenizer(args.target),
+                                                     target.cfg.vocab_size)]
+    prompts = prompts[:args.num_prompts]
+    sampling = SamplingParams()
+    d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target)
+    drafter, dparams, name = decode.make_drafter_from_args(d_args, target, sampling,
+                                                           jnp.float32)
+    if drafter is None:
+        raise SpecjaxError("--drafter none has no speculative step to profile")
+    longest = max(len(p) for p in prompts)
+    max_length = longest + args.new_tokens
+    engine = Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
+                    max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
+                    batch_size=1, eos_token_ids=())
+    log(f"compiling ({name}, G={drafter.gamma})")
+    engine.compile()
+    names = instruction_scopes(engine.compiled.as_text())
+    key = jax.random.key(0)
+    for p in prompts:  # warm-up
+        engine.run([p], args.new_tokens, key)
+    stats = Stats()
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+        t0 = time.perf_counter()
+        for _ in range(args.runs):
+            for p in prompts:
+                stats.add(engine.run([p], args.new_tokens, key))
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        jax.profiler.stop_trace()
+        per_scope, unmatched = trace_op_times(log_dir, names)
+    steps = stats.steps
+    in_ops = sum(per_scope.values()) + unmatched
+    rows = {s: per_scope.get(s, 0.0) / steps for s in
+            (*SCOPES, "loop_bookkeeping", "outside_the_loop")}
+    rows["ops not matched to the module"] = unmatched / steps
+    rows["not in any op"] = (wall_ms - in_ops) / steps
+    result = {"drafter": name, "gamma": drafter.gamma, "steps": steps,
+              "new_tokens": stats.new_tokens, "tau": stats.tau, "alpha": stats.alpha,
+              "wall_ms": wall_ms, "ms_per_step": rows, "step_ms": wall_ms / steps,
+              "tokens_per_s": stats.new_tokens / (wall_ms / 1e3)}
+    print(f"{name}, G={drafter.gamma}: {steps} steps, tau {stats.tau:.2f}, "
+          f"{result['tokens_per_s']:.1f} tok/s, {result['step_ms']:.2f} ms per step\n")
+    print("| part of the step | ms per step | share |\n|---|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {v:.3f} | {100 * v / result['step_ms']:.1f}% |")
+    if args.json:
+        from specjax.fileio import atomic_write
+
+        text = (json.dumps(result, indent=1) + "\n").encode()
+        atomic_write(args.json, lambda f: f.write(text))
+    return result
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except SpecjaxError as e:
+        print(f"profile_step.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
