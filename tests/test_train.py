@@ -288,3 +288,23 @@ def test_init_from_continues_an_exported_model(runs, corpus, tmp_path, capsys):
                                "model.hidden_size=64")), [])])
     err = capsys.readouterr().err
     assert code == 2 and "holds another model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plot_training_curves(tmp_path, capsys):
+    from specjax.train import plot
+
+    a = tmp_path / "a.jsonl"
+    a.write_text("\n".join(json.dumps(r) for r in [
+        {"event": "start", "step": 0}, {"step": 1, "loss": 5.0, "tokens": 100},
+        {"step": 2, "loss": 4.0, "tokens": 200}, {"step": 2, "val_loss": 4.5},
+        {"step": 2, "val_loss": 4.4, "alpha": [0.5], "tau": 1.5}]) + "\n")
+    got = plot.read_metrics(str(a))
+    assert got["train"] == [(100, 5.0), (200, 4.0)]
+    assert got["val"] == [(200, 4.5), (200, 4.4)] and got["tau"] == [(200, 1.5)]
+    out = tmp_path / "c.png"
+    assert plot.main([str(a), str(a), "--offset-tokens", "0", "200", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert plot.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "d.png")]) == 2
+    assert "not a readable metrics.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "d.png").exists()
