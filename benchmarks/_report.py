@@ -4,7 +4,6 @@ per drafter, and a plot of tokens/s per system beside alpha_k by draft position.
 
 from __future__ import annotations
 
-import io
 import math
 
 
@@ -98,10 +97,6 @@ def write_plot(path: str, result: dict) -> None:
     ax2.legend(fontsize=7)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    from specjax.fileio import atomic_write
+    from specjax.fileio import save_figure
 
-    data = buf.getvalue()
-    atomic_write(path, lambda f: f.write(data))
+    save_figure(fig, path)

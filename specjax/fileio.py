@@ -20,3 +20,17 @@ def atomic_write(path: str, write) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> None:
+    """Renders a matplotlib figure to PNG in memory, closes it, and writes `path`
+    atomically (no half-written image on an error)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    data = buf.getvalue()
+    atomic_write(path, lambda f: f.write(data))

@@ -51,8 +51,6 @@ def plot(paths, out: str, labels=None, offsets=None, title: str | None = None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from specjax.fileio import atomic_write
-
     labels = labels or list(paths)
     offsets = offsets or [0] * len(paths)
     runs = [read_metrics(p) for p in paths]
@@ -87,13 +85,9 @@ def plot(paths, out: str, labels=None, offsets=None, title: str | None = None) -
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=8)
     fig.tight_layout()
-    import io
+    from specjax.fileio import save_figure
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    data = buf.getvalue()
-    atomic_write(out, lambda f: f.write(data))
+    save_figure(fig, out)
 
 
 def main(argv=None) -> int:
