@@ -29,7 +29,7 @@ from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
 from specjax.model import rms_norm
-from specjax.sampling import SamplingParams, sample_logits
+from specjax.sampling import sample_logits
 
 
 class BlockNet(nnx.Module):
@@ -135,17 +135,8 @@ class BlockState:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockDrafter:
-    """Loop adapter for BlockNet; params as for eagle3.Eagle3Drafter."""
-
-    graphdef: nnx.GraphDef
-    cfg: DrafterConfig
-    gamma: int
-    sampling: SamplingParams = SamplingParams()
-
-    @property
-    def capture(self) -> tuple[int, ...]:
-        return self.cfg.capture if self.cfg.uses_hidden else ()
+class BlockDrafter(common.LearnedDrafter):
+    """Loop adapter for BlockNet; fields and params as common.LearnedDrafter."""
 
     def _extend(self, net, params, state: BlockState, view) -> BlockState:
         hidden, memory = state.hidden, state.memory
@@ -160,18 +151,14 @@ class BlockDrafter:
         return BlockState(hidden, memory)
 
     def init(self, params, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
-        c, (B, _) = self.cfg, view.positions.shape
-
-        def empty():
-            return KVCache.init(c.num_layers, B, view.target_cache.capacity, c.num_kv_heads,
-                                c.head_dim, net.dtype)
-
-        state = BlockState(empty() if c.uses_hidden else None, empty() if c.uses_kv else None)
+        net = self.net(params)
+        c = self.cfg
+        empty = self.empty_cache(c.num_layers, view, net.dtype)
+        state = BlockState(empty if c.uses_hidden else None, empty if c.uses_kv else None)
         return self._extend(net, params, state, view)
 
     def propose(self, params, state, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         G, B = self.gamma, view.lengths.shape[0]
         offsets = jnp.arange(G + 1, dtype=jnp.int32)
         pos = (view.lengths - 1)[:, None] + offsets[None, :]  # [B,G+1]
@@ -194,5 +181,5 @@ class BlockDrafter:
         return draft, q, state
 
     def update(self, params, state, view, num_accepted):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         return self._extend(net, params, state, view)

@@ -16,6 +16,7 @@ target cache.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -24,7 +25,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.config import DrafterConfig
+from specjax.kv_cache import KVCache
 from specjax.model import apply_rope, rms_norm, rope_cos_sin
+from specjax.sampling import SamplingParams
 
 NEG = -1e30
 
@@ -207,10 +210,32 @@ def memory_from_target(module, cfg: DrafterConfig, k_all, v_all, cos, sin):
     return jnp.stack(ks), jnp.stack(vs)
 
 
-def target_kv_layers(target_cache_k, target_cache_v, layers: tuple[int, ...]):
-    """The chosen layers of the target cache, [Ls,B,K,S,H] each (a static gather)."""
-    idx = np.asarray(layers)
-    return target_cache_k[idx], target_cache_v[idx]
+# ----------------------------------------------------------------------------- adapters
+
+@dataclasses.dataclass(frozen=True)
+class LearnedDrafter:
+    """What the loop adapters of the learned drafters share (eagle3/hybrid, kv, block):
+    graphdef = `nnx.split(net)[0]` (static); params = {"net": its state, "embed": [V,D],
+    "head": [V,D], "inv_freq": f32[H/2]} (the target's arrays, not copied)."""
+
+    graphdef: nnx.GraphDef
+    cfg: DrafterConfig
+    gamma: int
+    sampling: SamplingParams = SamplingParams()
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """Target depths whose hidden states the drafter reads (none for KV-only)."""
+        return self.cfg.capture if self.cfg.uses_hidden else ()
+
+    def net(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params["net"])
+
+    def empty_cache(self, num_layers: int, view, dtype) -> KVCache:
+        """A drafter-side cache [num_layers,B,K,S,H] as wide as the target's."""
+        c = self.cfg
+        return KVCache.init(num_layers, view.lengths.shape[0], view.target_cache.capacity,
+                            c.num_kv_heads, c.head_dim, dtype)
 
 
 # ----------------------------------------------------------------------------- layers

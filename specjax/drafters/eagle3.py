@@ -27,7 +27,7 @@ from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
 from specjax.model import rms_norm
-from specjax.sampling import SamplingParams, sample_logits
+from specjax.sampling import sample_logits
 
 
 class Eagle3(nnx.Module):
@@ -127,21 +127,9 @@ class Eagle3State:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
-    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3 and Hybrid networks.
-
-    graphdef: `nnx.split(net)[0]` (static). params: {"net": its state, "embed": [V,D],
-    "head": [V,D], "inv_freq": f32[H/2]} (the target's arrays, not copied).
-    """
-
-    graphdef: nnx.GraphDef
-    cfg: DrafterConfig
-    gamma: int
-    sampling: SamplingParams = SamplingParams()
-
-    @property
-    def capture(self) -> tuple[int, ...]:
-        return self.cfg.capture
+class Eagle3Drafter(common.LearnedDrafter):
+    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3 and Hybrid networks;
+    fields and params as common.LearnedDrafter."""
 
     # ------------------------------------------------------------------ pieces
 
@@ -168,21 +156,19 @@ class Eagle3Drafter:
     # ------------------------------------------------------------------ protocol
 
     def init(self, params, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
-        B, T = view.positions.shape
-        S = view.target_cache.capacity
-        c = self.cfg
-        cache = KVCache.init(1, B, S, c.num_kv_heads, c.head_dim, net.dtype)
+        net = self.net(params)
+        T = view.positions.shape[1]
+        cache = self.empty_cache(1, view, net.dtype)
         memory = None
-        if c.uses_kv:
-            memory = KVCache.init(c.num_memories, B, S, c.num_kv_heads, c.head_dim, net.dtype)
+        if self.cfg.uses_kv:
+            memory = self.empty_cache(self.cfg.num_memories, view, net.dtype)
             memory = self._memory(net, params, memory, view, view.positions)
         nxt = jax.lax.dynamic_slice_in_dim(view.tokens, 1, T, axis=1)
         out, cache = self._entries(net, params, cache, memory, view.hidden, view.positions, nxt)
         return Eagle3State(cache, _at(out, view.lengths - 2), memory)
 
     def propose(self, params, state, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         keys = jax.random.split(key, self.gamma)
         x, q = sample_logits(keys[0], net.logits(state.h_last, params["head"]), self.sampling)
 
@@ -207,7 +193,7 @@ class Eagle3Drafter:
         return draft, q_all, state.replace(cache=cache)
 
     def update(self, params, state, view, num_accepted):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         pos = view.positions  # [B,G+1]: old lengths-1 .. old lengths-1+G
         memory = self._memory(net, params, state.memory, view, pos)
         nxt = jnp.take_along_axis(view.tokens, jnp.minimum(pos + 1, view.tokens.shape[1] - 1),

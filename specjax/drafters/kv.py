@@ -26,7 +26,7 @@ from flax import nnx, struct
 from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.sampling import SamplingParams, sample_logits
+from specjax.sampling import sample_logits
 
 
 class KVOnly(nnx.Module):
@@ -79,25 +79,17 @@ class KVState:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVDrafter:
-    """Loop adapter for KVOnly; params as for eagle3.Eagle3Drafter."""
-
-    graphdef: nnx.GraphDef
-    cfg: DrafterConfig
-    gamma: int
-    sampling: SamplingParams = SamplingParams()
-    capture: tuple[int, ...] = ()
+class KVDrafter(common.LearnedDrafter):
+    """Loop adapter for KVOnly; fields and params as common.LearnedDrafter."""
 
     def init(self, params, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
-        c, (B, _) = self.cfg, view.positions.shape
-        memory = KVCache.init(c.num_layers, B, view.target_cache.capacity, c.num_kv_heads,
-                              c.head_dim, net.dtype)
-        return KVState(common.memory_update(net, c, memory, view.target_cache, view.positions,
+        net = self.net(params)
+        memory = self.empty_cache(self.cfg.num_layers, view, net.dtype)
+        return KVState(common.memory_update(net, self.cfg, memory, view.target_cache, view.positions,
                                             params["inv_freq"]))
 
     def propose(self, params, state, view, key):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         c, G = self.cfg, self.gamma
         B = view.lengths.shape[0]
         limit = (view.lengths - 2)[:, None]  # memory slots <= limit are committed
@@ -130,6 +122,6 @@ class KVDrafter:
         return xs.T, jnp.moveaxis(qs, 0, 1), state
 
     def update(self, params, state, view, num_accepted):
-        net = nnx.merge(self.graphdef, params["net"])
+        net = self.net(params)
         return KVState(common.memory_update(net, self.cfg, state.memory, view.target_cache,
                                             view.positions, params["inv_freq"]))
