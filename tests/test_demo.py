@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(DEMO, "target")),
 
 
 def test_defaults_are_the_bundled_demo(tmp_path, capsys):
-    """No --target/--drafter: the bundled target and draft LM; greedy speculative output
-    equals autoregressive output (--compare-ar is on by default)."""
+    """No --target/--drafter: the bundled target and the first bundled drafter of
+    decode.DEMO_DRAFTERS; greedy speculative output equals autoregressive output
+    (--compare-ar is on by default)."""
     prompts = tmp_path / "p.jsonl"
     with open(os.path.join(DEMO, "prompts.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:3]))
@@ -26,10 +27,34 @@ def test_defaults_are_the_bundled_demo(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     s = json.load(open(tmp_path / "s.json"))
-    assert s["drafter"] == os.path.join(DEMO, "draft")
+    found = [d for d in decode.DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO, d))]
+    assert found, "no bundled drafter"
+    assert s["drafter"] == os.path.join(DEMO, found[0])
     assert s["ar_identical"] is True
     assert s["prompts"] == 3 and s["gamma"] >= 1
     assert "speedup over AR" in out and "=== prompt" in out
+
+
+SHIPPED = sorted(os.listdir(os.path.join(DEMO, "drafters"))) if os.path.isdir(
+    os.path.join(DEMO, "drafters")) else []
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_drafter_is_lossless_and_accepts(name, tmp_path, capsys):
+    """Each drafter under checkpoints/demo/drafters loads against the bundled target (its
+    recorded fingerprint matches), decodes greedily to exactly the autoregressive output,
+    and accepts drafts (tau > 1: a drafter that never matches the target would give 1)."""
+    prompts = tmp_path / "p.jsonl"
+    with open(os.path.join(DEMO, "prompts.jsonl")) as f:
+        prompts.write_text("".join(f.readlines()[:2]))
+    code = decode.main(["--drafter", os.path.join(DEMO, "drafters", name), "--prompts",
+                        str(prompts), "--max-new-tokens", "32", "--show", "0",
+                        "--summary", str(tmp_path / "s.json")])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    s = json.load(open(tmp_path / "s.json"))
+    assert s["ar_identical"] is True
+    assert s["tau"] > 1.0
 
 
 def test_target_matches_transformers():
