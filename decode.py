@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "--max-new-tokens)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+    ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="matmul inputs of a learned drafter (eagle3, kv, hybrid, block); "
+                         "the target and so the output are unaffected. auto: bfloat16 "
+                         "(bf16 inputs, f32 accumulation; faster on CPU, the TPU/GPU "
+                         "default anyway)")
     ap.add_argument("--output", help="write completions to this JSONL file")
     ap.add_argument("--summary", help="write the summary to this JSON file")
     ap.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=True,
@@ -165,8 +170,9 @@ def make_drafter_from_args(args, target, sampling, dtype):
         args.gamma = args.gamma or DEFAULT_GAMMA
         return NgramDrafter(args.gamma, V, sampling=sampling), (), name
     if DrafterConfig.is_drafter_dir(name):
-        drafter, dparams = load_learned_drafter(name, target, args.target, args.gamma,
-                                                sampling, dtype)
+        drafter, dparams = load_learned_drafter(
+            name, target, args.target, args.gamma, sampling, dtype,
+            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")))
         args.gamma = drafter.gamma
         return drafter, dparams, name
     args.gamma = args.gamma or DEFAULT_GAMMA
@@ -175,7 +181,14 @@ def make_drafter_from_args(args, target, sampling, dtype):
     return drafter, dparams, name
 
 
-def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype):
+def drafter_matmul_dtype(name: str):
+    """--drafter-dtype -> the matmul dtype for make_drafter (auto: bfloat16)."""
+    import jax.numpy as jnp
+
+    return {"auto": jnp.bfloat16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None):
     """(drafter, params) from a drafter directory written by train.py, checked against the
     target: same shapes, and trained against these weights (the fingerprint recorded at
     export). Raises SpecjaxError naming both directories otherwise."""
@@ -200,7 +213,8 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype):
                            f"{target_dir}") from None
     net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
     nnx.update(net, params)
-    return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling)
+    return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling,
+                        matmul_dtype=matmul_dtype)
 
 
 def _format_table(summary: dict) -> str:

@@ -34,10 +34,10 @@ def drafter_net(kind, context, seed=0):
     return dcfg, build_network(dcfg, rngs=nnx.Rngs(seed))
 
 
-def run_learned(kind, context, G, budgets, eos=(), verify="block"):
+def run_learned(kind, context, G, budgets, eos=(), verify="block", matmul_dtype=None):
     target, _ = models()
     dcfg, net = drafter_net(kind, context)
-    drafter, dparams = make_drafter(dcfg, net, target, gamma=G)
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=G, matmul_dtype=matmul_dtype)
     g, p = nnx.split(target)
     cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos, verify=verify)
     toks, lens = prompts()
@@ -52,6 +52,37 @@ def test_greedy_equals_autoregressive(kind, context, G):
     assert rows(sp) == rows(run_ar(BUDGETS))
     lens = np.asarray(sp.lengths) - PROMPT_LENS
     assert lens.tolist() == BUDGETS
+
+
+@pytest.mark.parametrize("kind,context", [("eagle3", None), ("block", "both")])
+def test_bf16_drafter_matmuls_stay_lossless(kind, context):
+    """decode.py's default --drafter-dtype: bf16 drafter matmuls (one-row inputs padded on
+    CPU) change only q; the output is still the f32 target's autoregressive output."""
+    sp = run_learned(kind, context, 3, BUDGETS, matmul_dtype=jnp.bfloat16)
+    assert rows(sp) == rows(run_ar(BUDGETS))
+
+
+@pytest.mark.parametrize("rows_", [1, 2, 7])
+def test_linear_bf16_against_float64(rows_):
+    """common.linear with bf16 weights: bf16-rounded inputs, f32 accumulation; checked
+    against float64 numpy on the same rounded values (the padded one-row path too)."""
+    import ml_dtypes
+
+    from specjax.drafters.common import linear
+
+    rng = np.random.RandomState(rows_)
+    x = rng.standard_normal((rows_, 1, 96)).astype(np.float32)
+    w = rng.standard_normal((40, 96)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(linear(jnp.asarray(x), jnp.asarray(w)))
+    assert got.dtype == np.float32 and got.shape == (rows_, 1, 40)
+    x64 = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    want = np.einsum("bti,oi->bto", x64, w.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # f32 weights: the plain f32 product
+    w32 = w.astype(np.float32)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), jnp.asarray(w32))),
+                               np.einsum("bti,oi->bto", x.astype(np.float64),
+                                         w32.astype(np.float64)), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- trained

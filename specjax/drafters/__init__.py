@@ -9,6 +9,7 @@ drafters that read the target (eagle3, kv, hybrid, block; DESIGN.md section 5).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,10 +34,17 @@ def build_network(dcfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> 
 
 
 def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | None = None,
-                 sampling: SamplingParams = SamplingParams()):
+                 sampling: SamplingParams = SamplingParams(), matmul_dtype=None):
     """(drafter, params) for `speculative_loop`: the loop adapter of `net`'s kind, and
     params {"net": net's state, "embed", "head", "inv_freq"} taken from `target` (a
     `specjax.model.Transformer`; its arrays are shared, not copied).
+
+    matmul_dtype: None (the net's own dtype) or jnp.bfloat16: the drafter's matrices
+      (every parameter of rank >= 2) and a copy of the LM head are cast to it, and its
+      matmuls take bf16 inputs with f32 accumulation (`common.linear`); activations,
+      norms, attention and caches keep the net's dtype. The target is untouched, so
+      verification, and with it losslessness, does not depend on this choice; only the
+      draft distributions q change (slightly) and with them the acceptance.
 
     Raises: SpecjaxError if `target` has other shapes than the drafter was built for.
     """
@@ -51,6 +59,11 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
     drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling)
     embed = target.embed[...]
     head = embed if target.lm_head is None else target.lm_head[...]
+    if matmul_dtype is not None and jnp.dtype(matmul_dtype) != jnp.dtype(net.dtype):
+        state = jax.tree.map(
+            lambda a: a.astype(matmul_dtype) if a.ndim >= 2 and jnp.issubdtype(
+                a.dtype, jnp.floating) else a, state)
+        head = head.astype(matmul_dtype)
     params = {"net": state, "embed": embed, "head": head, "inv_freq": target.inv_freq[...]}
     return drafter, params
 

@@ -56,7 +56,7 @@ class BlockNet(nnx.Module):
         [B,T]: (k, v) each [Ld,B,K,T,H]."""
         C, B, T, D = hidden.shape
         flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
-        ctx = rms_norm(jnp.einsum("BTI,DI->BTD", flat, self.fc[...]), self.hidden_norm[...],
+        ctx = rms_norm(common.linear(flat, self.fc[...]), self.hidden_norm[...],
                        self.cfg.rms_norm_eps)
         cos, sin = common.rope(inv_freq, positions, self.dtype)
         ks, vs = [], []

@@ -67,6 +67,28 @@ def layer(module: nnx.Module, i: int) -> dict[str, jax.Array]:
     return {k: getattr(module, k)[i] for k in LAYER_KEYS if hasattr(module, k)}
 
 
+def linear(x, w, out_dtype=None):
+    """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
+    `out_dtype`).
+
+    With bf16 weights and f32 activations (the inference setting of `make_drafter(...,
+    matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and accumulates in f32,
+    the TPU convention. On CPU a single row (M = 1) is padded to two: XLA:CPU's bf16
+    path for one row is about 10x slower than for two (measured here, 2026-11-23);
+    rows of a batch stay independent, so the padding changes nothing.
+    """
+    out_dtype = out_dtype or x.dtype
+    if w.dtype == x.dtype:
+        return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+    pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
+    if pad:
+        flat = jnp.concatenate([flat, flat], axis=0)
+    y = jnp.einsum("MI,OI->MO", flat, w, preferred_element_type=jnp.float32)
+    return (y[:1] if pad else y).astype(out_dtype).reshape(*lead, w.shape[0])
+
+
 def rope(inv_freq, positions, dtype):
     """cos, sin [B,T,H] for i32[B,T] positions."""
     return rope_cos_sin(inv_freq, positions, dtype)
@@ -75,9 +97,9 @@ def rope(inv_freq, positions, dtype):
 def qkv(w, x, cos, sin, eps, cfg: DrafterConfig):
     """Projections of x [B,T,in] -> q [B,T,N,H], k, v [B,T,K,H] (q/k RMSNorm, RoPE)."""
     B, T, _ = x.shape
-    q = jnp.einsum("BTI,EI->BTE", x, w["q_proj"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = jnp.einsum("BTI,EI->BTE", x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = jnp.einsum("BTI,EI->BTE", x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(x, w["q_proj"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = linear(x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     q = apply_rope(rms_norm(q, w["q_norm"], eps), cos, sin)
     k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
     return q, k, v
@@ -86,8 +108,8 @@ def qkv(w, x, cos, sin, eps, cfg: DrafterConfig):
 def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
     """k, v [B,K,T,H] of x [B,T,in] (cache layout): the context projections of DFlash."""
     B, T, _ = x.shape
-    k = jnp.einsum("BTI,EI->BTE", x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = jnp.einsum("BTI,EI->BTE", x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    k = linear(x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
     return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
@@ -132,15 +154,14 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
 def mlp(w, x, eps):
     """x + SwiGLU(post_norm(x)) for x [B,T,D]."""
     h = rms_norm(x, w["post_norm"], eps)
-    gate = jnp.einsum("BTD,FD->BTF", h, w["gate_proj"])
-    up = jnp.einsum("BTD,FD->BTF", h, w["up_proj"])
-    return x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, w["down_proj"])
+    gate, up = linear(h, w["gate_proj"]), linear(h, w["up_proj"])
+    return x + linear(jax.nn.silu(gate) * up, w["down_proj"])
 
 
 def logits(x, final_norm, head, eps):
     """f32[...,V] = head(final_norm(x)) with the target's LM head [V,D]."""
     x = rms_norm(x, final_norm, eps)
-    return jnp.einsum("...D,VD->...V", x, head, preferred_element_type=jnp.float32)
+    return linear(x, head, jnp.float32)
 
 
 # ----------------------------------------------------------------------------- KV merge
@@ -175,8 +196,8 @@ def merge_kv(wk, wv, k_src, v_src, cos, sin):
     k_plain = rot(k_src, -sn)  # inverse RoPE
     flat_k = k_plain.transpose(1, 3, 0, 2, 4).reshape(B, T, Ls * K * H)
     flat_v = v_src.transpose(1, 3, 0, 2, 4).reshape(B, T, Ls * K * H)
-    mk = jnp.einsum("BTI,EI->BTE", flat_k, wk).reshape(B, T, K, H).transpose(0, 2, 1, 3)
-    mv = jnp.einsum("BTI,EI->BTE", flat_v, wv).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+    mk = linear(flat_k, wk).reshape(B, T, K, H).transpose(0, 2, 1, 3)
+    mv = linear(flat_v, wv).reshape(B, T, K, H).transpose(0, 2, 1, 3)
     return rot(mk, sn), mv
 
 
@@ -251,7 +272,7 @@ def layer_qkv(module, i: int, x, cos, sin):
 def layer_out(module, i: int, x, attn):
     """Layer i's output: x + o_proj(attn [B,T,N*H]), then the MLP -> [B,T,D]."""
     w = layer(module, i)
-    x = x + jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+    x = x + linear(attn, w["o_proj"])
     return mlp(w, x, module.cfg.rms_norm_eps)
 
 

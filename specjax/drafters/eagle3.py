@@ -48,7 +48,7 @@ class Eagle3(nnx.Module):
         """fc over the captured target features: hidden [C,B,T,D] -> [B,T,D]."""
         C, B, T, D = hidden.shape
         flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
-        return jnp.einsum("BTI,DI->BTD", flat, self.fc[...])
+        return common.linear(flat, self.fc[...])
 
     def project(self, emb, h, cos, sin):
         """q [B,T,N,H], k, v [B,T,K,H] of one step's input (emb, h [B,T,D])."""
@@ -61,7 +61,7 @@ class Eagle3(nnx.Module):
         """The layer's output (pre-norm, fed back as the next step's h): h + o(attn),
         then the MLP. attn [B,T,N*H] -> [B,T,D]."""
         w = common.layer(self, 0)
-        x = h + jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+        x = h + common.linear(attn, w["o_proj"])
         return common.mlp(w, x, self.cfg.rms_norm_eps)
 
     def logits(self, out, head):

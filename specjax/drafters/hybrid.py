@@ -51,11 +51,11 @@ class Hybrid(Eagle3):
         mk, mv = memory
         eps = c.rms_norm_eps
         x = rms_norm(n, self.cross_norm[...], eps)
-        q = jnp.einsum("BTD,ED->BTE", x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
+        q = common.linear(x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
         cos, sin = common.rope(inv_freq, q_positions, n.dtype)
         q = apply_rope(rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
         mask = jnp.arange(mk.shape[2])[None, None, :] <= limit[:, :, None]
-        o = n + jnp.einsum("BTE,DE->BTD", common.attend(q, [(mk, mv, mask)]), self.cross_o[...])
-        g = jax.nn.sigmoid(jnp.einsum("BTI,DI->BTD", jnp.concatenate([n, o, o - n], -1),
-                                      self.gate_w[...]) + self.gate_b[...])
-        return n + g * jnp.einsum("BTD,ED->BTE", o - n, self.gate_d[...]), g
+        o = n + common.linear(common.attend(q, [(mk, mv, mask)]), self.cross_o[...])
+        g = jax.nn.sigmoid(common.linear(jnp.concatenate([n, o, o - n], -1),
+                                         self.gate_w[...]) + self.gate_b[...])
+        return n + g * common.linear(o - n, self.gate_d[...]), g
