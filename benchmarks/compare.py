@@ -240,9 +240,11 @@ def run(args) -> dict:
     learned = {}  # name -> (T=0 drafter, params, T=1 drafter, params); checks each target
     for path in args.drafters:
         name = os.path.basename(os.path.normpath(path))
+        mm = decode.drafter_matmul_dtype("auto")  # decode.py's default --drafter-dtype
         d0, p0 = decode.load_learned_drafter(path, target, args.target, None, greedy,
-                                             jnp.float32)
-        d1, p1 = decode.load_learned_drafter(path, target, args.target, None, t1, jnp.float32)
+                                             jnp.float32, matmul_dtype=mm)
+        d1, p1 = decode.load_learned_drafter(path, target, args.target, None, t1, jnp.float32,
+                                             matmul_dtype=mm)
         learned[name] = (d0, p0, d1, p1)
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter", default=None,
                     help="drafter directory, draft LM directory or ngram (default: decode.py's)")
     ap.add_argument("--gamma", type=int, default=None, help="G (default: decode.py's)")
+    ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="a learned drafter's matmul inputs (decode.py's flag)")
     ap.add_argument("--prompts", default=os.path.join(decode.DEMO_DIR, "prompts.jsonl"))
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -161,7 +163,8 @@ def run(args) -> dict:
                                                      target.cfg.vocab_size)]
     prompts = prompts[:args.num_prompts]
     sampling = SamplingParams()
-    d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target)
+    d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target,
+                                drafter_dtype=args.drafter_dtype)
     drafter, dparams, name = decode.make_drafter_from_args(d_args, target, sampling,
                                                            jnp.float32)
     if drafter is None:
