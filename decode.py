@@ -24,7 +24,7 @@ import sys
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
 # The default drafter: the first of these under DEMO_DIR that exists.
-DEMO_DRAFTERS = ("drafters/block", "drafters/eagle3", "draft")
+DEMO_DRAFTERS = ("drafters/eagle3", "drafters/block", "draft")
 DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
 
 
