@@ -74,12 +74,15 @@ def _own_scope(op_name: str | None) -> str | None:
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
 _CHILDREN = re.compile(r"(?:body|condition|to_apply)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 
 
 def instruction_scopes(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> the part of the step it belongs to, from the compiled
-    module: its own op_name scope if it has one, else the scope of the control-flow op
+    module: its own op_name scope if it has one (an op without metadata, as XLA:CPU's
+    ynn_fusion thunks are, takes the scope of an operand's producer, else of a user, in
+    the same computation), else the scope of the control-flow op
     whose body it runs in (the main while loop's body: loop_bookkeeping; the entry
     computation: outside_the_loop). Control-flow ops themselves are left out: their
     trace events span the ops inside them."""
@@ -105,7 +108,20 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
             for body, branches in _CHILDREN.findall(line):
                 children += [body] if body else [c.strip().lstrip("%") for c in
                                                   branches.split(",") if c.strip()]
-        comps[comp].append((m.group(1), _own_scope(op.group(1) if op else None), children))
+        rhs = line.split("=", 1)[1].split("calls=")[0].split("metadata=")[0]
+        operands = _OPERAND.findall(rhs)
+        comps[comp].append([m.group(1), _own_scope(op.group(1) if op else None), children,
+                            operands])
+    for insts in comps.values():  # ops that lost their metadata (XLA:CPU's ynn_fusion):
+        own = {i[0]: i[1] for i in insts}  # the scope of a producer, else of a consumer
+        users: dict[str, list[str]] = collections.defaultdict(list)
+        for name, _, _, operands in insts:
+            for o in operands:
+                users[o].append(name)
+        for inst in insts:
+            if inst[1] is None and not inst[2]:
+                near = [own.get(o) for o in inst[3]] + [own.get(u) for u in users[inst[0]]]
+                inst[1] = next((n for n in near if n), None)
     out: dict[str, str] = {}
     todo = [(entry, "outside_the_loop")] if entry else []
     seen = set()
@@ -114,7 +130,7 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
         if name in seen or name not in comps:
             continue
         seen.add(name)
-        for inst, own, children in comps[name]:
+        for inst, own, children, _ in comps[name]:
             eff = own or scope
             if children:
                 inner = eff if (own or name != entry) else "loop_bookkeeping"
