@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter", default=None,
                     help="drafter directory, draft LM directory or ngram (default: decode.py's)")
     ap.add_argument("--gamma", type=int, default=None, help="G (default: decode.py's)")
+    ap.add_argument("--matmul-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the target's matmul inputs (decode.py's flag)")
     ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="a learned drafter's matmul inputs (decode.py's flag)")
     ap.add_argument("--prompts", default=os.path.join(decode.DEMO_DIR, "prompts.jsonl"))
@@ -174,7 +176,8 @@ def run(args) -> dict:
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
     ns = argparse.Namespace(prompt=None, prompts=args.prompts, target=args.target)
-    target = load_model(args.target, dtype=jnp.float32)
+    matmul = {"auto": None, "float32": None, "bfloat16": jnp.bfloat16}[args.matmul_dtype]
+    target = load_model(args.target, dtype=jnp.float32, matmul_dtype=matmul)
     prompts = [ids for _, ids in decode.read_prompts(ns, load_tokenizer(args.target),
                                                      target.cfg.vocab_size)]
     prompts = prompts[:args.num_prompts]

@@ -98,6 +98,28 @@ def decoding_params(state, layer_loop: str = "auto"):
     return state
 
 
+def linear(x, w, out_dtype=None):
+    """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
+    `out_dtype`).
+
+    With bf16 weights and f32 activations (`load_model(..., matmul_dtype=jnp.bfloat16)`,
+    `make_drafter(..., matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and accumulates in f32,
+    the TPU convention. On CPU a single row (M = 1) is padded to two: XLA:CPU's bf16
+    path for one row is about 10x slower than for two (measured here, 2026-11-23);
+    rows of a batch stay independent, so the padding changes nothing.
+    """
+    out_dtype = out_dtype or x.dtype
+    if w.dtype == x.dtype:
+        return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+    pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
+    if pad:
+        flat = jnp.concatenate([flat, flat], axis=0)
+    y = jnp.einsum("MI,OI->MO", flat, w, preferred_element_type=jnp.float32)
+    return (y[:1] if pad else y).astype(out_dtype).reshape(*lead, w.shape[0])
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm with f32 statistics, output in x's dtype (HF Qwen3RMSNorm / LlamaRMSNorm)."""
     xf = x.astype(jnp.float32)
@@ -195,7 +217,7 @@ class Transformer(nnx.Module):
         N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         R = N // K
         embed = self.embed[...]
-        x = jnp.take(embed, tokens, axis=0)  # [B,T,D]
+        x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
         cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
         if cache is None:  # keys are the T new tokens themselves: a causal mask [B,T,T]
             mask = positions[:, None, :] <= positions[:, :, None]
@@ -220,9 +242,9 @@ class Transformer(nnx.Module):
                 hit = (depths == l)[:, None, None, None]
                 captured = jnp.where(hit, x[None], captured)
             h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-            q = jnp.einsum("BTD,ED->BTE", h, w["q_proj"])
-            k = jnp.einsum("BTD,ED->BTE", h, w["k_proj"])
-            v = jnp.einsum("BTD,ED->BTE", h, w["v_proj"])
+            q = linear(h, w["q_proj"])
+            k = linear(h, w["k_proj"])
+            v = linear(h, w["v_proj"])
             if c.attention_bias:
                 q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
             q = q.reshape(B, T, N, H)
@@ -251,14 +273,14 @@ class Transformer(nnx.Module):
             probs = jax.nn.softmax(scores, axis=-1).astype(v_l.dtype)
             attn = jnp.einsum("BKQS,BKSH->BKQH", probs, v_l).reshape(B, K, R, T, H)
             attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
-            o = jnp.einsum("BTE,DE->BTD", attn, w["o_proj"])
+            o = linear(attn, w["o_proj"])
             if c.attention_bias:
                 o = o + w["o_bias"]
             x = x + o
             h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-            gate = jnp.einsum("BTD,FD->BTF", h, w["gate_proj"])
-            up = jnp.einsum("BTD,FD->BTF", h, w["up_proj"])
-            x = x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, w["down_proj"])
+            gate = linear(h, w["gate_proj"])
+            up = linear(h, w["up_proj"])
+            x = x + linear(jax.nn.silu(gate) * up, w["down_proj"])
             return (x, k_all, v_all, captured, l + 1, kv_out), None
 
         weights = self.layer_weights()
@@ -278,7 +300,7 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         head = embed if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("BTD,VD->BTV", x, head, preferred_element_type=jnp.float32)
+        logits = linear(x, head, jnp.float32)
         new_cache = None if cache is None else KVCache(
             k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
         return ForwardOutput(logits, captured, new_cache, kv_out)

@@ -26,7 +26,7 @@ from flax import nnx
 
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.model import apply_rope, rms_norm, rope_cos_sin
+from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin  # noqa: F401 (linear: re-exported)
 from specjax.sampling import SamplingParams
 
 NEG = -1e30
@@ -65,28 +65,6 @@ LAYER_KEYS = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o
 def layer(module: nnx.Module, i: int) -> dict[str, jax.Array]:
     """Layer i's weights (static index) of a module holding `layer_weights` attributes."""
     return {k: getattr(module, k)[i] for k in LAYER_KEYS if hasattr(module, k)}
-
-
-def linear(x, w, out_dtype=None):
-    """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
-    `out_dtype`).
-
-    With bf16 weights and f32 activations (the inference setting of `make_drafter(...,
-    matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and accumulates in f32,
-    the TPU convention. On CPU a single row (M = 1) is padded to two: XLA:CPU's bf16
-    path for one row is about 10x slower than for two (measured here, 2026-11-23);
-    rows of a batch stay independent, so the padding changes nothing.
-    """
-    out_dtype = out_dtype or x.dtype
-    if w.dtype == x.dtype:
-        return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
-    if pad:
-        flat = jnp.concatenate([flat, flat], axis=0)
-    y = jnp.einsum("MI,OI->MO", flat, w, preferred_element_type=jnp.float32)
-    return (y[:1] if pad else y).astype(out_dtype).reshape(*lead, w.shape[0])
 
 
 def rope(inv_freq, positions, dtype):
