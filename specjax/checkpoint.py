@@ -164,7 +164,9 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
         matrices (projections, embedding, LM head) are kept in bf16 and every matmul
         takes bf16 inputs with f32 accumulation (`model.linear`); norms, attention,
         activations and the KV cache stay f32. On XLA:CPU this makes a forward of a few
-        tokens about 2x cheaper than f32 (benchmarks/matmul_rows.py).
+        tokens about 2x cheaper than f32 (benchmarks/matmul_rows.py). Not bit-stable
+        across row counts: a few-token and a one-token forward can round differently,
+        so speculative decoding in this mode is lossless only up to near-ties.
 
     Raises:
       SpecjaxError: missing directory or files, unsupported architecture, unknown or
