@@ -65,9 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's matmul inputs with --dtype float32: bfloat16 keeps "
                          "its weight matrices in bf16 and accumulates in f32 (a few-token "
                          "verification then costs about 1.2 one-token forwards on CPU, not "
-                         "2.3); both engines use it, but it is not exactly lossless: rounding "
-                         "to bf16 can flip near-tied argmaxes between a verification and a "
-                         "one-token step (README). auto: --dtype")
+                         "2.3); both engines use it, so their outputs match; it is a "
+                         "slightly different model from the f32 run (README). auto: --dtype")
     ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="matmul inputs of a learned drafter (eagle3, kv, hybrid, block); "
                          "the target and so the output are unaffected. auto: bfloat16 "

@@ -161,12 +161,12 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
       path: directory with config.json and model.safetensors (or a sharded index).
       dtype: parameter dtype (jnp.float32 or jnp.bfloat16).
       matmul_dtype: None (= dtype) or jnp.bfloat16 with dtype float32: the weight
-        matrices (projections, embedding, LM head) are kept in bf16 and every matmul
-        takes bf16 inputs with f32 accumulation (`model.linear`); norms, attention,
-        activations and the KV cache stay f32. On XLA:CPU this makes a forward of a few
-        tokens about 2x cheaper than f32 (benchmarks/matmul_rows.py). Not bit-stable
-        across row counts: a few-token and a one-token forward can round differently,
-        so speculative decoding in this mode is lossless only up to near-ties.
+        matrices (projections, embedding, LM head) are kept in bf16 and every matmul,
+        attention dots included, takes bf16 inputs with f32 accumulation
+        (`model.linear`); norms, softmax, activations and the KV cache stay f32. On
+        XLA:CPU this makes a forward of a few tokens about 2x cheaper than f32
+        (benchmarks/matmul_rows.py), and a one-token and an 8-token forward give
+        bitwise-equal rows there (measured; f32 does not: its one-row matmul is a gemv).
 
     Raises:
       SpecjaxError: missing directory or files, unsupported architecture, unknown or

@@ -267,11 +267,14 @@ class Transformer(nnx.Module):
                 k_l, v_l = k_all[l], v_all[l]  # [B,K,S,H]
             # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
             qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
-            scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_l,
+            ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
+            scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
                                 preferred_element_type=jnp.float32) * scale
             scores = jnp.where(mask_q[:, None], scores, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v_l.dtype)
-            attn = jnp.einsum("BKQS,BKSH->BKQH", probs, v_l).reshape(B, K, R, T, H)
+            probs = jax.nn.softmax(scores, axis=-1)
+            attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
+                              preferred_element_type=jnp.float32).astype(v_l.dtype)
+            attn = attn.reshape(B, K, R, T, H)
             attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
             o = linear(attn, w["o_proj"])
             if c.attention_bias:
