@@ -187,11 +187,19 @@ def make_drafter_from_args(args, target, sampling, dtype):
     return drafter, dparams, name
 
 
+def flag_dtype(name: str, auto=None):
+    """A dtype flag's value ("auto", "float32", "bfloat16") -> a jnp dtype; "auto" -> `auto`.
+    --matmul-dtype: auto None (the model's --dtype); --drafter-dtype: auto bfloat16."""
+    import jax.numpy as jnp
+
+    return {"auto": auto, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
 def drafter_matmul_dtype(name: str):
     """--drafter-dtype -> the matmul dtype for make_drafter (auto: bfloat16)."""
     import jax.numpy as jnp
 
-    return {"auto": jnp.bfloat16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+    return flag_dtype(name, auto=jnp.bfloat16)
 
 
 def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None):
@@ -267,8 +275,7 @@ def run(args) -> int:
     if dtype_name == "auto":
         dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
-    matmul = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.matmul_dtype]
-    target = load_model(args.target, dtype=dtype, matmul_dtype=matmul)
+    target = load_model(args.target, dtype=dtype, matmul_dtype=flag_dtype(args.matmul_dtype))
     cfg = target.cfg
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)

@@ -176,8 +176,8 @@ def run(args) -> dict:
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
     ns = argparse.Namespace(prompt=None, prompts=args.prompts, target=args.target)
-    matmul = {"auto": None, "float32": None, "bfloat16": jnp.bfloat16}[args.matmul_dtype]
-    target = load_model(args.target, dtype=jnp.float32, matmul_dtype=matmul)
+    target = load_model(args.target, dtype=jnp.float32,
+                        matmul_dtype=decode.flag_dtype(args.matmul_dtype))
     prompts = [ids for _, ids in decode.read_prompts(ns, load_tokenizer(args.target),
                                                      target.cfg.vocab_size)]
     prompts = prompts[:args.num_prompts]

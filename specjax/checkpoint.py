@@ -177,13 +177,10 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     # eval_shape gives abstract arrays; fill every parameter from the checkpoint.
     for name, arr in weights.items():
-        getattr(model, name).set_value(jnp.asarray(arr.astype(np.float32)).astype(dtype))
+        is_matrix = name.endswith("_proj") or name in ("embed", "lm_head")
+        dt = matmul_dtype if matmul_dtype is not None and is_matrix else dtype
+        getattr(model, name).set_value(jnp.asarray(arr.astype(np.float32)).astype(dt))
     model.inv_freq.set_value(jnp.asarray(cfg.inv_freq(), jnp.float32))
-    if matmul_dtype is not None and jnp.dtype(matmul_dtype) != jnp.dtype(dtype):
-        for name in weights:
-            if name.endswith("_proj") or name in ("embed", "lm_head"):
-                var = getattr(model, name)
-                var.set_value(var.get_value().astype(matmul_dtype))
     return model
 
 

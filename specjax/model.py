@@ -103,10 +103,10 @@ def linear(x, w, out_dtype=None):
     `out_dtype`).
 
     With bf16 weights and f32 activations (`load_model(..., matmul_dtype=jnp.bfloat16)`,
-    `make_drafter(..., matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and accumulates in f32,
-    the TPU convention. On CPU a single row (M = 1) is padded to two: XLA:CPU's bf16
-    path for one row is about 10x slower than for two (measured here, 2026-11-23);
-    rows of a batch stay independent, so the padding changes nothing.
+    `make_drafter(..., matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and
+    accumulates in f32, the TPU convention. On CPU a single row (M = 1) is padded to
+    two: XLA:CPU's bf16 path for one row is about 10x slower than for two (measured
+    here, 2026-11-23); rows of a batch stay independent, so the padding changes nothing.
     """
     out_dtype = out_dtype or x.dtype
     if w.dtype == x.dtype:

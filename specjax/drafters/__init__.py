@@ -59,12 +59,11 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
     drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling)
     embed = target.embed[...]
     head = embed if target.lm_head is None else target.lm_head[...]
-    embed, head = embed.astype(net.dtype), head.astype(net.dtype)  # no copy if equal
-    if matmul_dtype is not None and jnp.dtype(matmul_dtype) != jnp.dtype(net.dtype):
+    if matmul_dtype is not None:
         state = jax.tree.map(
             lambda a: a.astype(matmul_dtype) if a.ndim >= 2 and jnp.issubdtype(
                 a.dtype, jnp.floating) else a, state)
-        head = head.astype(matmul_dtype)
+    embed, head = embed.astype(net.dtype), head.astype(matmul_dtype or net.dtype)  # no copy
     params = {"net": state, "embed": embed, "head": head, "inv_freq": target.inv_freq[...]}
     return drafter, params
 

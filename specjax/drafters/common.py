@@ -26,7 +26,7 @@ from flax import nnx
 
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin  # noqa: F401 (linear: re-exported)
+from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin
 from specjax.sampling import SamplingParams
 
 NEG = -1e30

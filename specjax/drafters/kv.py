@@ -85,8 +85,8 @@ class KVDrafter(common.LearnedDrafter):
     def init(self, params, view, key):
         net = self.net(params)
         memory = self.empty_cache(self.cfg.num_layers, view, net.dtype)
-        return KVState(common.memory_update(net, self.cfg, memory, view.target_cache, view.positions,
-                                            params["inv_freq"]))
+        return KVState(common.memory_update(net, self.cfg, memory, view.target_cache,
+                                            view.positions, params["inv_freq"]))
 
     def propose(self, params, state, view, key):
         net = self.net(params)
