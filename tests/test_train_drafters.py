@@ -399,3 +399,66 @@ def test_drafter_configs_validate(tmp_path):
         load_config(lm, target=str(tmp_path))
     with pytest.raises(SpecjaxError, match="remove the model section"):
         load_config(lm, ["objective=ttt", "drafter.kind=eagle3"])
+
+
+# ----------------------------------------------------------------------------- init_from
+
+def _fresh_params(cfg):
+    """The starting parameters a run of `cfg` would take (host numpy, by dotted name)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from specjax.train import mesh as mesh_lib
+    from specjax.train.drafter_run import DrafterRun
+    from specjax.train.optim import make_optimizer
+
+    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    run = DrafterRun(cfg, mesh_lib.make_mesh(cfg.mesh), tx, schedule, jnp.float32)
+    state = run.fresh_state()
+    return {".".join(map(str, p)): np.asarray(jax.device_get(v.get_value()))
+            for p, v in nnx.to_flat_state(state.params)}, run.start_info
+
+
+def test_init_from_starts_a_hybrid_from_a_trained_eagle3(runs, setup, tmp_path):
+    """KVShot's hybrid-from-EAGLE-3 start: every eagle3 tensor is loaded exactly, the
+    hybrid's own tensors (cross-attention, gate, merge maps) keep the random init."""
+    from safetensors.numpy import load_file
+
+    src = runs("eagle3", (1, 1, 1)).export_dir
+    theirs = load_file(os.path.join(src, "model.safetensors"))
+    base = tiny_args(setup, "eagle3", (1, 1, 1), "drafter.kind=hybrid")
+    random_init, _ = _fresh_params(load_config(TINY, base, run_dir=str(tmp_path / "a")))
+    got, info = _fresh_params(load_config(TINY, base + [f"train.init_from={src}"],
+                                          run_dir=str(tmp_path / "b")))
+    assert info["init_from"] == src
+    assert sorted(got) == sorted(random_init) and set(theirs) < set(got)
+    for name, arr in got.items():
+        want = theirs.get(name, random_init[name])
+        np.testing.assert_array_equal(arr, want, err_msg=name)
+    assert not np.array_equal(theirs["fc"], random_init["fc"])  # the load did something
+    # and the run trains from there
+    res = train(load_config(TINY, base + [f"train.init_from={src}", "train.steps=2"],
+                            run_dir=str(tmp_path / "c")), progress=False)
+    assert np.isfinite(res.losses[2])
+
+
+def test_init_from_errors_are_one_line(runs, setup, tmp_path, capsys):
+    src = runs("eagle3", (1, 1, 1)).export_dir
+    block = runs("block", (1, 1, 1)).export_dir
+    cases = [(["drafter.kind=kv", "drafter.num_layers=1"], src, "has no counterpart in a kv"),
+             (["drafter.kind=hybrid"], block, "tensor down_proj has shape (2, 32, 64)"),
+             (["drafter.kind=eagle3", "drafter.intermediate_size=48"], src, "has shape"),
+             (["drafter.kind=eagle3"], str(tmp_path / "nowhere"), "nowhere"),
+             (["drafter.kind=eagle3", f"target={setup['small_target']}",
+               "data.tokenizer_dir=null", "data.tokens_npy=" + str(tmp_path / "t.npy"),
+               "data.val_tokens_npy=" + str(tmp_path / "t.npy")], src, "not against target")]
+    np.save(tmp_path / "t.npy", np.arange(200, dtype=np.uint16) % 250)
+    for i, (extra, path, needle) in enumerate(cases):
+        sets = []
+        for s in tiny_args(setup, "eagle3", (1, 1, 1), *extra, f"train.init_from={path}"):
+            sets += ["--set", s]
+        code, err = _cli(["--run-dir", str(tmp_path / f"r{i}"), *sets], capsys)
+        assert code == 2, err
+        assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
+        assert needle in err, err
+        assert not (tmp_path / f"r{i}" / "drafter").exists()

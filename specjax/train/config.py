@@ -153,10 +153,13 @@ class LoopConfig:
       checkpoint_every: steps between checkpoints (0 = only at the end or on SIGTERM).
       keep_checkpoints: checkpoints kept on disk (older ones are deleted).
       async_checkpointing: write checkpoints in a background thread.
-      init_from: an HF checkpoint directory whose weights start the run instead of a
-        random initialisation (continued pre-training; the optimizer state is fresh).
-        Its config.json must describe the same model as the `model` section. Ignored
-        when the run dir already holds a checkpoint (that one is resumed).
+      init_from: weights that start the run instead of a random initialisation (the
+        optimizer state is fresh). Objective lm: an HF checkpoint directory whose
+        config.json describes the same model as the `model` section (continued
+        pre-training). Drafter objectives: an exported drafter directory trained against
+        the same target; tensors of the same name and shape are loaded, the rest keep
+        their random init (a hybrid from a trained eagle3, as KVShot did). Ignored when
+        the run dir already holds a checkpoint (that one is resumed).
     """
 
     steps: int = 1000
@@ -337,9 +340,6 @@ class TrainConfig:
             other = next(o for o, k in OBJECTIVE_KINDS.items() if self.drafter.kind in k)
             raise SpecjaxError(f"objective={self.objective} trains drafter kinds {kinds}, not "
                                f"drafter.kind={self.drafter.kind}; use objective={other}")
-        if self.train.init_from is not None:
-            raise SpecjaxError("train.init_from is for objective lm; a drafter run starts "
-                               "from a random initialisation")
 
     @property
     def trains_drafter(self) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -97,10 +98,20 @@ class DrafterRun:
     # ------------------------------------------------------------------ state
 
     def fresh_state(self):
-        """A new random drafter state; forgets any best_drafter of an earlier start."""
+        """A new drafter state (random, or train.init_from's weights where it has them);
+        forgets any best_drafter of an earlier start."""
         if jax.process_index() == 0 and os.path.isdir(self.best_dir):
             shutil.rmtree(self.best_dir)
-        return self.trainer.init_state()
+        init_from = self.cfg.train.init_from
+        if not init_from:
+            return self.trainer.init_state()
+        params, loaded, kept = self.trainer.load_init_params(init_from, self.cfg.target_dir)
+        if jax.process_index() == 0:
+            print(f"[train] init_from {init_from}: {len(loaded)} tensors loaded, "
+                  f"{len(kept)} kept random ({', '.join(kept) or 'none'})", file=sys.stderr,
+                  flush=True)
+        self.start_info["init_from"] = init_from
+        return self.trainer.init_state(params)
 
     def resumed(self) -> None:
         """Picks up the best_drafter record of the run being resumed (if any)."""

@@ -24,6 +24,7 @@ accumulation), so a resumed run draws the same anchors. Validation uses fixed ke
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -122,9 +123,54 @@ class DrafterTrainer(Trainer):
                           opt_state=self.tx.init(params),
                           rng=jax.random.PRNGKey(self.seed + 1))
 
-    def load_init_params(self, path: str):
-        raise SpecjaxError(f"train.init_from {path}: a drafter run starts from a random "
-                           "initialisation; remove train.init_from")
+    def load_init_params(self, path: str, target_dir: str | None = None):
+        """Starting weights from the exported drafter directory `path`: each of its tensors
+        replaces the random init of the parameter with the same name (shapes must match);
+        parameters it lacks keep their random init. Returns (nnx.State like
+        `abstract_state.params`, names of the loaded tensors, names kept random).
+
+        Raises: SpecjaxError for an unreadable directory, a drafter trained against other
+          target weights than `target_dir` (when given), a tensor this drafter has no
+          parameter for or of another shape, or no tensor in common."""
+        from safetensors import safe_open
+
+        from specjax.checkpoint import fingerprint
+        from specjax.drafters.io import WEIGHTS_NAME, read_config
+
+        raw = read_config(path)
+        recorded = (raw.get("target") or {}).get("weights_fingerprint")
+        if target_dir is not None and recorded is not None and \
+                recorded != fingerprint(target_dir):
+            raise SpecjaxError(f"train.init_from {path} was trained against "
+                               f"{raw['target'].get('path')}, not against target {target_dir} "
+                               "(their weights differ)")
+        # the random init as init_state makes it (under jit: eager rounding differs)
+        params = jax.jit(lambda: nnx.split(self._build(), nnx.Param, ...)[1])()
+        mine = {".".join(map(str, p)): var for p, var in nnx.to_flat_state(params)}
+        file = os.path.join(path, WEIGHTS_NAME)
+        loaded = []
+        try:
+            handle = safe_open(file, framework="numpy")
+        except Exception as e:  # safetensors raises its own error types; a missing file too
+            raise SpecjaxError(f"train.init_from {file} is not a readable safetensors file "
+                               f"({e})") from None
+        with handle as f:
+            for name in f.keys():
+                var = mine.get(name)
+                if var is None:
+                    raise SpecjaxError(f"train.init_from {path}: tensor {name} ({raw.get('kind')}"
+                                       f" drafter) has no counterpart in a {self.dcfg.kind} "
+                                       "drafter")
+                arr = f.get_tensor(name)
+                want = tuple(var.get_value().shape)
+                if tuple(arr.shape) != want:
+                    raise SpecjaxError(f"train.init_from {path}: tensor {name} has shape "
+                                       f"{tuple(arr.shape)}, this drafter's is {want}")
+                var.set_value(jnp.asarray(arr.astype(np.float32)).astype(self.dtype))
+                loaded.append(name)
+        if not loaded:
+            raise SpecjaxError(f"train.init_from {path} holds no tensor")
+        return params, sorted(loaded), sorted(set(mine) - set(loaded))
 
     def network(self, params) -> nnx.Module:
         """The drafter network with `params` (arrays as they are)."""
