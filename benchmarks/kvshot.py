@@ -2,7 +2,7 @@
 configs/study/ and rebuilds docs/kvshot.md from the finished runs.
 
     python benchmarks/kvshot.py train [--only NAME ...]   # every run, skipping finished ones
-    python benchmarks/kvshot.py report                    # docs/kvshot.md + its plots
+    python benchmarks/kvshot.py report [--measure]        # docs/kvshot.md + its plots
 
 `train` runs `train.py --config configs/study/NAME.yaml` for each run in RUNS order (a
 run is finished when runs/study/NAME/drafter/config.json exists; an unfinished one
@@ -83,14 +83,17 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train every unfinished run of the matrix")
     t.add_argument("--only", nargs="+", choices=RUNS, help="these runs only (in RUNS order)")
-    sub.add_parser("report", help="rebuild docs/kvshot.md from the finished runs")
-    args = ap.parse_args(argv)
+    sub.add_parser("report", help="rebuild docs/kvshot.md from the finished runs (options: "
+                   "python benchmarks/kvshot_report.py --help)")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "train" and rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "train":
         names = [n for n in RUNS if not args.only or n in args.only]
         return train_matrix(names)
     from benchmarks import kvshot_report
 
-    return kvshot_report.main()
+    return kvshot_report.main(rest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""Probes of KVShot's two bottlenecks for KV-reusing drafters (docs/kvshot.md).
+
+1. Queries: does a KV-only drafter ask the target's memory what the target itself asks?
+   For drafter layer i, whose merged memory starts as target layer j = kv_layers[
+   merge_sources()[i]], the cosine between the drafter's query at TTT step 0 (token t+1
+   at position t+1, after q_norm and RoPE) and the target's own query at layer j for the
+   same position, per head, averaged over held-out positions and heads. RoPE rotates both
+   by the same angle, so the cosine compares what the queries look for. Calibration: the
+   same cosine for the drafter at its random init, and between the target's own queries
+   at two of the reused layers.
+2. Gradients: the norm of the loss gradient reaching the drafter's own K/V projections
+   (k_proj, v_proj) and its merge maps (merge_k, merge_v), as a fraction of the whole
+   gradient's norm, for the same KV drafter trained with ttt (kv2) and block-wise
+   (block_kv), at the random init and at the trained weights. Fractions, because the two
+   objectives' losses have different scales.
+
+Both run eagerly on CPU on `rows` held-out sequences of the study's validation split.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_run(name: str):
+    """(cfg, DrafterRun) of study run `name` (target and data loaded, no state)."""
+    from specjax.train import load_config
+    from specjax.train import mesh as mesh_lib
+    from specjax.train.drafter_run import DrafterRun
+    from specjax.train.optim import make_optimizer
+
+    cfg = load_config(os.path.join(ROOT, "configs", "study", f"{name}.yaml"))
+    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    return cfg, DrafterRun(cfg, mesh, tx, schedule, jnp.float32)
+
+
+def params_of(cfg, run, trained: bool):
+    """The run's exported (trained) drafter weights, or its random init."""
+    if trained:
+        return run.trainer.load_init_params(cfg.export_dir, cfg.target_dir)[0]
+    return run.trainer.init_state().params
+
+
+def held_out_rows(run, rows: int) -> np.ndarray:
+    """i32[rows, T+1] from the start of the validation split (the first eval batch)."""
+    out, _ = run.data.val.batch(0, rows)
+    return np.asarray(out, np.int32)
+
+
+def _target(run):
+    tr = run.trainer
+    return nnx.merge(tr.target_graphdef, tr.target_params, tr.target_rest)
+
+
+def target_queries(target, tokens, layers) -> dict[int, jax.Array]:
+    """The target's own queries [B,T,N,H] (q_norm and RoPE applied) at `layers`, from a
+    cache-free forward capturing those layers' inputs (the same arithmetic as
+    specjax.model's attention)."""
+    from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin
+
+    c = target.cfg
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out = target(tokens, positions, None, capture=tuple(layers))
+    w = target.layer_weights()
+    cos, sin = rope_cos_sin(target.inv_freq[...], positions, jnp.float32)
+    qs = {}
+    for i, j in enumerate(layers):
+        h = rms_norm(out.hidden[i], w["input_norm"][j], c.rms_norm_eps)
+        q = linear(h, w["q_proj"][j]).reshape(B, T, c.num_heads, c.head_dim)
+        if c.family == "qwen3":
+            q = rms_norm(q, w["q_norm"][j], c.rms_norm_eps)
+        qs[j] = apply_rope(q, cos, sin)
+    return qs
+
+
+def drafter_queries(run, params, rows) -> list[jax.Array]:
+    """Queries [B,T,N,H] of each KV-only drafter layer at TTT step 0 (anchor t: token t+1
+    at position t+1), recorded from the training objective's own forward."""
+    from specjax.drafters import common
+    from specjax.train.objectives import Frozen
+    from specjax.train.objectives.ttt import draft_outputs
+
+    tr = run.trainer
+    target = _target(run)
+    tokens = jnp.asarray(rows[:, :-1])
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    tgt = target(tokens, positions, None, capture=tr.dcfg.capture,
+                 capture_kv=tr.dcfg.kv_layers)
+    seen = []
+    attend = common.attend
+
+    def recording(q, *a, **k):
+        seen.append(q)
+        return attend(q, *a, **k)
+
+    common.attend = recording
+    try:
+        draft_outputs(tr.network(params), tgt, jnp.asarray(rows), Frozen.from_target(target),
+                      steps=1)
+    finally:
+        common.attend = attend
+    return seen[: tr.dcfg.num_layers]
+
+
+def _cos(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    num = (a * b).sum(-1)
+    den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30
+    return float((num / den).mean())
+
+
+def query_cosines(name: str, rows: int = 4) -> dict:
+    """{"layers": [{"layer", "target_layer", "trained", "init"}], "target_between":
+    cosine of the target's own queries at two reused layers} for KV run `name`."""
+    cfg, run = load_run(name)
+    dcfg = run.trainer.dcfg
+    data = held_out_rows(run, rows)
+    tokens = jnp.asarray(data[:, :-1])
+    layers = list(dcfg.kv_layers)
+    tq = target_queries(_target(run), tokens, layers)
+    got = {}
+    for trained in (True, False):
+        qs = drafter_queries(run, params_of(cfg, run, trained), data)
+        got[trained] = qs
+    out = []
+    for i, src in enumerate(dcfg.merge_sources()):
+        j = layers[src]
+        ref = tq[j][:, 1:]  # the target's query at position t+1
+        out.append({"layer": i, "target_layer": j,
+                    "trained": _cos(got[True][i][:, :-1], ref),
+                    "init": _cos(got[False][i][:, :-1], ref)})
+    between = _cos(tq[layers[0]], tq[layers[-1]])
+    return {"run": name, "layers": out, "target_between": between,
+            "target_between_layers": [layers[0], layers[-1]]}
+
+
+KV_PARTS = ("k_proj", "v_proj", "merge_k", "merge_v")
+
+
+def grad_fractions(name: str, rows: int = 8) -> dict:
+    """{"init": {...}, "trained": {...}}: per KV_PARTS and q_proj, the gradient norm and
+    its fraction of the whole gradient's norm, on `rows` held-out sequences."""
+    cfg, run = load_run(name)
+    tr = run.trainer
+    batch = jnp.asarray(held_out_rows(run, rows))
+    key = jax.random.PRNGKey(0)
+    grad = jax.jit(jax.grad(tr.loss))
+    out = {}
+    for trained in (False, True):
+        g = grad(params_of(cfg, run, trained), batch, tr.target_params, key)
+        flat = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
+                for p, v in nnx.to_flat_state(g)}
+        total = float(np.sqrt(sum((x ** 2).sum() for x in flat.values())))
+        parts = {}
+        for part in (*KV_PARTS, "q_proj"):
+            norm = float(np.sqrt((flat[part] ** 2).sum())) if part in flat else float("nan")
+            parts[part] = {"norm": norm, "fraction": norm / total if total else float("nan")}
+        out["trained" if trained else "init"] = {"total": total, "parts": parts}
+    return {"run": name, "objective": cfg.objective, **out}
