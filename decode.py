@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-length", type=int, default=None,
                     help="prompt + new tokens per row, at most (default: longest prompt + "
                          "--max-new-tokens)")
+    ap.add_argument("--allow-long-context", action="store_true",
+                    help="allow --max-length beyond the target's max_position_embeddings")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: float32 on CPU, bfloat16 on TPU/GPU")
     ap.add_argument("--matmul-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -248,6 +250,42 @@ def _format_table(summary: dict) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
+    """Raises SpecjaxError, before anything is allocated, when the target's weights, the
+    KV caches of the engines decode.py builds (speculative and, with --compare-ar,
+    autoregressive), the drafter and the prefill's activations need more than the
+    device has free (`specjax.plan`; estimates from config.json and file sizes)."""
+    from specjax import plan
+    from specjax.config import ModelConfig
+    from specjax.errors import SpecjaxError
+
+    B = args.batch_size
+    S = max_length + (args.gamma or DEFAULT_GAMMA) + 1  # room for a draft block
+    cache = plan.kv_cache_bytes(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, dtype)
+    parts = {"target weights": plan.weight_bytes(cfg, dtype),
+             "KV cache": cache * (2 if args.compare_ar and args.drafter != "none" else 1),
+             "prefill activations": plan.prefill_activation_bytes(cfg, B, prompt_width, S)}
+    d = args.drafter
+    if d not in ("none", "ngram") and d is not None and os.path.isdir(d):
+        files = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors")]
+        parts["drafter"] = 2 * sum(os.path.getsize(f) for f in files)  # bf16 on disk -> f32
+        if os.path.isfile(os.path.join(d, "config.json")):
+            try:  # a draft LM: its own cache; a learned drafter: about Ld + 1 caches
+                dc = ModelConfig.from_dir(d)
+                parts["drafter"] += plan.kv_cache_bytes(dc.num_layers, B, dc.num_kv_heads, S,
+                                                        dc.head_dim, dtype)
+            except SpecjaxError:
+                parts["drafter"] += 3 * cache // max(cfg.num_layers, 1)
+    need = sum(parts.values())
+    free, where = plan.available_bytes()
+    if free is not None and need > free:
+        detail = ", ".join(f"{k} {plan.fmt_bytes(v)}" for k, v in parts.items())
+        raise SpecjaxError(
+            f"decoding needs about {plan.fmt_bytes(need)} ({detail}) but {where} has "
+            f"{plan.fmt_bytes(free)} free; lower --max-length (now {max_length}) or "
+            f"--batch-size (now {B})")
+
+
 def _show(rec: dict, prompt_ids: list[int], tokenizer, context_lines: int = 4) -> str:
     """The last lines of the prompt, then the completion, for the terminal."""
     if tokenizer is None:
@@ -265,6 +303,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.config import ModelConfig
     from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write
@@ -275,8 +314,7 @@ def run(args) -> int:
     if dtype_name == "auto":
         dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
-    target = load_model(args.target, dtype=dtype, matmul_dtype=flag_dtype(args.matmul_dtype))
-    cfg = target.cfg
+    cfg = ModelConfig.from_dir(args.target)  # config.json only: no weights read yet
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(args, tokenizer, cfg.vocab_size)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -289,7 +327,15 @@ def run(args) -> int:
                 f"prompt {pid}: {len(ids)} prompt tokens + --max-new-tokens "
                 f"{args.max_new_tokens} > --max-length {max_length}; raise --max-length or "
                 "shorten the prompt")
+    if max_length > cfg.max_position_embeddings and not args.allow_long_context:
+        raise SpecjaxError(
+            f"--max-length {max_length} exceeds the target's max_position_embeddings "
+            f"{cfg.max_position_embeddings} (positions it was not trained for); lower "
+            "--max-length, --max-new-tokens or the prompt length, or pass "
+            "--allow-long-context to run anyway")
     prompt_width = prompt_width_for(longest, max_length)
+    check_memory(args, cfg, dtype, max_length, prompt_width)
+    target = load_model(args.target, dtype=dtype, matmul_dtype=flag_dtype(args.matmul_dtype))
 
     drafter, dparams, drafter_arg = make_drafter_from_args(args, target, sampling, dtype)
     eos = () if args.ignore_eos else cfg.eos_token_ids

@@ -92,6 +92,10 @@ BAD = {
     "top_p_big": (lambda d, t: ["--top-p", 1.5], "--top-p"),
     "top_k": (lambda d, t: ["--top-k", -2], "--top-k"),
     "missing_prompts": (lambda d, t: ["--prompts", t / "none.jsonl"], "none.jsonl"),
+    "beyond_positions": (lambda d, t: ["--max-length", 100_000], "max_position_embeddings"),
+    "cache_too_big": (lambda d, t: ["--max-length", 10**10, "--allow-long-context"],
+                      "decoding needs about"),
+    "absurd_config": (None, "decoding needs about"),
 }
 
 
@@ -105,6 +109,16 @@ def test_bad_input_exits_2_with_one_line(tiny_demo, tmp_path, capsys, case):
         cfg["model_type"] = "gpt2"
         json.dump(cfg, open(bad / "config.json", "w"))
         extra = ["--target", bad]
+    elif case == "absurd_config":  # refused from config.json alone: no weights are read
+        bad = tmp_path / "huge"
+        bad.mkdir()
+        cfg = json.load(open(tiny_demo / "target" / "config.json"))
+        cfg.update(hidden_size=10**9, intermediate_size=10**9)
+        json.dump(cfg, open(bad / "config.json", "w"))
+        for f in os.listdir(tiny_demo / "target"):
+            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                shutil.copy(tiny_demo / "target" / f, bad / f)
+        extra = ["--target", bad, "--drafter", "ngram"]
     elif case == "vocab_mismatch":
         from specjax.checkpoint import load_model, save_model
         from specjax.model import Transformer
@@ -200,3 +214,16 @@ def test_drafter_for_another_target_is_one_line_exit_2(tiny_demo, learned_drafte
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert str(learned_drafter) in err and str(other) in err and "trained against" in err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_allow_long_context_runs_past_max_position_embeddings(tiny_demo, tmp_path, capsys):
+    target = tmp_path / "short"
+    shutil.copytree(tiny_demo / "target", target)
+    cfg = json.load(open(target / "config.json"))
+    cfg["max_position_embeddings"] = 8
+    json.dump(cfg, open(target / "config.json", "w"))
+    args = base_args(tiny_demo, tmp_path, "--target", target, "--drafter", "ngram")
+    code, _, err = run(args, capsys)
+    assert code == 2 and "max_position_embeddings 8" in err and "--allow-long-context" in err
+    code, _, err = run(args + ["--allow-long-context"], capsys)
+    assert code == 0, err
