@@ -115,6 +115,10 @@ def test_losses_match_single_device(runs, kind, mesh):
         want, have = ref.val_metrics[s], got.val_metrics[s]
         np.testing.assert_allclose(have["val_loss"], want["val_loss"], rtol=1e-5)
         assert len(want["alpha"]) == 3 and 1.0 <= want["tau"] <= 4.0
+        # per-step accuracy: step 0 is alpha_0; a later step is at least the chain rate
+        assert len(want["acc"]) == 3 and want["acc"][0] == pytest.approx(want["alpha"][0])
+        chain = np.cumprod([a or 0.0 for a in want["alpha"]])
+        assert all(c <= a + 1e-9 for c, a in zip(chain, want["acc"], strict=True))
         np.testing.assert_allclose(have["tau"], want["tau"], rtol=1e-5)
 
 

@@ -17,6 +17,9 @@ Contract between the trainer and the objectives (each a pure function, jit-able)
           "accepted": f32[G]  chains whose first k+1 drafts all match the target argmax
           "chains":   f32[]   chains counted (alpha_k = accepted[k] / accepted[k-1],
                               alpha_0 = accepted[0] / chains, tau = 1 + sum(accepted)/chains)
+          "correct":  f32[G]  chains whose draft k matches on its own, earlier drafts
+                              right or wrong (acc_k = correct[k] / chains: the per-step
+                              accuracy SpecForge logs; it decays where alpha_k need not)
           "gate":     f32[]   hybrid only: sum of the gate over counted positions, with
           "gate_count": f32[] the number of gate values summed.
 """

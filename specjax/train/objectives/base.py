@@ -32,6 +32,8 @@ def summarize(stats: dict) -> dict:
     reached = np.concatenate([[chains], acc[:-1]])
     alpha = [float(a / r) if r > 0 else None for a, r in zip(acc, reached, strict=True)]
     out = {"alpha": alpha, "tau": 1.0 + float(acc.sum()) / chains if chains else float("nan")}
+    if "correct" in stats and chains:  # per-step accuracy, not conditional on earlier steps
+        out["acc"] = [float(c) / chains for c in np.asarray(stats["correct"], np.float64)]
     if "gate" in stats:
         n = float(np.asarray(stats["gate_count"]))
         out["gate"] = float(np.asarray(stats["gate"])) / n if n else float("nan")

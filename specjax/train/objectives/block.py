@@ -54,5 +54,6 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     match = jnp.argmax(logits, axis=-1) == jnp.argmax(tl, axis=-1)  # [B,A,G]
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
     stats = {"accepted": jnp.sum(chain, axis=(0, 1)),
-             "chains": jnp.asarray(B * anchors.shape[1], jnp.float32)}
+             "chains": jnp.asarray(B * anchors.shape[1], jnp.float32),
+             "correct": jnp.sum(match.astype(jnp.float32), axis=(0, 1))}
     return loss, stats

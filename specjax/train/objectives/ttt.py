@@ -76,7 +76,9 @@ def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
         matches.append(jnp.argmax(logits, -1) == jnp.take_along_axis(target_top, idx, axis=1))
     chain = jnp.cumprod(jnp.stack(matches).astype(jnp.float32), axis=0)  # [steps,B,P]
     full = (t + steps <= T - 1).astype(jnp.float32)[None]
-    stats = {"accepted": jnp.sum(chain * full, axis=(1, 2)), "chains": jnp.sum(full)}
+    correct = jnp.stack(matches).astype(jnp.float32)  # each step on its own (SpecForge acc_k)
+    stats = {"accepted": jnp.sum(chain * full, axis=(1, 2)), "chains": jnp.sum(full),
+             "correct": jnp.sum(correct * full, axis=(1, 2))}
     if gates is not None:
         stats["gate"] = jnp.sum(jnp.mean(gates, axis=-1))
         stats["gate_count"] = jnp.asarray(gates.shape[0] * gates.shape[1] * gates.shape[2],
