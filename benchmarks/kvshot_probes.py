@@ -168,3 +168,12 @@ def grad_fractions(name: str, rows: int = 8) -> dict:
             parts[part] = {"norm": norm, "fraction": norm / total if total else float("nan")}
         out["trained" if trained else "init"] = {"total": total, "parts": parts}
     return {"run": name, "objective": cfg.objective, **out}
+
+
+def evaluate_export(name: str) -> dict:
+    """The validation record of run `name`'s exported drafter, recomputed with today's
+    code: {"val_loss", "alpha", "acc", "tau", "gate"?} over the run's fixed held-out
+    batches (the same ones training validated on)."""
+    cfg, run = load_run(name)
+    state = run.trainer.init_state(params_of(cfg, run, trained=True))
+    return run.validate(state)

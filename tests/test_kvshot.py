@@ -48,8 +48,10 @@ def _record(alpha, tau, gates=None):
     evals = [{"step": 64 * (i + 1), "tokens": 64 * (i + 1) * 2048, "val_loss": 1.0,
               "alpha": alpha, "tau": tau, **({"gate": g} if g is not None else {})}
              for i, g in enumerate(gates or [None])]
+    acc = [a * 0.9 for a in alpha]
     return {"train": {"evals": evals, "params": 1_500_000, "tok_s": 2000.0,
-                      "best": {"step": 64, "alpha": alpha, "tau": tau}}}
+                      "best": {"step": 64, "alpha": alpha, "tau": tau}},
+            "eval": {"alpha": alpha, "acc": acc, "tau": tau, "val_loss": 1.0}}
 
 
 def test_tables_from_records():
@@ -58,7 +60,9 @@ def test_tables_from_records():
                         "hybrid": _record(a, 2.2, gates=[0.5, 0.2, 0.05])}}
     sim = kvshot_report.table_simulated(results)
     row = next(x for x in sim.splitlines() if x.startswith("| KV-only 2 layers"))
-    assert "| 0.600 | 0.300 | 50.0% | 2.10 |" in row and "1.50M" in row
+    # acc_0 0.54, acc_6 0.27: retention 50.0%; conditional alpha listed as given
+    assert "| 0.540 | 0.270 | 50.0% | 0.60 0.50 0.50 0.50 0.50 0.50 0.30 | 2.10 |" in row
+    assert "1.50M" in row
     gate = kvshot_report.table_gate(results).splitlines()
     assert gate[2].startswith("| 64 |") and "0.500" in gate[2] and "0.050" in gate[4]
     paper = kvshot_report.table_paper()
