@@ -308,3 +308,36 @@ def test_plot_training_curves(tmp_path, capsys):
     assert plot.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "d.png")]) == 2
     assert "not a readable metrics.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "d.png").exists()
+
+
+# ----------------------------------------------------------------------------- run dir faults
+
+def test_unwritable_run_dir_is_one_line_exit_2(tmp_path, capsys):
+    import train as train_cli
+
+    for bad in ("/proc/x", str(tmp_path / "file" / "sub")):
+        (tmp_path / "file").write_text("not a directory")
+        code = train_cli.main(["--config", os.path.join(ROOT, "configs", "test_tiny.yaml"),
+                               "--no-progress", "--run-dir", bad])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.count("\n") == 1 and "run_dir" in err and bad in err, err
+
+
+def test_second_process_on_a_run_dir_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
+    from specjax.errors import SpecjaxError
+    from specjax.train.loop import RunDirLock
+
+    code = (f"import sys, time; sys.path.insert(0, {ROOT!r}); "
+            "from specjax.train.loop import RunDirLock; "
+            f"RunDirLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SpecjaxError, match=f"in use by another train.py \\(pid {holder.pid}\\)"):
+            RunDirLock(str(tmp_path))
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops the flock
+        holder.wait()
+    lock = RunDirLock(str(tmp_path))  # free again
+    lock.release()

@@ -11,8 +11,9 @@ Files in `cfg.run_dir`:
   config.yaml      the resolved config of the latest start
   metrics.jsonl    one JSON object per line: {"step", "loss", "grad_norm", "lr",
                    "tokens_per_s", "tokens", "epoch"}, {"step", "val_loss"} (drafters:
-                   {"step", "val_loss", "alpha", "tau", "gate"?}), and
+                   {"step", "val_loss", "alpha", "acc", "tau", "gate"?}), and
                    {"event": "start" | "resume" | "preempted" | "done", "step"}
+  train.lock       the pid of the train.py holding the run dir (an flock; see RunDirLock)
   checkpoints/<s>  orbax checkpoints (see checkpointing.py)
   hf/              the exported HF directory (export.dir), once train.steps is reached
   drafter/         drafters: the exported best-tau drafter instead (see drafter_run.py)
@@ -190,8 +191,51 @@ def _progress(cfg: TrainConfig, start: int, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True, mininterval=1.0, disable=not enabled)
 
 
+LOCK_NAME = "train.lock"
+
+
+def _writable_dir(path: str, what: str) -> None:
+    """Creates `path` if needed; SpecjaxError (one line) if it cannot be created or
+    written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SpecjaxError(f"{what} {path} cannot be created ({e.strerror}); choose a "
+                           "writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SpecjaxError(f"{what} {path} is not writable; choose a writable directory")
+
+
+class RunDirLock:
+    """An exclusive flock on <run_dir>/train.lock for the process that writes the run dir
+    (process 0): a second train.py on the same run dir is refused, and the kernel drops
+    the lock when its holder dies, even by SIGKILL, so it never stays stuck."""
+
+    def __init__(self, run_dir: str):
+        import fcntl
+
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise SpecjaxError(f"run_dir {run_dir} is in use by another train.py (pid "
+                               f"{holder}); wait for it, stop it, or pass another "
+                               "--run-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
 def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True) -> RunResult:
-    """Trains (or resumes) the run in `cfg.run_dir` up to `cfg.train.steps`.
+    """Trains (or resumes) the run in `cfg.run_dir` up to `cfg.train.steps`, holding the
+    run dir's lock (`RunDirLock`) for the whole run.
 
     Args:
       cfg: the validated config.
@@ -201,9 +245,26 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
 
     Returns: RunResult. On SIGTERM the current step is checkpointed and the result has
       preempted=True; the export is written only when train.steps is reached.
-    Raises: SpecjaxError for a bad mesh, batch, data path, target directory, or a
-      run_dir that holds another model's (or drafter's) checkpoints.
+    Raises: SpecjaxError for a bad mesh, batch, data path, target directory, an
+      unwritable run or export directory, a run_dir another train.py holds, or a run_dir
+      that holds another model's (or drafter's) checkpoints.
     """
+    lock = None
+    if jax.process_index() == 0:
+        _writable_dir(cfg.run_dir, "run_dir")
+        export_parent = os.path.dirname(os.path.abspath(cfg.export_dir))
+        if cfg.export.enabled and os.path.abspath(export_parent) != os.path.abspath(
+                cfg.run_dir):
+            _writable_dir(export_parent, "the export directory's parent")
+        lock = RunDirLock(cfg.run_dir)
+    try:
+        return _train(cfg, stop_at=stop_at, progress=progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResult:
     import jax.numpy as jnp
 
     loop, is_main = cfg.train, jax.process_index() == 0
