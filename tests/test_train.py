@@ -341,3 +341,44 @@ def test_second_process_on_a_run_dir_is_refused_and_a_killed_holder_leaves_no_lo
         holder.wait()
     lock = RunDirLock(str(tmp_path))  # free again
     lock.release()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(runs, corpus, tmp_path, capsys,
+                                                              damage):
+    """A crashed disk's leftovers in the newest checkpoint: resume from the one before,
+    one warning line, and the run still ends bit-equal to an uninterrupted one."""
+    ref = runs((2, 2, 2))
+    cfg = tiny_cfg(corpus, tmp_path / "run", (2, 2, 2), "export.enabled=false",
+                   "train.checkpoint_every=1", "train.keep_checkpoints=3")
+    train(cfg, stop_at=3, progress=False)
+    newest = tmp_path / "run" / "checkpoints" / "3"
+    files = sorted(p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0)
+    assert files
+    for p in files:
+        if damage == "truncate":
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+        else:
+            p.unlink()
+    capsys.readouterr()
+    second = train(cfg, progress=False)
+    err = capsys.readouterr().err
+    warnings = [x for x in err.splitlines() if "warning" in x]
+    assert len(warnings) == 1 and "resuming from step 2" in warnings[0], err
+    assert sorted(second.losses) == [3, 4, 5]  # step 3 is trained again
+    for s in (3, 4, 5):
+        assert second.losses[s] == ref.losses[s], s
+    assert (tmp_path / "run" / "checkpoints" / "3.damaged").is_dir()
+
+
+def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(corpus, tmp_path):
+    from specjax.errors import SpecjaxError
+
+    cfg = tiny_cfg(corpus, tmp_path / "run", (1, 1, 1), "export.enabled=false",
+                   "train.checkpoint_every=1", "train.keep_checkpoints=1")
+    train(cfg, stop_at=1, progress=False)
+    for p in (tmp_path / "run" / "checkpoints").rglob("*"):
+        if p.is_file():
+            p.write_bytes(b"")
+    with pytest.raises(SpecjaxError, match="no checkpoint in .* can be restored"):
+        train(cfg, progress=False)

@@ -35,6 +35,7 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.directory = os.path.abspath(directory)
+        self._options = options
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -63,6 +64,44 @@ class Checkpoints:
                                f"({msg[:200]}); use a new run_dir or the config it was "
                                "trained with") from None
         return out.state, dict(out.meta)
+
+    def restore_newest(self, abstract_state, warn=None):
+        """(TrainState, meta dict, step) of the newest checkpoint that restores; a damaged
+        newer one (truncated or missing files, as a crashed disk leaves them) is skipped
+        with one `warn` line and renamed to `<step>.damaged` (orbax then ignores it and
+        the run writes that step again). None when there is no checkpoint at all.
+
+        Raises: SpecjaxError if no checkpoint restores (a config mismatch, or damage to
+          all of them), never a silent start from step 0."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        first_error = None
+        for step in steps:
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except Exception as e:  # orbax/tensorstore raise many types for damaged files
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                first_error = first_error or (step, e, msg[:200])
+                continue
+            if first_error is not None:
+                skipped = [s for s in steps if s > step]
+                if warn is not None:
+                    warn(f"checkpoint {self.directory}/{first_error[0]} cannot be restored "
+                         f"({first_error[2]}); resuming from step {step} instead (kept "
+                         f"as {', '.join(f'{s}.damaged' for s in skipped)})")
+                if jax.process_index() == 0:  # out of orbax's way: the run re-saves them
+                    for s in skipped:
+                        path = os.path.join(self.directory, str(s))
+                        os.replace(path, f"{path}.damaged")
+                self.manager.close()
+                self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+            return state, meta, step
+        if first_error is None:
+            return None
+        step, e, msg = first_error
+        raise SpecjaxError(f"no checkpoint in {self.directory} can be restored (newest, "
+                           f"step {step}: {msg}); if the config changed, use the one it was "
+                           "trained with or a new run_dir; if the files are damaged, move "
+                           "the directory away to start over")
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""

@@ -293,7 +293,11 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
     if latest is None:
         state, position = run.fresh_state(), 0
     else:
-        state, meta = ckpts.restore(latest, trainer.abstract_target())
+        def warn(msg):
+            if is_main:
+                print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
+
+        state, meta, _ = ckpts.restore_newest(trainer.abstract_target(), warn)
         position = int(meta["data_position"])
         run.resumed()
     start = step = int(jax.device_get(state.step))
