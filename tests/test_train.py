@@ -382,3 +382,67 @@ def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(corpus, tmp_path
             p.write_bytes(b"")
     with pytest.raises(SpecjaxError, match="no checkpoint in .* can be restored"):
         train(cfg, progress=False)
+
+
+def _wait_for(proc, cond, timeout=120.0):
+    """Polls cond() every millisecond until true; False if proc ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.001)
+    raise AssertionError("timed out")
+
+
+def test_sigkill_at_any_moment_resumes_to_the_same_parameters(corpus, tmp_path):
+    """train.py SIGKILLed mid-step, while a checkpoint is being written and while the
+    export is being written, then restarted each time: the exported weights equal an
+    uninterrupted run's bit for bit, and no temporary directory is taken for a result."""
+    from safetensors.numpy import load_file
+
+    steps = 8
+    extra = ("train.checkpoint_every=1", "train.async_checkpointing=true",
+             f"train.steps={steps}", "train.keep_checkpoints=2")
+    ref = train(tiny_cfg(corpus, tmp_path / "ref", (1, 1, 1), *extra), progress=False)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--run-dir",
+           str(run_dir), "--no-progress"]
+    for s in tiny_args(corpus, (1, 1, 1), *extra):
+        cmd += ["--set", s]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+
+    def stepped(n):
+        return lambda: metrics.exists() and sum('"loss"' in x for x in open(metrics)) >= n
+
+    def ckpt_tmp():
+        return ckpts.is_dir() and any("tmp" in d for d in os.listdir(ckpts))
+
+    def export_tmp():
+        return run_dir.is_dir() and any(d.startswith(".tmp-export") for d in
+                                        os.listdir(run_dir))
+
+    kills = 0
+    for when in (stepped(2), ckpt_tmp, export_tmp):
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            if _wait_for(proc, when):
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert kills >= 2  # the export window is short: it may finish first
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "done at step 8" in proc.stderr
+    got = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+    want = load_file(os.path.join(ref.export_dir, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert not [d for d in os.listdir(run_dir) if d.startswith(".tmp")]

@@ -233,6 +233,19 @@ class RunDirLock:
             self.fd = None
 
 
+STALE_PREFIXES = (".tmp-export-", ".tmp-drafter-", ".old-drafter-")
+
+
+def _remove_stale_temps(run_dir: str) -> None:
+    """Deletes the temporary directories a killed export left in `run_dir` (the caller
+    holds the run dir's lock, so no other process is writing them)."""
+    import shutil
+
+    for name in os.listdir(run_dir):
+        if name.startswith(STALE_PREFIXES):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
 def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True) -> RunResult:
     """Trains (or resumes) the run in `cfg.run_dir` up to `cfg.train.steps`, holding the
     run dir's lock (`RunDirLock`) for the whole run.
@@ -257,6 +270,7 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
                 cfg.run_dir):
             _writable_dir(export_parent, "the export directory's parent")
         lock = RunDirLock(cfg.run_dir)
+        _remove_stale_temps(cfg.run_dir)
     try:
         return _train(cfg, stop_at=stop_at, progress=progress)
     finally:
