@@ -65,6 +65,19 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise SpecjaxError(f"unsupported model family {self.family!r}; expected one of {FAMILIES}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecjaxError(f"{name}={v!r} must be a positive integer")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v <= 0:
+                raise SpecjaxError(f"{name}={v!r} must be a positive number")
+        for name in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise SpecjaxError(f"{name}={v!r} must be a token id (an integer) or null")
         if self.num_heads % self.num_kv_heads:
             raise SpecjaxError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -174,8 +187,10 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise SpecjaxError(f"{cfg_path} is missing; a HF checkpoint directory needs config.json") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecjaxError(f"{cfg_path} is unreadable ({e})") from None
+        except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+            raise SpecjaxError(f"{cfg_path} is unreadable ({' '.join(str(e).split())[:200]})") from None
+        if not isinstance(raw, dict):
+            raise SpecjaxError(f"{cfg_path} must hold a JSON object")
         model_type = raw.get("model_type")
         if model_type not in ("qwen3", "llama"):
             archs = raw.get("architectures")
@@ -187,8 +202,8 @@ class ModelConfig:
 
         try:
             hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        except (KeyError, ValueError, TypeError, OSError) as e:
-            msg = str(e).replace("\n", " ")
+        except Exception as e:  # transformers/huggingface_hub raise many validation types
+            msg = " ".join(str(e).split())[:300]
             raise SpecjaxError(f"{cfg_path}: invalid config ({msg})") from None
         eos = None
         gen_path = os.path.join(path, "generation_config.json")
@@ -196,9 +211,15 @@ class ModelConfig:
             try:
                 with open(gen_path) as f:
                     eos = json.load(f).get("eos_token_id")
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, ValueError, AttributeError) as e:
                 raise SpecjaxError(f"{gen_path} is unreadable ({e})") from None
-        return cls.from_hf_config(hf, eos_token_ids=eos)
+        try:
+            return cls.from_hf_config(hf, eos_token_ids=eos)
+        except SpecjaxError as e:
+            raise SpecjaxError(f"{cfg_path}: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+            msg = " ".join(str(e).split())[:300]
+            raise SpecjaxError(f"{cfg_path}: invalid config ({type(e).__name__}: {msg})") from None
 
     def to_hf_config(self, dtype: str = "float32"):
         """Returns the matching `transformers.Qwen3Config` / `LlamaConfig`."""

@@ -76,7 +76,35 @@ class DrafterConfig:
     mask_token_id: int | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "target_num_layers", "gamma",
+                     "num_layers"):
+            if not is_int(getattr(self, name)):
+                raise SpecjaxError(f"drafter {name}={getattr(self, name)!r} must be an integer")
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "target_num_layers"):
+            if getattr(self, name) < 1:
+                raise SpecjaxError(f"drafter {name}={getattr(self, name)} must be >= 1")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or \
+                    v == float("inf"):
+                raise SpecjaxError(f"drafter {name}={v!r} must be a positive number")
+        for name in ("capture", "kv_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(is_int(x) for x in v):
+                raise SpecjaxError(f"drafter {name}={v!r} must be a list of integers")
+        if self.mask_token_id is not None and not is_int(self.mask_token_id):
+            raise SpecjaxError(f"drafter mask_token_id={self.mask_token_id!r} must be a "
+                               "token id or null")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise SpecjaxError(f"drafter num_heads={self.num_heads} must be a multiple of "
+                               f"num_kv_heads={self.num_kv_heads} and head_dim="
+                               f"{self.head_dim} even")
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise SpecjaxError(f"drafter kind {self.kind!r}; use one of {KINDS}")
         if self.gamma < 1 or self.num_layers < 1:
             raise SpecjaxError(f"drafter gamma={self.gamma} and num_layers={self.num_layers} "
@@ -194,6 +222,8 @@ class DrafterConfig:
             raise SpecjaxError(f"{where}: unknown keys {unknown}")
         for key in ("capture", "kv_layers"):
             if key in raw:
+                if not isinstance(raw[key], list):
+                    raise SpecjaxError(f"{where}: {key} must be a list of integers")
                 raw[key] = tuple(raw[key])
         try:
             return cls(**raw)

@@ -150,6 +150,9 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
 
     raw = read_config(path)
     target = raw.get("target") or {}
+    if not isinstance(target, dict):
+        raise SpecjaxError(f"{os.path.join(path, CONFIG_NAME)}: \"target\" must be a JSON "
+                           "object (the record of the target it was trained against)")
     fields = {k: v for k, v in raw.items() if k != "train"}
     dcfg = DrafterConfig.from_json_dict(fields, where=os.path.join(path, CONFIG_NAME))
     abstract = nnx.eval_shape(lambda: drafters.build_network(dcfg, dtype=dtype,

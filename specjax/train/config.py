@@ -478,8 +478,8 @@ def load_config(path: str, overrides=(), run_dir: str | None = None,
     except OSError as e:
         raise SpecjaxError(f"config {path} is unreadable ({e.strerror}); pass an existing "
                            "YAML file") from None
-    except yaml.YAMLError as e:
-        msg = str(e).replace("\n", " ")
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: UnicodeDecodeError
+        msg = " ".join(str(e).split())[:300]
         raise SpecjaxError(f"config {path} is not valid YAML ({msg})") from None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
