@@ -137,9 +137,12 @@ def query_cosines(name: str, rows: int = 4) -> dict:
     for i, src in enumerate(dcfg.merge_sources()):
         j = layers[src]
         ref = tq[j][:, 1:]  # the target's query at position t+1
+        per_layer = {jj: _cos(got[True][i][:, :-1], tq[jj][:, 1:]) for jj in layers}
+        best = max(per_layer, key=per_layer.get)
         out.append({"layer": i, "target_layer": j,
                     "trained": _cos(got[True][i][:, :-1], ref),
-                    "init": _cos(got[False][i][:, :-1], ref)})
+                    "init": _cos(got[False][i][:, :-1], ref),
+                    "best_target_layer": best, "best": per_layer[best]})
     between = _cos(tq[layers[0]], tq[layers[-1]])
     return {"run": name, "layers": out, "target_between": between,
             "target_between_layers": [layers[0], layers[-1]]}

@@ -243,9 +243,10 @@ def table_gate(results: dict) -> str:
 
 
 def table_probes(results: dict) -> str:
-    lines = ["| drafter | drafter layer | target layer | cos(q_drafter, q_target) trained "
-             "| at random init | target's own queries, layers a vs b |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| drafter | drafter layer | its memory's initial target layer | cos(q_drafter, "
+             "q_target) trained | at random init | best-matching target layer (cos) "
+             "| target's own queries, layers a vs b |",
+             "|---|---|---|---|---|---|---|"]
     any_q = False
     for name in RUNS:
         q = (results["runs"].get(name) or {}).get("query_cosine")
@@ -256,6 +257,7 @@ def table_probes(results: dict) -> str:
         for x in q["layers"]:
             lines.append(f"| {LABELS[name]} | {x['layer']} | {x['target_layer']} "
                          f"| {x['trained']:.3f} | {x['init']:.3f} "
+                         f"| {x['best_target_layer']} ({x['best']:.3f}) "
                          f"| {q['target_between']:.3f} ({a} vs {b}) |")
     out = lines if any_q else ["(no query probe yet)"]
     glines = ["", "| drafter, objective | weights | \\|grad\\| total | k_proj | v_proj "
