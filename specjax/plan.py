@@ -72,3 +72,234 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} PB"
+
+
+# ------------------------------------------------------------------ per-device plan
+
+class _Mesh:
+    """Axis sizes only: enough for `specjax.train.mesh.logical_spec` (no devices)."""
+
+    def __init__(self, data: int = 1, fsdp: int = 1, model: int = 1):
+        self.shape = {"data": data, "fsdp": fsdp, "model": model}
+
+
+def _local_bytes(shape, logical, mesh: _Mesh, dtype) -> int:
+    """Bytes of one device's shard of an array of `shape` with logical axes `logical`
+    (None: replicated), under the training rules (`logical_spec`)."""
+    from specjax.train.mesh import logical_spec
+
+    n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    if logical is None:
+        return n * itemsize(dtype)
+    spec = logical_spec(mesh, logical, tuple(shape))
+    split = 1
+    for axes in spec:
+        if axes is None:
+            continue
+        for a in (axes,) if isinstance(axes, str) else axes:
+            split *= mesh.shape[a]
+    return n // split * itemsize(dtype)
+
+
+def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype) -> int:
+    """Per-device bytes of an nnx.State of parameters (abstract is enough) sharded by
+    `specjax.train.mesh.PARAM_AXES` / LOGICAL_RULES."""
+    from flax import nnx
+
+    from specjax.train.mesh import PARAM_AXES, param_axes
+
+    total = 0
+    for path, var in nnx.to_flat_state(abstract_params):
+        shape = tuple(var.get_value().shape)
+        name = next((str(p) for p in reversed(path) if str(p) in PARAM_AXES), None)
+        logical = None if name is None else param_axes(name, len(shape))
+        total += _local_bytes(shape, logical, mesh, dtype)
+    return total
+
+
+def abstract_target(cfg):
+    """The target's parameters as an abstract nnx.State (no memory)."""
+    from flax import nnx
+
+    from specjax.model import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param, ...)[1]
+
+
+def abstract_drafter(dcfg):
+    """A drafter network's own parameters as an abstract nnx.State."""
+    from flax import nnx
+
+    from specjax.drafters import build_network
+
+    net = nnx.eval_shape(lambda: build_network(dcfg, rngs=nnx.Rngs(0)))
+    return nnx.split(net, nnx.Param, ...)[1]
+
+
+def decode_plan(cfg, mesh: _Mesh, batch: int, max_length: int, dtype, *, dcfg=None,
+                prompt_width: int | None = None, gamma: int = 7) -> dict:
+    """Per-device bytes for decoding: {"target weights", "KV cache", "drafter weights",
+    "drafter state", "prefill activations"}. Weights sharded by the training rules
+    (heads, F and V over `model`); the KV cache [L,B,K,S,H] splits B over data x fsdp
+    and K over model (replicated when model does not divide K, as vLLM does)."""
+    S = max_length + gamma + 1
+    P = prompt_width or min(max_length, 512)
+    out = {"target weights": params_bytes_per_device(abstract_target(cfg), mesh, dtype)}
+    kv_logical = ("layers", "batch", "kv_heads", "seq", None)
+    kv_shape = (cfg.num_layers, batch, cfg.num_kv_heads, S, cfg.head_dim)
+    out["KV cache"] = 2 * _local_bytes(kv_shape, kv_logical, mesh, dtype)
+    if dcfg is not None:
+        out["drafter weights"] = params_bytes_per_device(abstract_drafter(dcfg), mesh, dtype)
+        layers = max(dcfg.num_memories, 0) + (1 if dcfg.kind in ("eagle3", "hybrid") else 0)
+        if dcfg.kind == "block":
+            layers = dcfg.num_layers * (2 if dcfg.context == "both" else 1)
+        out["drafter state"] = 2 * _local_bytes((max(layers, 1), batch, cfg.num_kv_heads, S,
+                                                 cfg.head_dim), kv_logical, mesh, dtype)
+    rows = max(batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
+    v_local = cfg.vocab_size // mesh.shape["model"] if cfg.vocab_size % mesh.shape["model"] == 0 \
+        else cfg.vocab_size
+    n_local = cfg.num_heads // mesh.shape["model"] if cfg.num_heads % mesh.shape["model"] == 0 \
+        else cfg.num_heads
+    out["prefill activations"] = rows * P * v_local * 4 + 2 * rows * n_local * P * S * 4
+    return out
+
+
+def train_plan(cfg, mesh: _Mesh, batch: int, seq_len: int, *, dcfg=None, objective="lm",
+               ttt_positions: int = 64, num_anchors: int = 32, dtype=np.float32) -> dict:
+    """Per-device bytes for one training step (estimates): the trained parameters with
+    their gradients and AdamW's two moments (f32), the frozen target (drafter objectives,
+    no optimizer state), and the largest activations (f32 logits kept for the backward
+    pass, and per layer B x T x (4D + 3F) f32 for an lm)."""
+    rows = max(batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
+    M = mesh.shape["model"]
+    v_local = cfg.vocab_size // M if cfg.vocab_size % M == 0 else cfg.vocab_size
+    out = {}
+    if objective == "lm":
+        p = params_bytes_per_device(abstract_target(cfg), mesh, np.float32)
+        out["parameters (f32)"] = p
+        out["gradients + AdamW moments (f32)"] = 3 * p
+        width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size // (
+            M if cfg.intermediate_size % M == 0 else 1)
+        out["activations"] = rows * seq_len * (cfg.num_layers * width + 2 * v_local) * 4
+        return out
+    out["frozen target"] = params_bytes_per_device(abstract_target(cfg), mesh, dtype)
+    p = params_bytes_per_device(abstract_drafter(dcfg), mesh, np.float32)
+    out["drafter parameters (f32)"] = p
+    out["gradients + AdamW moments (f32)"] = 3 * p
+    target_acts = rows * seq_len * v_local * 4 * 2  # logits and the soft-label softmax
+    target_acts += rows * seq_len * cfg.hidden_size * 4 * len(dcfg.capture)
+    target_acts += 2 * rows * seq_len * cfg.num_kv_heads * cfg.head_dim * 4 * len(dcfg.kv_layers)
+    out["target activations"] = target_acts
+    if objective == "ttt":
+        chains = rows * min(ttt_positions or seq_len, seq_len)
+        out["drafter activations"] = dcfg.gamma * chains * (
+            2 * v_local + 6 * cfg.hidden_size + 3 * dcfg.intermediate_size) * 4
+    else:
+        slots = rows * num_anchors * (dcfg.gamma + 1)
+        out["drafter activations"] = slots * (2 * v_local + dcfg.num_layers * (
+            6 * cfg.hidden_size + 3 * dcfg.intermediate_size)) * 4
+    return out
+
+
+# ------------------------------------------------------------------ command line
+
+def _parse_mesh(text: str) -> _Mesh:
+    from specjax.errors import SpecjaxError
+
+    sizes = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("data", "fsdp", "model") or not value.strip().isdigit() \
+                or int(value) < 1:
+            raise SpecjaxError(f"--mesh {text!r}: use data=D,model=M[,fsdp=F] with "
+                               "positive integers")
+        sizes[key.strip()] = int(value)
+    return _Mesh(**sizes)
+
+
+def _drafter_config(arg: str, cfg, gamma: int):
+    """A DrafterConfig from a drafter directory or a kind ("eagle3", "kv", "hybrid",
+    "block" or "block:kv" / "block:both")."""
+    from specjax.drafters.config import DrafterConfig
+
+    if os.path.isdir(arg):
+        from specjax.drafters.io import read_config
+
+        raw = {k: v for k, v in read_config(arg).items() if k not in ("target", "train")}
+        return DrafterConfig.from_json_dict(raw, where=arg)
+    kind, _, context = arg.partition(":")
+    return DrafterConfig.for_target(cfg, kind, gamma=gamma, context=context or None)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from specjax.errors import SpecjaxError
+
+    ap = argparse.ArgumentParser(
+        prog="python -m specjax.plan",
+        description="Per-device memory of decoding and of training, from configs alone.")
+    ap.add_argument("--config", required=True, help="the target's HF config.json (or its dir)")
+    ap.add_argument("--drafter", help="a drafter directory, or a kind: eagle3, kv, hybrid, "
+                                      "block, block:kv, block:both")
+    ap.add_argument("--mesh", default="data=1,model=1", help="data=D,model=M[,fsdp=F]")
+    ap.add_argument("--max-length", type=int, default=4096, help="S: prompt + new tokens")
+    ap.add_argument("--batch", type=int, default=1, help="decoding rows")
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="decoding (and frozen-target) dtype")
+    ap.add_argument("--train-batch", type=int, default=None,
+                    help="also plan a training step with this global batch")
+    ap.add_argument("--seq-len", type=int, default=2048, help="training T")
+    ap.add_argument("--device-memory-gb", type=float, default=None,
+                    help="per-device memory to compare with (GB)")
+    args = ap.parse_args(argv)
+    try:
+        from specjax.config import ModelConfig
+
+        path = args.config
+        cfg = ModelConfig.from_dir(os.path.dirname(path) if os.path.isfile(path) else path)
+        mesh = _parse_mesh(args.mesh)
+        for flag in ("max_length", "batch", "gamma", "seq_len"):
+            if getattr(args, flag) < 1:
+                raise SpecjaxError(f"--{flag.replace('_', '-')} must be >= 1")
+        dtype = {"bfloat16": "bfloat16", "float32": np.float32}[args.dtype]
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        dcfg = _drafter_config(args.drafter, cfg, args.gamma) if args.drafter else None
+        sections = {"decoding": decode_plan(cfg, mesh, args.batch, args.max_length, dtype,
+                                            dcfg=dcfg, gamma=args.gamma)}
+        if args.train_batch:
+            objective = "lm" if dcfg is None else ("block" if dcfg.kind == "block" else "ttt")
+            sections[f"training ({objective}, batch {args.train_batch} x T {args.seq_len})"] = \
+                train_plan(cfg, mesh, args.train_batch, args.seq_len, dcfg=dcfg,
+                           objective=objective, dtype=dtype)
+    except SpecjaxError as e:
+        print(f"specjax.plan: error: {e}", file=sys.stderr)
+        return 2
+    m = mesh.shape
+    print(f"{cfg.family} target: {cfg.num_params / 1e9:.2f}B parameters (L {cfg.num_layers}, "
+          f"D {cfg.hidden_size}, N {cfg.num_heads}, K {cfg.num_kv_heads}, H {cfg.head_dim}, "
+          f"F {cfg.intermediate_size}, V {cfg.vocab_size}); mesh data={m['data']} "
+          f"fsdp={m['fsdp']} model={m['model']} ({m['data'] * m['fsdp'] * m['model']} devices)"
+          + (f"; drafter {dcfg.kind}" if dcfg else ""))
+    print(f"decoding: batch {args.batch}, max length {args.max_length}, {args.dtype}\n")
+    print("| per device | bytes |\n|---|---|")
+    for title, parts in sections.items():
+        print(f"| **{title}** | |")
+        for k, v in parts.items():
+            print(f"| {k} | {fmt_bytes(v)} |")
+        total = sum(parts.values())
+        fits = ""
+        if args.device_memory_gb:
+            fits = " (fits)" if total <= args.device_memory_gb * 1e9 else " (does NOT fit)"
+        print(f"| total | **{fmt_bytes(total)}**{fits} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
