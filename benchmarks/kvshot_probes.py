@@ -180,3 +180,16 @@ def evaluate_export(name: str) -> dict:
     cfg, run = load_run(name)
     state = run.trainer.init_state(params_of(cfg, run, trained=True))
     return run.validate(state)
+
+
+def evaluate_init(name: str) -> dict:
+    """The validation record of run `name` at step 0: its random init, or for a run with
+    train.init_from, those weights with the rest random (as the run started)."""
+    cfg, run = load_run(name)
+    tr = run.trainer
+    if cfg.train.init_from:
+        params = tr.load_init_params(cfg.train.init_from, cfg.target_dir)[0]
+        state = tr.init_state(params)
+    else:
+        state = tr.init_state()
+    return run.validate(state)

@@ -226,7 +226,7 @@ def table_gate(results: dict) -> str:
     for name in ("hybrid", "hybrid_from_eagle3"):
         r = results["runs"].get(name)
         if r and "train" in r:
-            ev = [e for e in r["train"]["evals"] if "gate" in e]
+            ev = [e for e in _with_init(r) if "gate" in e]
             rows.append((name, ev))
     if not rows:
         return "(no finished hybrid run)"
@@ -240,6 +240,13 @@ def table_gate(results: dict) -> str:
             cells.append(_f(g))
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _with_init(r: dict) -> list[dict]:
+    """The run's validation records, with its step-0 record first when known."""
+    init = r.get("eval_init")
+    first = [{"step": 0, "tokens": 0, **init}] if init else []
+    return first + r["train"]["evals"]
 
 
 def table_probes(results: dict) -> str:
@@ -316,7 +323,7 @@ def write_plots(results: dict) -> None:
         r = results["runs"].get(name)
         if not r or "train" not in r:
             continue
-        ev = r["train"]["evals"]
+        ev = _with_init(r)
         style = "--" if name.startswith("block") else "-"
         axes[0].plot([e["tokens"] / 1e6 for e in ev], [e["tau"] for e in ev], style,
                      marker=".", color=f"C{i}", label=LABELS[name])
@@ -376,13 +383,17 @@ def main(argv=None) -> int:
     done = [n for n in RUNS if finished(n)]
     for name in done:
         results["runs"].setdefault(name, {})["train"] = read_run(name)
-    missing = [n for n in done if "eval" not in results["runs"][n]]
-    if missing:  # no timing involved: runs beside training
-        from benchmarks import kvshot_probes
+    from benchmarks import kvshot_probes
 
-        for name in missing:
+    for name in done:  # no timing involved: runs beside training
+        r = results["runs"][name]
+        if "eval" not in r:
             log(f"{name}: evaluating the export on the held-out batches")
-            results["runs"][name]["eval"] = kvshot_probes.evaluate_export(name)
+            r["eval"] = kvshot_probes.evaluate_export(name)
+            _save(results)
+        if name.startswith("hybrid") and "eval_init" not in r:
+            log(f"{name}: evaluating its starting weights (the gate at step 0)")
+            r["eval_init"] = kvshot_probes.evaluate_init(name)
             _save(results)
     if args.measure:
         names = [n for n in done if not args.only or n in args.only]
