@@ -125,10 +125,11 @@ def measure_draft_cost(name: str) -> dict:
             return json.load(f)
 
 
-def measure(names: list[str], results: dict, n_prompts: int, probes: bool) -> None:
+def measure(names: list[str], results: dict, n_prompts: int, probes: bool,
+            timing: bool = True) -> None:
     prompts = _prompt_file(n_prompts)
     try:
-        for name in names:
+        for name in names if timing else ():
             r = results.setdefault("runs", {}).setdefault(name, {})
             r["decode"] = measure_decode(name, prompts)
             r["decode_prompts"] = n_prompts
@@ -375,6 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=RUNS, help="measure these runs only")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per decode run")
     ap.add_argument("--no-probes", action="store_true")
+    ap.add_argument("--probes-only", action="store_true",
+                    help="with --measure: only the probes (no timing: runs beside training)")
     args = ap.parse_args(argv)
     results = {"runs": {}}
     if os.path.isfile(RESULTS):
@@ -397,7 +400,7 @@ def main(argv=None) -> int:
             _save(results)
     if args.measure:
         names = [n for n in done if not args.only or n in args.only]
-        measure(names, results, args.prompts, not args.no_probes)
+        measure(names, results, args.prompts, not args.no_probes, not args.probes_only)
     _save(results)
     write_plots(results)
     if os.path.isfile(DOC):
