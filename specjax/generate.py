@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,8 @@ from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
+KERNEL_CHOICES = ("off", "reference", "pallas")
+_log = logging.getLogger("specjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,11 @@ class LoopConfig:
     eos_token_ids: tokens that stop a row (empty: only budgets stop rows).
     verify: "greedy", "token", "block", or a VerifyFn (tests inject biased ones);
       with temperature 0 every rule is replaced by greedy.
+    kernels: how verification runs. "off": `specjax.verify` on the filtered
+      probabilities; "reference" / "pallas": `pallas_kernels.verify.verify_logits`
+      straight from the target's logits, as jnp or as Pallas kernels (interpret mode on
+      CPU); the two give identical output for the same seed. Top-k / top-p and custom
+      VerifyFns are not fused: they take the "off" path (one log line).
     """
 
     max_length: int
@@ -50,6 +58,32 @@ class LoopConfig:
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
     verify: str | VerifyFn = "block"
+    kernels: str = "off"
+
+    def __post_init__(self):
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
+
+    def fused_verify(self) -> Callable | None:
+        """fn(target_logits [B,G+1,V], draft i32[B,G], q f32[B,G,V], key) -> Verdict
+        through pallas_kernels.verify, or None where this config takes the "off" path."""
+        if self.kernels == "off":
+            return None
+        sp = self.sampling
+        if not isinstance(self.verify, str) or (not sp.greedy and (sp.top_k or sp.top_p < 1)):
+            _log.info("kernels=%s: top-k/top-p or a custom verify rule is not fused; "
+                      "verifying with specjax.verify", self.kernels)
+            return None
+        from pallas_kernels.verify import verify_logits
+
+        rule = "greedy" if sp.greedy else self.verify
+        impl, temperature = self.kernels, sp.temperature
+
+        def fn(logits, draft, q, key):
+            return verify_logits(logits, draft, key, rule=rule, temperature=temperature,
+                                 draft_probs=None if rule == "greedy" else q, impl=impl)
+
+        return fn
 
     def verifier(self) -> VerifyFn:
         if self.sampling.greedy:
@@ -163,6 +197,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     model = nnx.merge(graphdef, params)
     G = drafter.gamma
     verify = cfg.verifier()
+    fused = cfg.fused_verify()
     state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
     key, k_init = jax.random.split(state.key)
     state = state.replace(drafter_state=drafter.init(drafter_params, view, k_init), key=key)
@@ -181,8 +216,11 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
             out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
                         capture=drafter.capture)
         with jax.named_scope("verify_rule"):
-            p = filtered_probs(out.logits, cfg.sampling)
-            tau, nxt = verify(draft, q, p, k_verify)
+            if fused is not None:
+                tau, nxt = fused(out.logits, draft, q, k_verify)
+            else:
+                p = filtered_probs(out.logits, cfg.sampling)
+                tau, nxt = verify(draft, q, p, k_verify)
         # Candidate emission: x_1..x_tau, then the correction/bonus token.
         cand = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
         cand = jnp.where(offsets[None, :] == tau[:, None], nxt[:, None], cand)

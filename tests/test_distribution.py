@@ -156,17 +156,18 @@ def _drafter(gamma: int, sp: SamplingParams):
 
 
 @functools.cache
-def _run(verify, gamma: int, sp: SamplingParams, budget: int = N_NEW, seed: int = 0):
-    """One loop call over BATCH copies of PROMPT -> numpy (tokens, lengths, steps, accepted)."""
+def _run(verify, gamma: int, sp: SamplingParams, budget: int = N_NEW, seed: int = 0,
+         kernels: str = "off", batch: int = BATCH):
+    """One loop call over `batch` copies of PROMPT -> numpy (tokens, lengths, steps, accepted)."""
     _, _, graphdef, params = _models()
     drafter, dparams = _drafter(gamma, sp)
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=sp,
-                    verify=verify)
+                    verify=verify, kernels=kernels)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
     prompt[: len(PROMPT)] = PROMPT
-    prompts = jnp.asarray(np.tile(prompt, (BATCH, 1)))
-    plen = jnp.full((BATCH,), len(PROMPT), jnp.int32)
-    budgets = jnp.full((BATCH,), budget, jnp.int32)
+    prompts = jnp.asarray(np.tile(prompt, (batch, 1)))
+    plen = jnp.full((batch,), len(PROMPT), jnp.int32)
+    budgets = jnp.full((batch,), budget, jnp.int32)
     res = speculative_loop(graphdef, params, drafter, dparams, lc, prompts, plen, budgets,
                            jax.random.key(seed))
     out = tuple(np.asarray(x) for x in (res.tokens, res.lengths, res.steps, res.accepted))
@@ -207,11 +208,11 @@ LOOP_CASES = [
 ]
 
 
-def _loop_tv(verify, gamma, sp, calls=1):
+def _loop_tv(verify, gamma, sp, calls=1, kernels="off"):
     """TV between the first N_NEW tokens of `calls` loop calls (seeds 0..calls-1, one
     compiled loop) and the exact law, and the TV's null quantile for that many samples."""
     Tp = len(PROMPT)
-    tokens = np.concatenate([_run(verify, gamma, sp, seed=s)[0][:, Tp:Tp + N_NEW]
+    tokens = np.concatenate([_run(verify, gamma, sp, seed=s, kernels=kernels)[0][:, Tp:Tp + N_NEW]
                              for s in range(calls)])
     exact = _exact(sp)
     emp = du.empirical_pmf(tokens)
@@ -224,6 +225,30 @@ def test_loop_first_tokens_follow_target(verify, gamma, sp):
     print(f"\n[loop] {verify} G={gamma} {_params(sp)}: TV={stat:.4f} thresh={thresh:.4f}")
     assert (emp[exact == 0] == 0).all(), "the loop emitted a sequence the target forbids"
     assert stat < thresh, (stat, thresh)
+
+
+@pytest.mark.parametrize("verify,gamma", [("token", 2), ("block", 3)])
+def test_loop_with_fused_verification_follows_target(verify, gamma):
+    """The same test through pallas_kernels.verify (LoopConfig.kernels="reference": its
+    jnp path, which returns exactly what the Pallas kernels return, see below)."""
+    stat, thresh, exact, emp = _loop_tv(verify, gamma, PLAIN, kernels="reference")
+    print(f"\n[loop fused] {verify} G={gamma}: TV={stat:.4f} thresh={thresh:.4f}")
+    assert (emp[exact == 0] == 0).all(), "the loop emitted a sequence the target forbids"
+    assert stat < thresh, (stat, thresh)
+
+
+@pytest.mark.parametrize("verify,sp", [("token", PLAIN), ("block", PLAIN),
+                                       ("block", SamplingParams(temperature=0.0))])
+def test_loop_pallas_kernel_equals_its_reference(verify, sp):
+    """Same seed, same loop: the Pallas kernel (interpret mode) and its jnp reference
+    emit identical tokens and accept identical lengths; greedy also equals kernels="off"."""
+    runs = {k: _run(verify, 3, sp, budget=N_NEW, seed=0, kernels=k, batch=64)
+            for k in ("reference", "pallas")}
+    for a, b in zip(runs["reference"], runs["pallas"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    if sp.greedy:
+        off = _run(verify, 3, sp, budget=N_NEW, seed=0, kernels="off", batch=64)
+        np.testing.assert_array_equal(off[0], runs["pallas"][0])
 
 
 @pytest.mark.parametrize("name,gamma,calls", [
