@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "the target and so the output are unaffected. auto: bfloat16 "
                          "(bf16 inputs, f32 accumulation; faster on CPU, the TPU/GPU "
                          "default anyway)")
+    ap.add_argument("--kernels", choices=("auto", "off", "reference", "pallas"),
+                    default="auto",
+                    help="verification: pallas = the fused Pallas kernel from the target's "
+                         "logits (interpret mode on CPU: slow), reference = its jnp twin "
+                         "(identical output for a seed), off = specjax.verify on "
+                         "probabilities; auto: pallas on TPU, reference elsewhere")
     ap.add_argument("--output", help="write completions to this JSONL file")
     ap.add_argument("--summary", help="write the summary to this JSON file")
     ap.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=True,
@@ -340,7 +346,8 @@ def run(args) -> int:
     drafter, dparams, drafter_arg = make_drafter_from_args(args, target, sampling, dtype)
     eos = () if args.ignore_eos else cfg.eos_token_ids
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
-                  prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos)
+                  prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
+                  kernels=args.kernels)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams, **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
@@ -366,6 +373,7 @@ def run(args) -> int:
                "alpha": st.alpha if drafter is not None else [],
                "drafter": drafter_arg, "gamma": args.gamma if drafter is not None else 0,
                "verify": "greedy" if sampling.greedy else args.verify,
+               "kernels": engines["main"].cfg.kernels,
                "batch_size": args.batch_size, "prompts": len(prompts)}
     if args.compare_ar:
         ar = stats.get("ar", st)

@@ -82,6 +82,26 @@ class Stats:
         return 1.0 + float(self.accepted.sum()) / self.steps
 
 
+KERNELS = ("auto", "off", "reference", "pallas")
+
+
+def resolve_kernels(kernels: str, backend: str | None = None) -> str:
+    """The verification path for `LoopConfig.kernels`.
+
+    "off": specjax.verify on the filtered probabilities (the original path);
+    "reference" / "pallas": pallas_kernels.verify from the target's logits, as jnp or as
+    Pallas kernels (interpret mode on CPU, slow there); the two give identical output.
+    "auto": "pallas" on TPU (its Mosaic lowering is checked by the tests), "reference" on
+    GPU and CPU (the GPU kernel lowers through Triton but has not run on a GPU in CI).
+    Raises SpecjaxError on any other name.
+    """
+    if kernels not in KERNELS:
+        raise SpecjaxError(f"--kernels={kernels!r}: expected one of {', '.join(KERNELS)}")
+    if kernels != "auto":
+        return kernels
+    return "pallas" if (backend or jax.default_backend()) == "tpu" else "reference"
+
+
 class Engine:
     """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
 
@@ -96,12 +116,14 @@ class Engine:
       batch_size: rows per compiled batch; short batches are padded with empty rows.
       eos_token_ids: ids that end a row (empty for --ignore-eos).
       layer_loop: "auto", "scan" or "unroll" (see `specjax.model.decoding_params`).
+      kernels: verification path, see `resolve_kernels`.
     """
 
     def __init__(self, target, *, drafter=None, drafter_params=None,
                  sampling: SamplingParams = SamplingParams(), verify="block",
                  max_length: int, prompt_width: int, batch_size: int = 1,
-                 eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto"):
+                 eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
+                 kernels: str = "auto"):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
@@ -110,7 +132,7 @@ class Engine:
         self.drafter, self.drafter_params = drafter, drafter_params
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
-                              verify=verify)
+                              verify=verify, kernels=resolve_kernels(kernels))
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0

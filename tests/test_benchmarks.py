@@ -66,3 +66,21 @@ def test_profile_step_attributes_every_op(tiny_demo, tmp_path):
     assert parts["ops not matched to the module"] < 0.02 * r["step_ms"]
     assert parts["target_verify_forward"] > 0 and parts["drafter_propose"] > 0
     assert "| target_verify_forward |" in proc.stdout
+
+
+def test_kernels_roofline_arithmetic():
+    """benchmarks/kernels.py against hand-worked figures (independent arithmetic)."""
+    from benchmarks import kernels
+
+    # Block verification, B 2, G 3, V 1000, f32 logits: the fused path reads the target
+    # logits twice (2 * 2*4*1000*4 B) and the draft probabilities once (2*3*1000*4 B).
+    assert kernels.verify_bytes(2, 3, 1000, "block") == 64_000 + 24_000
+    # Unfused: the softmax reads the logits twice and writes p (3 * 32,000 B); the A_i
+    # pass reads p and q (32,000 + 24,000 B); the correction reads one p row per row of
+    # the batch (8,000 B) and p_t, q_t (2 * 2*1000*4 B).
+    assert kernels.verify_bytes(2, 3, 1000, "block", fused=False) == 96_000 + 56_000 + 8_000 + 16_000
+    # Attention, B 1, T 1, 1024 valid of 32768, K 8, H 128, N 32, bf16: K and V of the
+    # valid tokens only (2 * 8 * 1024 * 128 * 2 B) plus q and out (2 * 32 * 128 * 2 B).
+    assert kernels.attention_bytes(1, 1, 1024, 32768, 32, 8, 128) == 4_194_304 + 16_384
+    text = kernels.format_tables(markdown=True)
+    assert "| block | 8 | 8 |" in text and "roofline us H100" in text

@@ -227,3 +227,22 @@ def test_allow_long_context_runs_past_max_position_embeddings(tiny_demo, tmp_pat
     assert code == 2 and "max_position_embeddings 8" in err and "--allow-long-context" in err
     code, _, err = run(args + ["--allow-long-context"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("drafter", ["draft", "ngram", "learned"])
+def test_kernels_pallas_equals_reference(tiny_demo, learned_drafter, tmp_path, capsys,
+                                         drafter, temperature):
+    """--kernels pallas (the verification kernel, interpret mode on CPU) and --kernels
+    reference (its jnp twin) give identical output_ids for the same seed."""
+    d = {"draft": tiny_demo / "draft", "ngram": "ngram", "learned": learned_drafter}[drafter]
+    outs = {}
+    for kernels in ("reference", "pallas"):
+        args = base_args(tiny_demo, tmp_path, "--drafter", d, "--temperature", temperature,
+                         "--seed", 3, "--kernels", kernels, "--no-compare-ar",
+                         "--batch-size", 2)
+        code, _, err = run(args, capsys)
+        assert code == 0, err
+        assert json.load(open(tmp_path / "s.json"))["kernels"] == kernels
+        outs[kernels] = [json.loads(x)["output_ids"] for x in open(tmp_path / "o.jsonl")]
+    assert outs["pallas"] == outs["reference"]
