@@ -51,6 +51,9 @@ class LoopConfig:
       straight from the target's logits, as jnp or as Pallas kernels (interpret mode on
       CPU); the two give identical output for the same seed. Top-k / top-p and custom
       VerifyFns are not fused: they take the "off" path (one log line).
+    pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
+      "triton": the kernels' layout and compiler parameters (specjax.export sets it).
+    pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
     """
 
     max_length: int
@@ -59,6 +62,8 @@ class LoopConfig:
     eos_token_ids: tuple[int, ...] = ()
     verify: str | VerifyFn = "block"
     kernels: str = "off"
+    pallas_backend: str = "auto"
+    pallas_interpret: bool | None = None
 
     def __post_init__(self):
         if self.kernels not in KERNEL_CHOICES:
@@ -78,10 +83,14 @@ class LoopConfig:
 
         rule = "greedy" if sp.greedy else self.verify
         impl, temperature = self.kernels, sp.temperature
+        backend = self.pallas_backend
+        if backend == "auto":
+            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
 
         def fn(logits, draft, q, key):
             return verify_logits(logits, draft, key, rule=rule, temperature=temperature,
-                                 draft_probs=None if rule == "greedy" else q, impl=impl)
+                                 draft_probs=None if rule == "greedy" else q, impl=impl,
+                                 backend=backend, interpret=self.pallas_interpret)
 
         return fn
 

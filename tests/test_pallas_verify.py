@@ -232,4 +232,6 @@ def test_bad_arguments_raise():
         verify_logits(tl, x, key, draft_probs=dl, draft_logits=dl)
     with pytest.raises(ValueError, match="multiple of 128"):
         pick_tile(300, 100)
-    assert pick_tile(300) == 384 and pick_tile(151_936) == 8192
+    with pytest.raises(ValueError, match="power of two"):
+        pick_tile(3000, 384, backend="triton")
+    assert pick_tile(300) == 512 and pick_tile(100) == 128 and pick_tile(151_936) == 8192

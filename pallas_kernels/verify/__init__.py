@@ -44,15 +44,18 @@ class Verdict(NamedTuple):
     next_token: jax.Array  # i32[B]
 
 
-def pick_tile(V: int, tile: int | None = None) -> int:
-    """The vocabulary tile: `tile` (a positive multiple of 128) or the default, never
-    more than V rounded up to 128. Raises ValueError on a tile that is not a multiple of
-    128 (the TPU lane width)."""
+def pick_tile(V: int, tile: int | None = None, backend: str = "tpu") -> int:
+    """The vocabulary tile: `tile` or the default (8192), never more than V rounded up to
+    a power of two (at least 128), so that every backend gets the same tile and the same
+    summation order. Raises ValueError on a tile that is not a positive multiple of 128
+    (the TPU lane width) or, for backend "triton", not a power of two (Triton's rule)."""
     if tile is None:
         tile = DEFAULT_TILE
     if tile <= 0 or tile % 128:
         raise ValueError(f"tile={tile} must be a positive multiple of 128")
-    return min(tile, -(-V // 128) * 128)
+    if backend == "triton" and tile & (tile - 1):
+        raise ValueError(f"tile={tile} must be a power of two for the Triton backend")
+    return min(tile, max(128, 1 << (V - 1).bit_length()))
 
 
 def _gather(x, idx):
@@ -94,7 +97,7 @@ def verify_logits(target_logits, draft_tokens, key, *, rule="block", temperature
     if src is not None and src.shape != (B, G, V):
         raise ValueError(f"draft distributions {src.shape} must be [B, G, V] = [{B}, {G}, {V}]")
     mode = "probs" if draft_probs is not None else "logits" if draft_logits is not None else "onehot"
-    tile = pick_tile(V, tile)
+    tile = pick_tile(V, tile, backend if impl == "pallas" else "tpu")
     greedy = rule == "greedy" or temperature == 0
     if interpret is None:
         interpret = jax.default_backend() == "cpu"

@@ -1,0 +1,66 @@
+"""Pure-jnp reference of `decode_attention` (few queries into a long KV cache).
+
+Everything in f32 (inputs are upcast), with explicit masks; no tiling, no online softmax.
+Slots at or past a row's length are zeroed BEFORE any arithmetic, so stale or NaN
+entries there can reach neither the result nor (through `jax.vjp`) the gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("causal", "block")
+
+
+def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode):
+    """Validates shapes and mode; returns (B, T, N, K, R, S, H). Raises ValueError."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    if q.ndim != 4:
+        raise ValueError(f"q {q.shape} must be [B, T, N, H]")
+    B, T, N, H = q.shape
+    if k_cache.ndim != 4 or k_cache.shape[0] != B or k_cache.shape[3] != H:
+        raise ValueError(f"k_cache {k_cache.shape} must be [B, K, S, H] with B={B}, H={H}")
+    _, K, S, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache {v_cache.shape} must equal k_cache {k_cache.shape}")
+    if K == 0 or N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths {lengths.shape} {lengths.dtype} must be an integer [B={B}]")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if a.shape != (B, T, K, H):
+            raise ValueError(f"{name} {a.shape} must be [B, T, K, H] = {(B, T, K, H)}")
+    return B, T, N, K, N // K, S, H
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal"):
+    """Attention of T new queries over a row's cached prefix plus the T new tokens.
+
+    Same arguments and result as `pallas_kernels.attention.decode_attention` (without the
+    kernel knobs): q [B, T, N, H], k_cache/v_cache [B, K, S, H], lengths i32[B] (clipped
+    to 0..S), k_new/v_new [B, T, K, H]; mode "causal" (query t sees new tokens 0..t) or
+    "block" (all T). Returns [B, T, N, H] in q.dtype; scale 1/sqrt(H); f32 softmax.
+    Raises ValueError on bad shapes or mode.
+    """
+    B, T, N, K, R, S, H = check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode)
+    f32 = jnp.float32
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+    valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
+    vm = valid[:, None, :, None]
+    kc = jnp.where(vm, k_cache.astype(f32), 0.0)
+    vc = jnp.where(vm, v_cache.astype(f32), 0.0)
+    qg = q.astype(f32).reshape(B, T, K, R, H)
+    scale = 1.0 / np.sqrt(H)
+    s_cache = jnp.einsum("BTKRH,BKSH->BKRTS", qg, kc) * scale
+    s_cache = jnp.where(valid[:, None, None, None, :], s_cache, -jnp.inf)
+    s_new = jnp.einsum("BTKRH,BUKH->BKRTU", qg, k_new.astype(f32)) * scale
+    if mode == "causal":
+        see = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T (query), U (key)]
+        s_new = jnp.where(see, s_new, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
+    o = (jnp.einsum("BKRTS,BKSH->BTKRH", probs[..., :S], vc)
+         + jnp.einsum("BKRTU,BUKH->BTKRH", probs[..., S:], v_new.astype(f32)))
+    return o.reshape(B, T, N, H).astype(q.dtype)

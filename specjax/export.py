@@ -1,0 +1,178 @@
+"""Lower the compiled decoding loops for TPU and GPU from a target's config.json alone.
+
+    python -m specjax.export --config CONFIG.json [--drafter none|ngram|DIR]
+        [--platforms tpu,cuda] [--kernels pallas|reference|off] [--batch 1]
+        [--max-length 2048] [--gamma G] [--temperature 0] [--layer-loop scan]
+
+Builds the target (and a learned drafter from its directory's config.json) as abstract
+shapes (`jax.eval_shape`: no weights are read or allocated, so Qwen3-8B or a 70B model
+lowers on a laptop), then `jax.export`s the autoregressive loop and, with a drafter, the
+speculative loop, for each platform. With `--kernels pallas` the verification kernel is
+inside the speculative loop: Mosaic (`tpu_custom_call`) on TPU, Triton on GPU. This
+checks what lowering checks (shapes, the Pallas lowering rules such as TPU's (8, 128)
+block tiling), not the final libtpu / ptxas compile.
+
+Prints one line per (platform, loop) and exits 0; exits 2 with one line naming the loop,
+the platform and the error when something does not lower or the input is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+PLATFORMS = ("tpu", "cuda", "cpu")
+TRITON_CHECK = "__gpu$xla.gpu.triton"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specjax.export",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True,
+                    help="the target's HF config.json (or its directory)")
+    ap.add_argument("--drafter", default="ngram",
+                    help="none (autoregressive only), ngram, or a drafter directory "
+                         "written by train.py (its config.json only is read)")
+    ap.add_argument("--platforms", default="tpu,cuda", help="comma-separated: tpu, cuda, cpu")
+    ap.add_argument("--kernels", choices=("pallas", "reference", "off"), default="pallas")
+    ap.add_argument("--batch", type=int, default=1, help="rows per compiled batch (B)")
+    ap.add_argument("--max-length", type=int, default=2048, help="cache capacity S")
+    ap.add_argument("--prompt-width", type=int, default=None,
+                    help="padded prompt width Tp (default: min(128, max-length / 2))")
+    ap.add_argument("--gamma", type=int, default=None, help="draft length G (default: the "
+                    "drafter's, 4 for ngram)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy verification; > 0: --verify with sampling")
+    ap.add_argument("--verify", choices=("token", "block"), default="block")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="weights and activations (bfloat16, as on TPU/GPU)")
+    ap.add_argument("--layer-loop", choices=("scan", "unroll"), default="scan")
+    return ap
+
+
+def abstract_engine(args, pallas_backend: str = "tpu"):
+    """(loops, abstract arguments) for the requested decoding loops: a list of
+    (name, jitted fn, args tuple) where arrays are jax.ShapeDtypeStruct."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from specjax.config import ModelConfig
+    from specjax.drafters.config import DrafterConfig
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.errors import SpecjaxError
+    from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
+    from specjax.model import Transformer, decoding_params
+    from specjax.sampling import SamplingParams
+
+    cfg_dir = args.config if os.path.isdir(args.config) else os.path.dirname(args.config) or "."
+    cfg = ModelConfig.from_dir(cfg_dir)
+    dcfg = None
+    if args.drafter not in ("none", "ngram"):
+        if not DrafterConfig.is_drafter_dir(args.drafter):
+            raise SpecjaxError(f"--drafter {args.drafter}: not a drafter directory written "
+                               "by train.py (config.json with format specjax-drafter)")
+        with open(os.path.join(args.drafter, "config.json")) as f:
+            dcfg = DrafterConfig.from_json_dict(json.load(f), where=f"drafter {args.drafter}")
+        dcfg.check_target(cfg, where=f"drafter {args.drafter}")
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    sampling = SamplingParams(temperature=args.temperature)
+    held = {}
+
+    def build():
+        target = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(target)
+        held["graphdef"] = graphdef
+        params = decoding_params(params, args.layer_loop)
+        dparams = None
+        if dcfg is not None:
+            from specjax.drafters import build_network, make_drafter
+
+            net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
+            drafter, dparams = make_drafter(dcfg, net, target, gamma=args.gamma,
+                                            sampling=sampling)
+            held["drafter"] = drafter
+        return params, dparams
+
+    params, dparams = jax.eval_shape(build)
+    S, B = args.max_length, args.batch
+    Tp = args.prompt_width or min(128, max(1, S // 2))
+    lc = LoopConfig(max_length=S, prompt_width=Tp, sampling=sampling,
+                    eos_token_ids=tuple(cfg.eos_token_ids), verify=args.verify,
+                    kernels=args.kernels, pallas_backend=pallas_backend,
+                    pallas_interpret=False)
+    i32 = jnp.int32
+    arrays = (jax.ShapeDtypeStruct((B, Tp), i32), jax.ShapeDtypeStruct((B,), i32),
+              jax.ShapeDtypeStruct((B,), i32),
+              jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
+    loops = [("autoregressive", autoregressive_loop, (held["graphdef"], params, lc, *arrays))]
+    if args.drafter != "none":
+        if args.drafter == "ngram":
+            drafter, dparams = NgramDrafter(args.gamma or 4, cfg.vocab_size, sampling=sampling), ()
+        else:
+            drafter = held["drafter"]
+        loops.append(("speculative", speculative_loop,
+                      (held["graphdef"], params, drafter, dparams, lc, *arrays)))
+    return loops
+
+
+def export_loops(args) -> list[str]:
+    """Lowers every loop for every platform; returns one report line each.
+    Raises SpecjaxError naming the loop and platform that failed."""
+    import jax
+
+    from specjax.errors import SpecjaxError
+
+    platforms = [p.strip() for p in args.platforms.split(",") if p.strip()]
+    for p in platforms:
+        if p not in PLATFORMS:
+            raise SpecjaxError(f"--platforms: {p!r} is not one of {', '.join(PLATFORMS)}")
+    backend = {"tpu": "tpu", "cuda": "triton"}
+    lines = []
+    for platform in platforms:
+        # The verification kernel's layout and compiler parameters follow the platform.
+        loops = abstract_engine(args, backend.get(platform, "tpu"))
+        for name, fn, fargs in loops:
+            checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
+            try:
+                exp = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*fargs)
+            except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
+                msg = " ".join(str(e).split())[:400]
+                raise SpecjaxError(f"{name} loop does not lower for {platform} "
+                                   f"(--kernels {args.kernels}): {type(e).__name__}: {msg}") from None
+            text = exp.mlir_module()
+            kernels = []
+            if "tpu_custom_call" in text:
+                kernels.append(f"{text.count('tpu_custom_call')} Mosaic custom calls")
+            if TRITON_CHECK in text:
+                kernels.append(f"{text.count(TRITON_CHECK)} Triton custom calls")
+            lines.append(f"{platform:5s} {name:15s} lowered: {len(text) / 1e6:.2f} MB of "
+                         f"StableHLO, {', '.join(kernels) or 'no Pallas kernels'}")
+    return lines
+
+
+def main(argv=None) -> int:
+    from specjax.errors import SpecjaxError
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        for flag in ("batch", "max_length"):
+            if getattr(args, flag) < 1:
+                raise SpecjaxError(f"--{flag.replace('_', '-')} must be >= 1")
+        if not os.path.exists(args.config):
+            raise SpecjaxError(f"--config {args.config}: no such file or directory")
+        for line in export_loops(args):
+            print(line)
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""python -m specjax.export: the decoding loops lower for TPU and GPU from config.json alone
+(abstract shapes, no weights), with the Pallas verification kernel inside."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax import export
+from specjax.config import ModelConfig
+from specjax.drafters.config import DrafterConfig
+from specjax.testing import hf_configs
+
+
+def _run(capsys, *args):
+    code = export.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def _drafter_dir(tmp_path, target_dir, kind, **kw):
+    """A drafter directory holding only config.json (export reads nothing else)."""
+    d = tmp_path / f"drafter-{kind}"
+    d.mkdir()
+    dcfg = DrafterConfig.for_target(ModelConfig.from_dir(str(target_dir)), kind, **kw)
+    (d / "config.json").write_text(json.dumps(dcfg.to_json_dict()))
+    return d
+
+
+def test_qwen3_8b_ngram_sampled_lowers_for_tpu_and_gpu(tmp_path, capsys):
+    cfg = hf_configs.write("Qwen3-8B", str(tmp_path / "qwen3-8b"))
+    code, out, err = _run(capsys, "--config", f"{cfg}/config.json", "--drafter", "ngram",
+                          "--gamma", 7, "--temperature", 1.0, "--verify", "block",
+                          "--batch", 8, "--max-length", 4096)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 4, out
+    # Block verification with sampling: the stats and the residual kernels.
+    assert "tpu   speculative" in out and "2 Mosaic custom calls" in out
+    assert "cuda  speculative" in out and "2 Triton custom calls" in out
+
+
+@pytest.mark.parametrize("name,kind,platform", [("Llama-3.1-8B", "eagle3", "tpu"),
+                                                ("Qwen3-8B", "kv", "cuda")])
+def test_learned_drafters_lower_at_8b(tmp_path, capsys, name, kind, platform):
+    cfg = hf_configs.write(name, str(tmp_path / name))
+    d = _drafter_dir(tmp_path, cfg, kind)
+    code, out, err = _run(capsys, "--config", cfg, "--drafter", d, "--platforms", platform,
+                          "--max-length", 2048)
+    assert code == 0, err
+    assert f"{platform:5s} speculative" in out
+    assert ("Mosaic" if platform == "tpu" else "Triton") in out
+
+
+def test_demo_target_block_drafter_greedy(tmp_path, capsys, tiny_demo):
+    d = _drafter_dir(tmp_path, tiny_demo / "target", "block", gamma=4)
+    code, out, err = _run(capsys, "--config", tiny_demo / "target", "--drafter", d,
+                          "--platforms", "tpu,cuda", "--max-length", 256, "--dtype", "float32")
+    assert code == 0, err
+    assert out.count("1 Mosaic custom calls") == 1 and out.count("1 Triton custom calls") == 1
+
+
+@pytest.mark.parametrize("case", ["missing", "not_drafter", "platform", "batch"])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, tiny_demo, case):
+    args = {"missing": ["--config", tmp_path / "nope" / "config.json"],
+            "not_drafter": ["--config", tiny_demo / "target", "--drafter", tiny_demo / "draft"],
+            "platform": ["--config", tiny_demo / "target", "--platforms", "tpu,metal"],
+            "batch": ["--config", tiny_demo / "target", "--batch", 0]}[case]
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
