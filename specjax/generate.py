@@ -54,6 +54,10 @@ class LoopConfig:
     pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
+    prefill_chunk: prompts wider than this many tokens are prefilled in chunks of it
+      (a `lax.scan` over chunks, each writing its K/V before the next attends to them),
+      so activation memory follows the chunk, not the prompt: a 32k-token prompt needs
+      scores for one chunk of tokens against one chunk of cache slots at a time.
     """
 
     max_length: int
@@ -64,8 +68,11 @@ class LoopConfig:
     kernels: str = "off"
     pallas_backend: str = "auto"
     pallas_interpret: bool | None = None
+    prefill_chunk: int = 512
 
     def __post_init__(self):
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
 
@@ -137,10 +144,15 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
     capacity = cfg.max_length + gamma + 1
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
     cache = model.init_cache(B, capacity)
-    out = model(prompts, positions, cache, capture=capture,
-                logits_at=(prompt_lengths - 1)[:, None])
+    if Tp <= cfg.prefill_chunk:
+        out = model(prompts, positions, cache, capture=capture,
+                    logits_at=(prompt_lengths - 1)[:, None])
+        last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
+    else:
+        last_logits, hidden, cache = _chunked_prefill(model, cfg.prefill_chunk, prompts,
+                                                      prompt_lengths, cache, capture)
     key, k_first = jax.random.split(key)
-    first, _ = sample_logits(k_first, out.logits[:, 0], cfg.sampling)
+    first, _ = sample_logits(k_first, last_logits, cfg.sampling)
     tokens = jnp.zeros((B, capacity), jnp.int32).at[:, :Tp].set(prompts)
     active = budgets > 0
     rows = jnp.arange(B)
@@ -149,11 +161,44 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
     done = ~active | (budgets <= 1) | _is_eos(first, cfg.eos_token_ids)
     state = LoopState(
         tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
-        done=done, cache=out.cache.rewind(prompt_lengths), drafter_state=(), key=key,
+        done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
         steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
     )
-    view = LoopView(tokens, lengths, state.cache, out.hidden, positions)
+    view = LoopView(tokens, lengths, state.cache, hidden, positions)
     return state, view
+
+
+def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
+    """The prefill forward over Tp > chunk prompt tokens, `chunk` tokens at a time.
+
+    Returns (logits f32[B,V] at each row's last prompt token, hidden [C,B,Tp,D] or None,
+    cache). Padding past Tp (to a whole number of chunks) writes slots >= Tp, which the
+    caller's rewind to the prompt lengths makes stale, as it does for the prompts' own
+    padding; writes past the capacity are dropped."""
+    B, Tp = prompts.shape
+    n = -(-Tp // chunk)
+    padded = jnp.pad(prompts, ((0, 0), (0, n * chunk - Tp)))
+    xs = (padded.reshape(B, n, chunk).swapaxes(0, 1), jnp.arange(n, dtype=jnp.int32))
+    last = prompt_lengths - 1  # [B]
+    V = model.cfg.vocab_size
+
+    def body(carry, x):
+        cache, logits = carry
+        toks, c = x
+        start = c * chunk
+        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        at = jnp.clip(last - start, 0, chunk - 1)[:, None]
+        out = model(toks, pos, cache, capture=capture, logits_at=at)
+        mine = (last >= start) & (last < start + chunk)
+        logits = jnp.where(mine[:, None], out.logits[:, 0], logits)
+        return (out.cache, logits), out.hidden
+
+    (cache, logits), hidden = jax.lax.scan(
+        body, (cache, jnp.zeros((B, V), jnp.float32)), xs)
+    if hidden is not None:  # [n, C, B, chunk, D] -> [C, B, Tp, D]
+        C, D = hidden.shape[1], hidden.shape[-1]
+        hidden = hidden.transpose(1, 2, 0, 3, 4).reshape(C, B, n * chunk, D)[:, :, :Tp]
+    return logits, hidden, cache
 
 
 def _result(s: LoopState) -> LoopResult:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.attention import DEFAULT_CHUNK, cache_attention
 from specjax.config import ModelConfig
 from specjax.kv_cache import KVCache
 
@@ -148,11 +149,16 @@ class Transformer(nnx.Module):
       cfg: the model configuration.
       dtype: parameter and activation dtype (f32 on CPU, bf16 on TPU/GPU).
       rngs: initialisation randomness (normal, std 0.02; norms at 1).
+      attention_chunk: cache slots per chunk of attention into the KV cache
+        (`specjax.attention.cache_attention`): decoding reads only the chunks that hold
+        a visible slot, so its cost follows the context, not the cache capacity.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 attention_chunk: int = DEFAULT_CHUNK):
         self.cfg = cfg
         self.dtype = dtype
+        self.attention_chunk = attention_chunk
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
 
@@ -223,9 +229,11 @@ class Transformer(nnx.Module):
             mask = positions[:, None, :] <= positions[:, :, None]
             k_cache = v_cache = jnp.zeros((), self.dtype)  # unused carry
         else:
-            mask = jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+            mask = None
             k_cache, v_cache = cache.k, cache.v
-        mask_q = jnp.tile(mask, (1, R, 1))  # [B,R*T,S'], row r*T + t is token t's mask
+        # Row r*T + t of a KV head's folded queries is token t of query head k*R + r.
+        mask_q = None if mask is None else jnp.tile(mask, (1, R, 1))  # [B,R*T,T]
+        q_pos = jnp.tile(positions, (1, R))  # [B,R*T]
         batch_idx = jnp.arange(B)[:, None]
         scale = 1.0 / np.sqrt(H)
         depths = jnp.asarray(capture, jnp.int32) if capture else None
@@ -264,16 +272,21 @@ class Transformer(nnx.Module):
             else:
                 k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
                 v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
-                k_l, v_l = k_all[l], v_all[l]  # [B,K,S,H]
+                k_l = v_l = None  # read from k_all / v_all by cache_attention
             # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
             qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
             ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
-            scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
-                                preferred_element_type=jnp.float32) * scale
-            scores = jnp.where(mask_q[:, None], scores, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1)
-            attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
-                              preferred_element_type=jnp.float32).astype(v_l.dtype)
+            if cache is None:
+                scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
+                                    preferred_element_type=jnp.float32) * scale
+                scores = jnp.where(mask_q[:, None], scores, -1e30)
+                probs = jax.nn.softmax(scores, axis=-1)
+                attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
+                                  preferred_element_type=jnp.float32)
+            else:  # chunks up to the longest row's position: cost follows the context
+                attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
+                                       dot_dtype=ad, layer=l)
+            attn = attn.astype(v_l.dtype if cache is None else v_all.dtype)
             attn = attn.reshape(B, K, R, T, H)
             attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
             o = linear(attn, w["o_proj"])

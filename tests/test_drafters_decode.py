@@ -171,3 +171,29 @@ def test_trained_drafter_is_accepted_and_stops_at_eos_inside_a_block(kind, conte
     # accepted more than that (tau + 1 per step), so the last block was cut at the EOS.
     acc0, steps0 = int(np.asarray(sp_eos.accepted)[0].sum()), int(np.asarray(sp_eos.steps)[0])
     assert acc0 + steps0 > first, (acc0, steps0, first)
+
+
+@pytest.mark.parametrize("kind,context", [(None, None), ("eagle3", None), ("kv", None),
+                                          ("block", "both")])
+def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
+    """Prompts prefilled 4 tokens at a time (3 chunks of the 9-wide prompts) and the
+    target attending to its cache 8 slots at a time (specjax.attention): the greedy
+    output is still autoregressive decoding's, for AR and for drafters that read the
+    prefill's hidden states or the target cache."""
+    from specjax.generate import autoregressive_loop
+
+    target, _ = models()
+    chunked = nnx.merge(*nnx.split(target))
+    chunked.attention_chunk = 8
+    g, p = nnx.split(chunked)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, prefill_chunk=4)
+    toks, lens = prompts()
+    budgets = jnp.asarray(BUDGETS, jnp.int32)
+    if kind is None:
+        got = autoregressive_loop(g, p, cfg, toks, lens, budgets, jax.random.key(0))
+    else:
+        dcfg, net = drafter_net(kind, context)
+        drafter, dparams = make_drafter(dcfg, net, chunked, gamma=3)
+        got = speculative_loop(g, p, drafter, dparams, cfg, toks, lens, budgets,
+                               jax.random.key(0))
+    assert rows(got) == rows(run_ar(BUDGETS))

@@ -1,0 +1,101 @@
+"""Attention of a few new queries into a KV cache, at a cost that follows the context.
+
+The cache is static-shape (capacity S, `specjax.kv_cache`), but a row only ever needs
+its slots up to its current position. `cache_attention` reads the cache in chunks of
+`chunk` slots inside a `lax.fori_loop` whose trip count is the number of chunks holding
+any visible slot of any row (flash-decoding's online softmax over chunks: a running
+max, sum and weighted value per query), so decoding with a 160-token context costs the
+same at capacity 160 and at capacity 32k, and a long prefill needs scores for one chunk
+at a time ([B, K, Q, chunk] instead of [B, K, Q, S]).
+
+When S <= chunk there is one chunk and the plain softmax path runs (no loop). The Pallas
+kernel in `pallas_kernels/attention` does the same on TPU/GPU with per-row tile
+skipping; this is the jnp path every backend can run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_CHUNK = 256
+NEG = -1e30
+
+
+def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=None,
+                    layer=None):
+    """Attention of folded queries over one layer of a KV cache, slot <= query position.
+
+    Args:
+      q: [B, K, Q, H] queries, folded per KV head (GQA: Q = R * T query rows), already
+        rotated; any float dtype.
+      k, v: [B, K, S, H] one layer of the cache, with the new tokens already written;
+        or the whole layer-major cache [L, B, K, S, H] with `layer` (an int or i32
+        scalar) naming the layer: chunks are then sliced from it in place (slicing the
+        layer first would copy all S slots of it on XLA:CPU, every step).
+      q_pos: i32[B, Q] the absolute position of each query row; it sees slots
+        0..q_pos (a causal mask by position, as `specjax.model` uses). Every q_pos must
+        be >= 0 (slot 0 is visible to every query, so no row's softmax is empty).
+      chunk: slots per chunk (> 0). S <= chunk: one unchunked pass.
+      dot_dtype: dtype of the two attention dots (default: q's); scores, softmax and
+        accumulation are f32.
+
+    Returns:
+      f32 [B, K, Q, H].
+
+    Cost: ceil((max q_pos + 1) / chunk) chunks of [B, K, Q, chunk] scores; slots past
+    the largest visible position are never read. Raises ValueError on chunk <= 0.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk={chunk} must be positive")
+    dt = dot_dtype or q.dtype
+    B, K, Q, H = q.shape
+    S = k.shape[-2]
+    scale = np.float32(1.0 / np.sqrt(H))
+    qd = q.astype(dt)
+
+    def scores_of(kc, slots):
+        s = jnp.einsum("BKQH,BKSH->BKQS", qd, kc.astype(dt),
+                       preferred_element_type=jnp.float32) * scale
+        return jnp.where(slots[None, None, None, :] <= q_pos[:, None, :, None], s, NEG)
+
+    def values_of(p, vc):
+        return jnp.einsum("BKQS,BKSH->BKQH", p.astype(dt), vc.astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def rows(x, start, size):  # [B, K, size, H] slots start.. of the layer
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+        zero = jnp.zeros((), jnp.int32)
+        idx = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero)
+        return jax.lax.dynamic_slice(x, idx, (1, B, K, size, H))[0]
+
+    if S <= chunk:
+        k, v = rows(k, 0, S), rows(v, 0, S)
+        probs = jax.nn.softmax(scores_of(k, jnp.arange(S)), axis=-1)
+        return values_of(probs, v)
+
+    n_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks holding a visible slot
+    n_chunks = jnp.clip(n_chunks, 1, -(-S // chunk))
+
+    def body(i, carry):
+        m, l, acc = carry
+        # The last chunk may overhang S: its start is clamped to S - chunk, and slots
+        # below i * chunk (already folded in by the previous chunk) are masked out.
+        start = jnp.minimum(i * chunk, S - chunk)
+        kc, vc = rows(k, start, chunk), rows(v, start, chunk)
+        slots = start + jnp.arange(chunk)
+        s = scores_of(kc, slots)
+        s = jnp.where(slots[None, None, None, :] >= i * chunk, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l_new = alpha * l + jnp.sum(p, axis=-1)
+        acc_new = alpha[..., None] * acc + values_of(p, vc)
+        return m_new, l_new, acc_new
+
+    init = (jnp.full((B, K, Q), NEG, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
+            jnp.zeros((B, K, Q, H), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return acc / l[..., None]
