@@ -84,3 +84,22 @@ def test_kernels_roofline_arithmetic():
     assert kernels.attention_bytes(1, 1, 1024, 32768, 32, 8, 128) == 4_194_304 + 16_384
     text = kernels.format_tables(markdown=True)
     assert "| block | 8 | 8 |" in text and "roofline us H100" in text
+
+
+def test_context_length_quick(tmp_path):
+    """benchmarks/context_length.py --quick: both sweeps run, every attention setting
+    gives the same tokens, and the JSON and plot are written."""
+    script = os.path.join(ROOT, "benchmarks", "context_length.py")
+    out, png = tmp_path / "ctx.json", tmp_path / "ctx.png"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, script, "--quick", "--json", str(out),
+                           "--plot", str(png)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["capacity_outputs_identical"] is True
+    assert {(r["capacity"], r["chunk"]) for r in result["capacity"]} == {
+        (64, 0), (64, 256), (512, 0), (512, 256)}
+    assert [r["context"] for r in result["context"]] == [32, 512]
+    assert png.stat().st_size > 0
