@@ -234,4 +234,5 @@ def test_bad_arguments_raise():
         pick_tile(300, 100)
     with pytest.raises(ValueError, match="power of two"):
         pick_tile(3000, 384, backend="triton")
-    assert pick_tile(300) == 512 and pick_tile(100) == 128 and pick_tile(151_936) == 8192
+    assert pick_tile(300) == 384 and pick_tile(100) == 128 and pick_tile(151_936) == 8192
+    assert pick_tile(300, backend="triton") == 512

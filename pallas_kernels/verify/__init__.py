@@ -46,16 +46,19 @@ class Verdict(NamedTuple):
 
 def pick_tile(V: int, tile: int | None = None, backend: str = "tpu") -> int:
     """The vocabulary tile: `tile` or the default (8192), never more than V rounded up to
-    a power of two (at least 128), so that every backend gets the same tile and the same
-    summation order. Raises ValueError on a tile that is not a positive multiple of 128
-    (the TPU lane width) or, for backend "triton", not a power of two (Triton's rule)."""
+    a multiple of 128 (backend "tpu", also the jnp reference's) or to a power of two of
+    at least 128 (backend "triton": Triton's block shapes are powers of two). Raises
+    ValueError on a tile that is not a positive multiple of 128 (the TPU lane width) or,
+    for backend "triton", not a power of two."""
     if tile is None:
         tile = DEFAULT_TILE
     if tile <= 0 or tile % 128:
         raise ValueError(f"tile={tile} must be a positive multiple of 128")
-    if backend == "triton" and tile & (tile - 1):
-        raise ValueError(f"tile={tile} must be a power of two for the Triton backend")
-    return min(tile, max(128, 1 << (V - 1).bit_length()))
+    if backend == "triton":
+        if tile & (tile - 1):
+            raise ValueError(f"tile={tile} must be a power of two for the Triton backend")
+        return min(tile, max(128, 1 << (V - 1).bit_length()))
+    return min(tile, -(-V // 128) * 128)
 
 
 def _gather(x, idx):
