@@ -8,8 +8,12 @@ max, sum and weighted value per query), so decoding with a 160-token context cos
 same at capacity 160 and at capacity 32k, and a long prefill needs scores for one chunk
 at a time ([B, K, Q, chunk] instead of [B, K, Q, S]).
 
-When S <= chunk there is one chunk and the plain softmax path runs (no loop). The Pallas
-kernel in `pallas_kernels/attention` does the same on TPU/GPU with per-row tile
+When S <= chunk there is one chunk and the plain softmax path runs (no loop). The
+attention of a row depends only on that row (a fully masked chunk is an exact no-op),
+but neither path makes a one-token and an 8-token forward bitwise equal in general:
+with bf16 matmuls on XLA:CPU the demo target's row 0 differed in 2 of 42 positions
+unchunked and 1 of 42 chunked (/tmp-style probe in the 2026-11-24 closing note). The
+Pallas kernel in `pallas_kernels/attention` does the same on TPU/GPU with per-row tile
 skipping; this is the jnp path every backend can run.
 """
 

@@ -165,8 +165,11 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
         attention dots included, takes bf16 inputs with f32 accumulation
         (`model.linear`); norms, softmax, activations and the KV cache stay f32. On
         XLA:CPU this makes a forward of a few tokens about 2x cheaper than f32
-        (benchmarks/matmul_rows.py), and a one-token and an 8-token forward give
-        bitwise-equal rows there (measured; f32 does not: its one-row matmul is a gemv).
+        (benchmarks/matmul_rows.py). A one-token and an 8-token forward give bitwise-equal
+        rows there at most positions but not all (measured on the demo target: 40 of
+        42 positions equal), so speculative output can differ from the bf16 target's
+        own autoregressive output at near-ties; decode.py reports it
+        ("identical to AR"). f32 stays exact.
 
     Raises:
       SpecjaxError: missing directory or files, unsupported architecture, unknown or
