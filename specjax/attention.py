@@ -53,33 +53,23 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
     """
     if chunk <= 0:
         raise ValueError(f"chunk={chunk} must be positive")
-    dt = dot_dtype or q.dtype
-    B, K, Q, H = q.shape
     S = k.shape[-2]
-    scale = np.float32(1.0 / np.sqrt(H))
-    qd = q.astype(dt)
-
-    def scores_of(kc, slots):
-        s = jnp.einsum("BKQH,BKSH->BKQS", qd, kc.astype(dt),
-                       preferred_element_type=jnp.float32) * scale
-        return jnp.where(slots[None, None, None, :] <= q_pos[:, None, :, None], s, NEG)
-
-    def values_of(p, vc):
-        return jnp.einsum("BKQS,BKSH->BKQH", p.astype(dt), vc.astype(dt),
-                          preferred_element_type=jnp.float32)
-
-    def rows(x, start, size):  # [B, K, size, H] slots start.. of the layer
-        if layer is None:
-            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
-        zero = jnp.zeros((), jnp.int32)
-        idx = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero)
-        return jax.lax.dynamic_slice(x, idx, (1, B, K, size, H))[0]
+    qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer)
 
     if S <= chunk:
         k, v = rows(k, 0, S), rows(v, 0, S)
         probs = jax.nn.softmax(scores_of(k, jnp.arange(S)), axis=-1)
         return values_of(probs, v)
 
+    m, l, acc = _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of)
+    return acc / l[..., None]
+
+
+def _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of):
+    """Online-softmax statistics (m, l, acc) f32 [B,K,Q], [B,K,Q], [B,K,Q,H] over the
+    chunks that hold a visible slot (see `cache_attention`)."""
+    B, K, Q, H = qd.shape
+    S = k.shape[-2]
     n_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks holding a visible slot
     n_chunks = jnp.clip(n_chunks, 1, -(-S // chunk))
 
@@ -102,4 +92,47 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
     init = (jnp.full((B, K, Q), NEG, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
             jnp.zeros((B, K, Q, H), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    return acc / l[..., None]
+    return m, l, acc
+
+
+def cache_attention_stats(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=None,
+                          layer=None):
+    """The unnormalised online-softmax statistics of `cache_attention` (same arguments),
+    for callers that merge several key/value sources under one softmax.
+
+    Returns (m, l, acc): f32 [B,K,Q] running max of the scores, f32 [B,K,Q] sum of
+    exp(score - m), f32 [B,K,Q,H] sum of exp(score - m) * value; the attention is
+    acc / l. Always chunked (a single chunk when S <= chunk)."""
+    if chunk <= 0:
+        raise ValueError(f"chunk={chunk} must be positive")
+    chunk = min(chunk, k.shape[-2])
+    qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer)
+    return _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of)
+
+
+def _parts(q, q_pos, dot_dtype, layer):
+    """(q in the dot dtype, rows(x, start, size) -> [B,K,size,H] slots of the layer,
+    scores_of(k_chunk, slots) -> masked f32 scores [B,K,Q,size], values_of(p, v_chunk)
+    -> f32 [B,K,Q,H])."""
+    dt = dot_dtype or q.dtype
+    B, K, Q, H = q.shape
+    scale = np.float32(1.0 / np.sqrt(H))
+    qd = q.astype(dt)
+
+    def rows(x, start, size):
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+        zero = jnp.zeros((), jnp.int32)
+        idx = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero)
+        return jax.lax.dynamic_slice(x, idx, (1, B, K, size, H))[0]
+
+    def scores_of(kc, slots):
+        s = jnp.einsum("BKQH,BKSH->BKQS", qd, kc.astype(dt),
+                       preferred_element_type=jnp.float32) * scale
+        return jnp.where(slots[None, None, None, :] <= q_pos[:, None, :, None], s, NEG)
+
+    def values_of(p, vc):
+        return jnp.einsum("BKQS,BKSH->BKQH", p.astype(dt), vc.astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    return qd, rows, scores_of, values_of

@@ -168,9 +168,9 @@ class BlockDrafter(common.LearnedDrafter):
         contexts = []
         for cache in (state.hidden, state.memory):
             if cache is not None:
-                visible = jnp.arange(cache.capacity)[None, None, :] < pos[:, :1, None]
-                contexts.append(((cache.k, cache.v), jnp.broadcast_to(
-                    visible, (B, G + 1, cache.capacity))))
+                # context strictly before the anchor, read up to the longest row only
+                visible = common.Limit(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)))
+                contexts.append(((cache.k, cache.v), visible))
         block_mask = jnp.ones((B, G + 1, G + 1), bool)
         out = net.run_block(tokens, pos, contexts, block_mask, params["embed"],
                             params["inv_freq"])

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.attention import DEFAULT_CHUNK, cache_attention_stats
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
 from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin
@@ -92,11 +94,24 @@ def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
     return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
 
+class Limit(NamedTuple):
+    """A source mask given by position: slot s is visible to query t of row b iff
+    s <= pos[b, t] (pos i32[B,T]). Long sources given this way are read in chunks up to
+    the largest visible slot (`specjax.attention`), so their cost follows the context."""
+
+    pos: jax.Array
+
+
+ATTEND_CHUNK = DEFAULT_CHUNK  # sources with S > this and a Limit mask are chunked
+
+
 def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
     """Attention of q [B,T,N,H] over several key/value sources under ONE softmax.
 
     Args:
-      sources: (k [B,K,S,H], v [B,K,S,H], mask bool[B,T,S]) each (any S per source).
+      sources: (k [B,K,S,H], v [B,K,S,H], mask) each (any S per source), mask a bool[B,T,S]
+        or a `Limit` (slots <= pos[b, t] visible). A Limit source longer than
+        ATTEND_CHUNK slots is read in chunks up to its largest visible slot.
       diag: (k [B,T,K,H], v [B,T,K,H]) each: query t sees only entry t of each (the
         training-time-test diagonal: later steps at the same position).
     Returns: [B,T,N*H] in q's dtype. Scores and softmax in f32. A query with no visible
@@ -107,8 +122,13 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
     R = N // K
     scale = 1.0 / np.sqrt(H)
     qg = q.reshape(B, T, K, R, H)
-    scores, values = [], []
+    scores, values, long = [], [], []
     for k, v, mask in sources:
+        if isinstance(mask, Limit):
+            if k.shape[2] > ATTEND_CHUNK:
+                long.append((k, v, mask.pos))
+                continue
+            mask = jnp.arange(k.shape[2])[None, None, :] <= mask.pos[:, :, None]
         s = jnp.einsum("BTKRH,BKSH->BKRTS", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(mask[:, None, None], s, NEG))
         values.append(("full", v))
@@ -116,17 +136,50 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
         s = jnp.einsum("BTKRH,BTKH->BKRT", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(s[..., None])
         values.append(("diag", v))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    if not long:
+        probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+        return _weighted(probs, scores, values, q.dtype).reshape(B, T, N * H)
+    # Merge chunked long sources and the short ones under one softmax: each contributes
+    # (max m, sum exp(s - m), sum exp(s - m) v); rescale all to the joint max.
+    qf = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # row r*T + t
+    parts = []
+    for k, v, pos in long:
+        m, l, acc = cache_attention_stats(qf, k, v, jnp.tile(pos, (1, R)), chunk=ATTEND_CHUNK,
+                                          dot_dtype=q.dtype)
+        parts.append((m.reshape(B, K, R, T), l.reshape(B, K, R, T),
+                      acc.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)))  # [B,T,K,R,H]
+    if scores:
+        cat = jnp.concatenate(scores, axis=-1)
+        m = jnp.max(cat, axis=-1)
+        p = jnp.exp(cat - m[..., None])
+        parts.append((m, jnp.sum(p, axis=-1),
+                      _weighted(p, scores, values, jnp.float32).astype(jnp.float32)))
+    top = parts[0][0]
+    for m, _, _ in parts[1:]:
+        top = jnp.maximum(top, m)
+    num, den = 0.0, 0.0
+    for m, l, acc in parts:
+        w = jnp.exp(m - top)  # [B,K,R,T]
+        num = num + acc * w.transpose(0, 3, 1, 2)[..., None]
+        den = den + l * w
+    den = jnp.where(den > 0, den, 1.0)  # nothing visible at all: zeros, not NaN
+    out = num / den.transpose(0, 3, 1, 2)[..., None]
+    return out.astype(q.dtype).reshape(B, T, N * H)
+
+
+def _weighted(probs, scores, values, dtype):
+    """sum over sources of probs [B,K,R,T,S_total] (split by each source's width) times
+    its values -> [B,T,K,R,H]."""
     out, start = 0.0, 0
     for (how, v), s in zip(values, scores, strict=True):
         width = s.shape[-1]
-        p = probs[..., start:start + width].astype(q.dtype)
+        p = probs[..., start:start + width].astype(dtype)
         start += width
         if how == "full":
             out = out + jnp.einsum("BKRTS,BKSH->BTKRH", p, v)
         else:
             out = out + p[..., 0].transpose(0, 3, 1, 2)[..., None] * v[:, :, :, None, :]
-    return out.reshape(B, T, N * H)
+    return out
 
 
 def mlp(w, x, eps):

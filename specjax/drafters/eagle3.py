@@ -220,8 +220,9 @@ def _write(cache: KVCache, k, v, positions) -> KVCache:
 
 
 def _visible(cache: KVCache, positions):
-    """bool[B,T,S]: slot s is visible to the entry at positions[b,t] iff s <= it."""
-    return jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]
+    """Slot s is visible to the entry at positions[b,t] iff s <= it (a `common.Limit`:
+    a long cache is read only up to the largest position)."""
+    return common.Limit(positions)
 
 
 def _index(x, idx):

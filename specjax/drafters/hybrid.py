@@ -54,8 +54,8 @@ class Hybrid(Eagle3):
         q = common.linear(x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
         cos, sin = common.rope(inv_freq, q_positions, n.dtype)
         q = apply_rope(rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
-        mask = jnp.arange(mk.shape[2])[None, None, :] <= limit[:, :, None]
-        o = n + common.linear(common.attend(q, [(mk, mv, mask)]), self.cross_o[...])
+        o = n + common.linear(common.attend(q, [(mk, mv, common.Limit(limit))]),
+                              self.cross_o[...])
         g = jax.nn.sigmoid(common.linear(jnp.concatenate([n, o, o - n], -1),
                                          self.gate_w[...]) + self.gate_b[...])
         return n + g * common.linear(o - n, self.gate_d[...]), g

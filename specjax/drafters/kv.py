@@ -93,8 +93,7 @@ class KVDrafter(common.LearnedDrafter):
         c, G = self.cfg, self.gamma
         B = view.lengths.shape[0]
         limit = (view.lengths - 2)[:, None]  # memory slots <= limit are committed
-        S = state.memory.capacity
-        mem_mask = jnp.arange(S)[None, None, :] <= limit[:, :, None]  # [B,1,S]
+        mem_mask = common.Limit(limit)  # the memory is read up to the longest row only
         own_shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
         slots = jnp.arange(G)
         pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
