@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def abstract_engine(args, pallas_backend: str = "tpu"):
-    """(loops, abstract arguments) for the requested decoding loops: a list of
-    (name, jitted fn, args tuple) where arrays are jax.ShapeDtypeStruct."""
+def abstract_engine(args):
+    """Builds the abstract target (and drafter) once; returns loops_for(pallas_backend)
+    -> the requested decoding loops, a list of (name, jitted fn, args tuple) where arrays
+    are jax.ShapeDtypeStruct, with the verification kernel's layout for that backend."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -101,23 +102,28 @@ def abstract_engine(args, pallas_backend: str = "tpu"):
     params, dparams = jax.eval_shape(build)
     S, B = args.max_length, args.batch
     Tp = args.prompt_width or min(128, max(1, S // 2))
-    lc = LoopConfig(max_length=S, prompt_width=Tp, sampling=sampling,
-                    eos_token_ids=tuple(cfg.eos_token_ids), verify=args.verify,
-                    kernels=args.kernels, pallas_backend=pallas_backend,
-                    pallas_interpret=False)
     i32 = jnp.int32
     arrays = (jax.ShapeDtypeStruct((B, Tp), i32), jax.ShapeDtypeStruct((B,), i32),
               jax.ShapeDtypeStruct((B,), i32),
               jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
-    loops = [("autoregressive", autoregressive_loop, (held["graphdef"], params, lc, *arrays))]
-    if args.drafter != "none":
-        if args.drafter == "ngram":
-            drafter, dparams = NgramDrafter(args.gamma or 4, cfg.vocab_size, sampling=sampling), ()
-        else:
-            drafter = held["drafter"]
-        loops.append(("speculative", speculative_loop,
-                      (held["graphdef"], params, drafter, dparams, lc, *arrays)))
-    return loops
+    if args.drafter == "ngram":
+        drafter, dparams = NgramDrafter(args.gamma or 4, cfg.vocab_size, sampling=sampling), ()
+    else:
+        drafter = held.get("drafter")
+
+    def loops_for(pallas_backend: str):
+        lc = LoopConfig(max_length=S, prompt_width=Tp, sampling=sampling,
+                        eos_token_ids=tuple(cfg.eos_token_ids), verify=args.verify,
+                        kernels=args.kernels, pallas_backend=pallas_backend,
+                        pallas_interpret=False)
+        loops = [("autoregressive", autoregressive_loop,
+                  (held["graphdef"], params, lc, *arrays))]
+        if args.drafter != "none":
+            loops.append(("speculative", speculative_loop,
+                          (held["graphdef"], params, drafter, dparams, lc, *arrays)))
+        return loops
+
+    return loops_for
 
 
 def export_loops(args) -> list[str]:
@@ -132,11 +138,11 @@ def export_loops(args) -> list[str]:
         if p not in PLATFORMS:
             raise SpecjaxError(f"--platforms: {p!r} is not one of {', '.join(PLATFORMS)}")
     backend = {"tpu": "tpu", "cuda": "triton"}
+    loops_for = abstract_engine(args)
     lines = []
     for platform in platforms:
         # The verification kernel's layout and compiler parameters follow the platform.
-        loops = abstract_engine(args, backend.get(platform, "tpu"))
-        for name, fn, fargs in loops:
+        for name, fn, fargs in loops_for(backend.get(platform, "tpu")):
             checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
             try:
                 exp = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*fargs)

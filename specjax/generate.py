@@ -90,14 +90,12 @@ class LoopConfig:
 
         rule = "greedy" if sp.greedy else self.verify
         impl, temperature = self.kernels, sp.temperature
-        backend = self.pallas_backend
-        if backend == "auto":
-            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
 
         def fn(logits, draft, q, key):
             return verify_logits(logits, draft, key, rule=rule, temperature=temperature,
                                  draft_probs=None if rule == "greedy" else q, impl=impl,
-                                 backend=backend, interpret=self.pallas_interpret)
+                                 backend=self.pallas_backend,
+                                 interpret=self.pallas_interpret)
 
         return fn
 

@@ -263,30 +263,26 @@ class Transformer(nnx.Module):
                 k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+            # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
+            qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
+            ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
             if cache is None:
                 k_l, v_l = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
                 if capture_kv:
                     hit = (kv_layers == l)[:, None, None, None, None]
                     kv_out = (jnp.where(hit, k_l[None], kv_out[0]),
                               jnp.where(hit, v_l[None], kv_out[1]))
-            else:
-                k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
-                v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
-                k_l = v_l = None  # read from k_all / v_all by cache_attention
-            # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
-            qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
-            ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
-            if cache is None:
                 scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
                                     preferred_element_type=jnp.float32) * scale
                 scores = jnp.where(mask_q[:, None], scores, -1e30)
                 probs = jax.nn.softmax(scores, axis=-1)
                 attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
-                                  preferred_element_type=jnp.float32)
+                                  preferred_element_type=jnp.float32).astype(v_l.dtype)
             else:  # chunks up to the longest row's position: cost follows the context
+                k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
+                v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
                 attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
-                                       dot_dtype=ad, layer=l)
-            attn = attn.astype(v_l.dtype if cache is None else v_all.dtype)
+                                       dot_dtype=ad, layer=l).astype(v_all.dtype)
             attn = attn.reshape(B, K, R, T, H)
             attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
             o = linear(attn, w["o_proj"])

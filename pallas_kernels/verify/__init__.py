@@ -81,7 +81,8 @@ def verify_logits(target_logits, draft_tokens, key, *, rule="block", temperature
       (q_i = onehot(x_i), the closed-form residual of greedy and n-gram drafters).
     impl: "pallas" (kernels) or "reference" (jnp). tile: V tile (multiple of 128).
     interpret: run the Pallas kernels in interpret mode (default: on CPU).
-    backend: "tpu" (Mosaic) or "triton" compiler parameters for the kernels.
+    backend: "tpu" (Mosaic) or "triton" compiler parameters for the kernels; "auto":
+      triton on the GPU backend, tpu elsewhere.
     Returns Verdict(num_accepted i32[B], next_token i32[B]).
     Raises ValueError on unknown rules/impls, mismatched shapes, or both draft inputs.
     """
@@ -100,6 +101,8 @@ def verify_logits(target_logits, draft_tokens, key, *, rule="block", temperature
     if src is not None and src.shape != (B, G, V):
         raise ValueError(f"draft distributions {src.shape} must be [B, G, V] = [{B}, {G}, {V}]")
     mode = "probs" if draft_probs is not None else "logits" if draft_logits is not None else "onehot"
+    if backend == "auto":
+        backend = "triton" if jax.default_backend() == "gpu" else "tpu"
     tile = pick_tile(V, tile, backend if impl == "pallas" else "tpu")
     greedy = rule == "greedy" or temperature == 0
     if interpret is None:

@@ -153,7 +153,7 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
         m = jnp.max(cat, axis=-1)
         p = jnp.exp(cat - m[..., None])
         parts.append((m, jnp.sum(p, axis=-1),
-                      _weighted(p, scores, values, jnp.float32).astype(jnp.float32)))
+                      _weighted(p, scores, values, jnp.float32)))
     top = parts[0][0]
     for m, _, _ in parts[1:]:
         top = jnp.maximum(top, m)
