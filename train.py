@@ -5,6 +5,8 @@ ttt and block) on a device mesh; resumes from its run dir.
     python train.py --config configs/demo_draft.yaml --set train.steps=2000 --run-dir runs/d
     python train.py --config configs/drafters/eagle3.yaml --target checkpoints/demo/target
     python train.py --config configs/demo_target.yaml --distributed     # one per host
+    python train.py --config C.yaml --distributed --coordinator 10.0.0.1:1234 \
+        --num-processes 2 --process-id 0                                # where not detected
 
 A run dir that holds checkpoints is resumed from the newest one. SIGTERM saves a
 checkpoint and exits 0. Bad flags or config values exit 2 with one line on stderr.
@@ -36,7 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint and exit after this step (the schedule keeps "
                          "train.steps)")
     ap.add_argument("--distributed", action="store_true",
-                    help="call jax.distributed.initialize() (multi-host TPU/GPU)")
+                    help="one process of a multi-process run (one per host): calls "
+                         "jax.distributed.initialize(), which detects TPU pods and SLURM")
+    ap.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="--distributed: process 0's address, where it is not detected")
+    ap.add_argument("--num-processes", type=int, metavar="N",
+                    help="--distributed: how many processes (with --coordinator)")
+    ap.add_argument("--process-id", type=int, metavar="I",
+                    help="--distributed: this process's index in [0, N) (with "
+                         "--coordinator)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -45,18 +55,27 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from specjax.errors import SpecjaxError
 
+    cluster = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and any(v is not None for v in cluster):
+        print("train.py: error: --coordinator, --num-processes and --process-id need "
+              "--distributed", file=sys.stderr)
+        return 2
     try:
         from specjax.train import load_config, train
 
         cfg = load_config(args.config, args.overrides, run_dir=args.run_dir, target=args.target)
         if args.distributed:
-            import jax
+            from specjax.train import multihost
 
-            jax.distributed.initialize()
+            multihost.initialize(*cluster)
         result = train(cfg, stop_at=args.stop_at_step, progress=not args.no_progress)
     except SpecjaxError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    if jax.process_index() != 0:  # process 0 reports for the run
+        return 0
     what = "preempted: checkpointed" if result.preempted else "stopped"
     if result.step >= cfg.train.steps:
         what = "done"

@@ -19,6 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from specjax.errors import SpecjaxError
+from specjax.train import multihost
 
 
 class Checkpoints:
@@ -92,6 +93,7 @@ class Checkpoints:
                     for s in skipped:
                         path = os.path.join(self.directory, str(s))
                         os.replace(path, f"{path}.damaged")
+                multihost.barrier("specjax.train: damaged checkpoints moved")
                 self.manager.close()
                 self.manager = ocp.CheckpointManager(self.directory, options=self._options)
             return state, meta, step

@@ -37,6 +37,7 @@ import yaml
 
 from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
+from specjax.train import multihost
 from specjax.train.checkpointing import Checkpoints, Preemption
 from specjax.train.config import DEFAULT_TARGET, TrainConfig, dump_config
 from specjax.train.inputs import RunData, prepare_data, special_ids
@@ -130,7 +131,7 @@ def evaluate(trainer: Trainer, state: TrainState, data: RunData, batch_size: int
     losses = []
     for pos in positions:
         rows, _ = data.val.batch(pos, batch_size)
-        batch = mesh_lib.host_to_global(rows, trainer.eval_batch_sharding, 0)
+        batch = mesh_lib.host_to_global(rows, trainer.eval_batch_sharding)
         losses.append(trainer.eval_step(state.params, batch))
     return float(np.mean(jax.device_get(losses)))
 
@@ -209,7 +210,13 @@ def _writable_dir(path: str, what: str) -> None:
 class RunDirLock:
     """An exclusive flock on <run_dir>/train.lock for the process that writes the run dir
     (process 0): a second train.py on the same run dir is refused, and the kernel drops
-    the lock when its holder dies, even by SIGKILL, so it never stays stuck."""
+    the lock when its holder dies, even by SIGKILL, so it never stays stuck.
+
+    With several processes only process 0 takes it, for the whole job: its partners
+    share the run dir by design (each writes its checkpoint shards), while process 0 of
+    another job on the same run dir is refused, and with it that whole job
+    (`multihost.agree`). One lock file per process would instead let two jobs that
+    differ in their process count write the same run dir."""
 
     def __init__(self, run_dir: str):
         import fcntl
@@ -262,16 +269,22 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
       unwritable run or export directory, a run_dir another train.py holds, or a run_dir
       that holds another model's (or drafter's) checkpoints.
     """
-    lock = None
-    if jax.process_index() == 0:
-        _writable_dir(cfg.run_dir, "run_dir")
-        export_parent = os.path.dirname(os.path.abspath(cfg.export_dir))
-        if cfg.export.enabled and os.path.abspath(export_parent) != os.path.abspath(
-                cfg.run_dir):
-            _writable_dir(export_parent, "the export directory's parent")
-        lock = RunDirLock(cfg.run_dir)
-        _remove_stale_temps(cfg.run_dir)
+    lock, error = None, None
+    if jax.process_index() == 0:  # the others wait for its verdict (multihost.agree)
+        try:
+            _writable_dir(cfg.run_dir, "run_dir")
+            export_parent = os.path.dirname(os.path.abspath(cfg.export_dir))
+            if cfg.export.enabled and os.path.abspath(export_parent) != os.path.abspath(
+                    cfg.run_dir):
+                _writable_dir(export_parent, "the export directory's parent")
+            lock = RunDirLock(cfg.run_dir)
+            _remove_stale_temps(cfg.run_dir)
+        except SpecjaxError as e:
+            error = str(e)
+    error = multihost.agree(error)
     try:
+        if error is not None:
+            raise SpecjaxError(error)
         return _train(cfg, stop_at=stop_at, progress=progress)
     finally:
         if lock is not None:
@@ -300,6 +313,7 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
     config_path = os.path.join(cfg.run_dir, "config.yaml")
     if latest is not None:
         _check_resume_config(cfg, config_path, run.resume_keys)
+    multihost.barrier("specjax.train: config checked")  # every process read the old one
     if is_main:
         dump_config(cfg, config_path)
 
@@ -376,7 +390,7 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
                     break
                 rows, position = data.train.batch(position, B)
                 batch = mesh_lib.host_to_global(rows.reshape(A, B // A, T + 1),
-                                                trainer.batch_sharding, 1)
+                                                trainer.batch_sharding)
                 state, metrics = trainer.train_step(state, batch)
                 step += 1
                 pending.append((step, metrics))
@@ -385,7 +399,7 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
                     flush()
                 if loop.eval_every and step % loop.eval_every == 0 and step < loop.steps:
                     record = validate()
-                    if record is not None:
+                    if record is not None and is_main:
                         bar.write(f"step {step}: {run.describe(record)}")
                 if loop.checkpoint_every and step % loop.checkpoint_every == 0:
                     save()

@@ -124,17 +124,13 @@ def make_mesh(cfg: MeshConfig) -> jax.sharding.Mesh:
 
 
 def check_batch(mesh: jax.sharding.Mesh, loop: LoopConfig) -> None:
-    """Raises SpecjaxError unless each micro-batch splits evenly over data*fsdp devices
-    and over the processes."""
+    """Raises SpecjaxError unless each micro-batch splits evenly over data*fsdp devices."""
     rows = _axis_size(mesh, LOGICAL_RULES["batch"])
     if loop.micro_batch % rows:
         raise SpecjaxError(
             f"train.batch_size={loop.batch_size} / train.grad_accum={loop.grad_accum} = "
             f"{loop.micro_batch} rows per micro-step is not divisible by data*fsdp={rows}; "
             f"use a batch size that is a multiple of {rows * loop.grad_accum}")
-    if loop.micro_batch % jax.process_count():
-        raise SpecjaxError(f"{loop.micro_batch} rows per micro-step do not split over "
-                           f"{jax.process_count()} processes")
 
 
 def _axis_size(mesh, axes) -> int:
@@ -201,21 +197,16 @@ def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def host_to_global(rows: np.ndarray, sharding: NamedSharding, batch_axis: int) -> jax.Array:
-    """A global batch as one jax.Array; each process hands over only its own rows.
+def host_to_global(rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global batch as one jax.Array; each process places only the rows of its own
+    devices (its addressable shards), whatever the order of the mesh's devices.
 
     Args:
-      rows: the GLOBAL batch as computed on every process (i32, B on `batch_axis`).
+      rows: the GLOBAL batch, the same on every process (computed from the same
+        deterministic stream), e.g. i32[A, B/A, T+1] or i32[B, T+1].
       sharding: the batch's NamedSharding.
-      batch_axis: the axis that is split over processes.
     """
-    count = jax.process_count()
-    if count == 1:
-        return jax.make_array_from_process_local_data(sharding, rows, rows.shape)
-    per = rows.shape[batch_axis] // count
-    local = np.take(rows, np.arange(per * jax.process_index(), per * (jax.process_index() + 1)),
-                    axis=batch_axis)
-    return jax.make_array_from_process_local_data(sharding, local, rows.shape)
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
 
 
 def host_tree(tree):
