@@ -136,7 +136,7 @@ class DrafterRun:
         outs = []
         for i, pos in enumerate(positions):
             rows, _ = self.data.val.batch(pos, B)
-            batch = mesh_lib.host_to_global(rows, self.trainer.eval_batch_sharding, 0)
+            batch = mesh_lib.host_to_global(rows, self.trainer.eval_batch_sharding)
             outs.append(self.trainer.eval_step(state.params, batch, i))
         outs = jax.device_get(outs)
         stats = {k: np.sum([np.asarray(s[k], np.float64) for _, s in outs], axis=0)
