@@ -166,11 +166,14 @@ def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]
 
 def make_drafter_from_args(args, target, sampling, dtype):
     """(drafter, params, name) for args.drafter (None: the default demo drafter; "none":
-    (None, None, "none")); sets args.gamma to the G used (a learned drafter's trained G
-    unless --gamma is given, else DEFAULT_GAMMA)."""
+    (None, None, "none"); a directory: an EAGLE-3 or DFlash head (`drafters.external`), a
+    specjax drafter, or an HF draft LM, told apart by config.json); sets args.gamma to
+    the G used (a learned drafter's trained G unless --gamma is given, else
+    DEFAULT_GAMMA)."""
     from specjax.checkpoint import load_model
     from specjax.drafters.config import DrafterConfig
     from specjax.drafters.draft_lm import DraftLMDrafter
+    from specjax.drafters.external import detect_layout, load_external
     from specjax.drafters.ngram import NgramDrafter
 
     name = args.drafter
@@ -183,6 +186,12 @@ def make_drafter_from_args(args, target, sampling, dtype):
     if name == "ngram":
         args.gamma = args.gamma or DEFAULT_GAMMA
         return NgramDrafter(args.gamma, V, sampling=sampling), (), name
+    if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
+        drafter, dparams = load_external(
+            name, target, gamma=args.gamma, sampling=sampling, dtype=dtype,
+            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")))
+        args.gamma = drafter.gamma
+        return drafter, dparams, name
     if DrafterConfig.is_drafter_dir(name):
         drafter, dparams = load_learned_drafter(
             name, target, args.target, args.gamma, sampling, dtype,

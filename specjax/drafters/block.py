@@ -174,7 +174,7 @@ class BlockDrafter(common.LearnedDrafter):
         block_mask = jnp.ones((B, G + 1, G + 1), bool)
         out = net.run_block(tokens, pos, contexts, block_mask, params["embed"],
                             params["inv_freq"])
-        logits = net.logits(out[:, 1:], params["head"])  # [B,G,V]
+        logits = self.logits(net, out[:, 1:], params)  # [B,G,V]
         keys = jax.random.split(key, G)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)

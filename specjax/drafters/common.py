@@ -46,16 +46,17 @@ def layer_weights(cfg: DrafterConfig, rngs: nnx.Rngs, dtype, num_layers: int,
                   in_dim: int | None = None, input_norm: bool = True) -> dict[str, nnx.Param]:
     """Stacked weights of `num_layers` decoder layers whose q/k/v read `in_dim` features
     (default D; eagle3 reads 2D): input_norm [Ld,D] (unless input_norm=False),
-    q_proj [Ld,N*H,in], k_proj/v_proj [Ld,K*H,in], q_norm/k_norm [Ld,H],
+    q_proj [Ld,N*H,in], k_proj/v_proj [Ld,K*H,in], q_norm/k_norm [Ld,H] (unless
+    cfg.qk_norm is False),
     o_proj [Ld,D,N*H], post_norm [Ld,D], gate_proj/up_proj [Ld,F,D], down_proj [Ld,D,F]."""
     D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
     Ld, In = num_layers, in_dim or D
     norm = dict(input_norm=ones((Ld, D), dtype)) if input_norm else {}
+    qk = dict(q_norm=ones((Ld, H), dtype), k_norm=ones((Ld, H), dtype)) if cfg.qk_norm else {}
     return dict(**norm,
         q_proj=normal(rngs, (Ld, N * H, In), dtype), k_proj=normal(rngs, (Ld, K * H, In), dtype),
-        v_proj=normal(rngs, (Ld, K * H, In), dtype), q_norm=ones((Ld, H), dtype),
-        k_norm=ones((Ld, H), dtype), o_proj=normal(rngs, (Ld, D, N * H), dtype),
+        v_proj=normal(rngs, (Ld, K * H, In), dtype), **qk, o_proj=normal(rngs, (Ld, D, N * H), dtype),
         post_norm=ones((Ld, D), dtype), gate_proj=normal(rngs, (Ld, F, D), dtype),
         up_proj=normal(rngs, (Ld, F, D), dtype), down_proj=normal(rngs, (Ld, D, F), dtype))
 
@@ -75,14 +76,15 @@ def rope(inv_freq, positions, dtype):
 
 
 def qkv(w, x, cos, sin, eps, cfg: DrafterConfig):
-    """Projections of x [B,T,in] -> q [B,T,N,H], k, v [B,T,K,H] (q/k RMSNorm, RoPE)."""
+    """Projections of x [B,T,in] -> q [B,T,N,H], k, v [B,T,K,H] (q/k RMSNorm when the
+    layer has q_norm/k_norm, then RoPE)."""
     B, T, _ = x.shape
     q = linear(x, w["q_proj"]).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = linear(x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    q = apply_rope(rms_norm(q, w["q_norm"], eps), cos, sin)
-    k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
-    return q, k, v
+    if "q_norm" in w:
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
@@ -90,7 +92,9 @@ def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
     B, T, _ = x.shape
     k = linear(x, w["k_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, w["v_proj"]).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    k = apply_rope(rms_norm(k, w["k_norm"], eps), cos, sin)
+    if "k_norm" in w:
+        k = rms_norm(k, w["k_norm"], eps)
+    k = apply_rope(k, cos, sin)
     return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
 
@@ -283,11 +287,29 @@ class LearnedDrafter:
     def net(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params["net"])
 
+    def logits(self, net, out, params):
+        """f32[...,V] draft logits of outputs out [...,D]: params["head"] after the net's
+        final norm. With params["draft_ids"] (i32[Vd], an own LM head [Vd,D] over a hot
+        draft vocabulary, EAGLE-3's d2t) the Vd logits land at those target ids and
+        every other id gets -inf, so q is zero outside the hot set (as vLLM's
+        `Eagle3LlamaForCausalLM.compute_logits`)."""
+        lg = net.logits(out, params["head"])
+        if "draft_ids" not in params:
+            return lg
+        return hot_to_target(lg, params["draft_ids"], self.cfg.vocab_size)
+
     def empty_cache(self, num_layers: int, view, dtype) -> KVCache:
         """A drafter-side cache [num_layers,B,K,S,H] as wide as the target's."""
         c = self.cfg
         return KVCache.init(num_layers, view.lengths.shape[0], view.target_cache.capacity,
                             c.num_kv_heads, c.head_dim, dtype)
+
+
+def hot_to_target(logits, draft_ids, vocab_size: int):
+    """f32[...,Vd] logits over a hot draft vocabulary -> f32[...,V]: entry j goes to
+    target id draft_ids[j] (i32[Vd], distinct), -inf elsewhere."""
+    full = jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, jnp.float32)
+    return full.at[..., draft_ids].set(logits.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------- layers

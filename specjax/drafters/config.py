@@ -55,6 +55,8 @@ class DrafterConfig:
       context: block only: "hidden", "kv" or "both".
       mask_token_id: block only: the id whose (frozen) target embedding fills the G
         draft slots of a block; the tokenizer's pad token by default.
+      qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3-style, the default);
+        False for EAGLE-3 heads trained in Llama layout (SafeAILab/EAGLE, SpecForge).
       target_num_layers: L of the target it was built for (checked at load).
     """
 
@@ -74,6 +76,7 @@ class DrafterConfig:
     kv_layers: tuple[int, ...] = ()
     context: str | None = None
     mask_token_id: int | None = None
+    qk_norm: bool = True
 
     def __post_init__(self):
         def is_int(v):
@@ -100,6 +103,8 @@ class DrafterConfig:
         if self.mask_token_id is not None and not is_int(self.mask_token_id):
             raise SpecjaxError(f"drafter mask_token_id={self.mask_token_id!r} must be a "
                                "token id or null")
+        if not isinstance(self.qk_norm, bool):
+            raise SpecjaxError(f"drafter qk_norm={self.qk_norm!r} must be true or false")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
             raise SpecjaxError(f"drafter num_heads={self.num_heads} must be a multiple of "
                                f"num_kv_heads={self.num_kv_heads} and head_dim="
@@ -197,10 +202,13 @@ class DrafterConfig:
                    mask_token_id=mask_token_id if kind == "block" else None)
 
     def check_target(self, target: ModelConfig, where: str = "drafter") -> None:
-        """Raises SpecjaxError unless `target` has the shapes this drafter was built for."""
-        want = dict(hidden_size=self.hidden_size, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    vocab_size=self.vocab_size, num_layers=self.target_num_layers)
+        """Raises SpecjaxError unless `target` has the shapes this drafter was built for
+        (an eagle3 drafter reads no target K/V: its own N, K, H may differ)."""
+        want = dict(hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+                    num_layers=self.target_num_layers)
+        if self.kind != "eagle3":
+            want.update(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim)
         diff = [f"{k} {getattr(target, k)} != {v}" for k, v in want.items()
                 if getattr(target, k) != v]
         if diff:
@@ -211,6 +219,8 @@ class DrafterConfig:
     def to_json_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["capture"], out["kv_layers"] = list(self.capture), list(self.kv_layers)
+        if self.qk_norm:
+            del out["qk_norm"]  # the default: drafter dirs written before it stay identical
         return {"format": FORMAT, **out}
 
     @classmethod

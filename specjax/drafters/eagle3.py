@@ -170,7 +170,7 @@ class Eagle3Drafter(common.LearnedDrafter):
     def propose(self, params, state, view, key):
         net = self.net(params)
         keys = jax.random.split(key, self.gamma)
-        x, q = sample_logits(keys[0], net.logits(state.h_last, params["head"]), self.sampling)
+        x, q = sample_logits(keys[0], self.logits(net, state.h_last, params), self.sampling)
 
         def step(carry, k):
             cache, h, tok, pos = carry  # pos [B,1]: this entry's slot
@@ -181,7 +181,7 @@ class Eagle3Drafter(common.LearnedDrafter):
             attn = common.attend(qh, [(cache.k[0], cache.v[0], _visible(cache, pos))])
             out, _ = net.extra(net.finish(h[:, None], attn), pos, anchor, _kv(state.memory),
                                params["inv_freq"])
-            nxt, probs = sample_logits(k, net.logits(out[:, 0], params["head"]), self.sampling)
+            nxt, probs = sample_logits(k, self.logits(net, out[:, 0], params), self.sampling)
             return (cache, out[:, 0], nxt, pos + 1), (nxt, probs)
 
         pos0 = (view.lengths - 1)[:, None]

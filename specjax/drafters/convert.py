@@ -1,0 +1,197 @@
+"""Export specjax's eagle3 and block drafters to the EAGLE-3 and DFlash layouts.
+
+    python -m specjax.drafters.convert --to eagle3-hf runs/eagle3/drafter out/eagle3-hf
+    python -m specjax.drafters.convert --to dflash runs/block/drafter out/dflash \\
+        [--target checkpoints/demo/target] [--dtype bfloat16]
+
+SRC is a drafter directory written by train.py; the target defaults to the one recorded
+in it. The tensor names are `external.tensor_table`'s (read back by
+`external.load_external` and by `decode.py --drafter`); the facts behind them are in
+`external`'s docstring. What an export writes beyond the drafter's own weights:
+
+- eagle3-hf: `lm_head.weight` [V,D] is a copy of the target's LM head (specjax's eagle3
+  drafts with the target's head), `draft_vocab_size` = V, `d2t` = zeros i64[V] and
+  `t2d` = ones bool[V] (the identity map); rope_theta and rope_scaling are the target's
+  (specjax's eagle3 uses the target's RoPE). A drafter with q/k norms (specjax's
+  default) writes `midlayer.self_attn.{q,k}_norm.weight` as SpecForge's Qwen3-style
+  drafts do: Llama-only EAGLE-3 loaders (vllm `llama_eagle3.py`) do not read them.
+- dflash: `block_size` = G + 1, `dflash_config.target_layer_ids` = capture depths - 1,
+  `mask_token_id` the drafter's; no embedding or LM head.
+
+Raises SpecjaxError (exit 2 from the CLI, one line) for drafters the layout cannot hold:
+hybrid and kv drafters, block drafters whose context reads the target KV cache, capture
+depth 0 or L for DFlash, and other than 3 capture depths for EAGLE-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import ml_dtypes
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters.config import DrafterConfig
+from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
+from specjax.errors import SpecjaxError
+
+
+def _rope_json(target: ModelConfig) -> dict | None:
+    if target.rope_scaling is None:
+        return None
+    return {"rope_type": "llama3", **dict(target.rope_scaling)}
+
+
+def _base_config(dcfg: DrafterConfig, target: ModelConfig, dtype: str) -> dict:
+    return {"hidden_size": dcfg.hidden_size, "intermediate_size": dcfg.intermediate_size,
+            "num_attention_heads": dcfg.num_heads, "num_key_value_heads": dcfg.num_kv_heads,
+            "head_dim": dcfg.head_dim, "rms_norm_eps": dcfg.rms_norm_eps,
+            "rope_theta": target.rope_theta, "rope_scaling": _rope_json(target),
+            "vocab_size": dcfg.vocab_size, "hidden_act": "silu", "attention_bias": False,
+            "max_position_embeddings": target.max_position_embeddings,
+            "tie_word_embeddings": False, "torch_dtype": dtype,
+            "bos_token_id": target.bos_token_id,
+            "eos_token_id": list(target.eos_token_ids) or None}
+
+
+def target_head(target_dir: str, target: ModelConfig) -> np.ndarray:
+    """The target's LM head [V,D] (its embedding when tied) read from `target_dir` alone,
+    as stored. Raises SpecjaxError if it is missing."""
+    from safetensors import safe_open
+
+    from specjax.drafters.external import safetensors_files
+
+    names = ("model.embed_tokens.weight",) if target.tie_word_embeddings else (
+        "lm_head.weight", "model.embed_tokens.weight")
+    for name in names:
+        for file in safetensors_files(target_dir):
+            with safe_open(file, framework="numpy") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise SpecjaxError(f"{target_dir}: no tensor {names[0]} (the target's LM head)")
+
+
+def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,
+                   head: np.ndarray | None = None) -> tuple[dict, dict]:
+    """(tensors by external name, config.json fields specific to the layout) of a
+    drafter's weights (specjax name -> array, as `io.param_tensors`).
+
+    head: eagle3-hf only: the target's LM head [V,D], written as lm_head.weight.
+    Raises: SpecjaxError if the drafter does not fit `layout`."""
+    L = dcfg.target_num_layers
+    if layout == EAGLE3:
+        if dcfg.kind != "eagle3":
+            raise SpecjaxError(f"a {dcfg.kind} drafter has no EAGLE-3 layout (its "
+                               f"{'merge_k' if dcfg.uses_kv else 'layers'} weights have no "
+                               "counterpart); export an eagle3 drafter")
+        if len(dcfg.capture) != 3:
+            raise SpecjaxError(f"EAGLE-3's fc.weight reads 3 target layers; this drafter "
+                               f"captures {list(dcfg.capture)}")
+        extra = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                 "num_hidden_layers": 1, "draft_vocab_size": dcfg.vocab_size,
+                 "eagle_aux_hidden_state_layer_ids": list(dcfg.capture),
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(dcfg.capture),
+                                  "use_aux_hidden_state": True}}
+    elif layout == DFLASH:
+        if dcfg.kind != "block" or dcfg.context != "hidden":
+            what = "merge_k (target KV context)" if dcfg.uses_kv else f"{dcfg.kind} weights"
+            raise SpecjaxError(f"DFlash heads read target hidden states only; this "
+                               f"{dcfg.kind} drafter's {what} has no counterpart")
+        if not dcfg.qk_norm:
+            raise SpecjaxError("DFlash layers have q_norm/k_norm; this drafter has none")
+        bad = [d for d in dcfg.capture if not 1 <= d <= L - 1]
+        if bad:
+            raise SpecjaxError(f"capture depth {bad[0]} has no DFlash target_layer_id "
+                               f"(ids index layer outputs 0..{L - 2}: depths 1..{L - 1})")
+        extra = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                 "num_hidden_layers": dcfg.num_layers, "num_target_layers": L,
+                 "block_size": dcfg.gamma + 1,
+                 "dflash_config": {"mask_token_id": dcfg.mask_token_id,
+                                   "target_layer_ids": [d - 1 for d in dcfg.capture]},
+                 "layer_types": ["full_attention"] * dcfg.num_layers,
+                 "use_sliding_window": False, "sliding_window": None}
+    else:
+        raise SpecjaxError(f"--to {layout!r}; use one of {LAYOUTS}")
+    out = {}
+    for name, (attr, i) in tensor_table(dcfg).items():
+        w = np.asarray(weights[attr])
+        out[name] = np.ascontiguousarray(w if i is None else w[i])
+    if layout == EAGLE3:
+        if head is None or tuple(head.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+            raise SpecjaxError("an eagle3-hf export needs the target's LM head [V, D]")
+        out["lm_head.weight"] = np.ascontiguousarray(head)
+        out["d2t"] = np.zeros((dcfg.vocab_size,), np.int64)
+        out["t2d"] = np.ones((dcfg.vocab_size,), bool)
+    return out, extra
+
+
+def export_dir(src: str, dst: str, layout: str, target_dir: str | None = None,
+               dtype: str = "bfloat16") -> str:
+    """Writes drafter directory `src` (train.py's) to `dst` in `layout` ("eagle3-hf" or
+    "dflash"): config.json and model.safetensors (float weights in `dtype`, "bfloat16"
+    or "float32"), into a temporary sibling renamed at the end. Returns dst.
+
+    Raises: SpecjaxError for an existing dst, an unreadable src, a target without a recorded or given
+      directory or of other shapes, and drafters the layout cannot hold."""
+    from safetensors.numpy import save_file
+
+    from specjax.drafters.io import load_drafter, param_tensors
+
+    if dtype not in ("bfloat16", "float32"):
+        raise SpecjaxError(f"--dtype {dtype!r}; use bfloat16 or float32")
+    if os.path.exists(dst):
+        raise SpecjaxError(f"{dst} exists; remove it or pick another destination")
+    dcfg, params, record = load_drafter(src)
+    target_dir = target_dir or record.get("path")
+    if not target_dir:
+        raise SpecjaxError(f"{src} records no target directory; pass --target")
+    target = ModelConfig.from_dir(target_dir)
+    dcfg.check_target(target, where=f"drafter {src}")
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    weights = param_tensors(params)
+    head = target_head(target_dir, target) if layout == EAGLE3 else None
+    tensors, extra = export_tensors(dcfg, weights, layout, head)
+    tensors = {k: (v.astype(np_dtype) if np.issubdtype(v.dtype, np.floating) or
+                   v.dtype == ml_dtypes.bfloat16 else v) for k, v in tensors.items()}
+    config = {**extra, **_base_config(dcfg, target, dtype)}
+    parent = os.path.dirname(os.path.abspath(dst)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "model.safetensors"):
+            os.chmod(os.path.join(tmp, name), 0o644)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--to", required=True, choices=LAYOUTS, help="the layout to write")
+    ap.add_argument("src", help="a drafter directory written by train.py")
+    ap.add_argument("dst", help="the directory to write (must not exist)")
+    ap.add_argument("--target", help="the target's HF directory (default: the recorded one)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = ap.parse_args(argv)
+    try:
+        export_dir(args.src, args.dst, args.to, args.target, args.dtype)
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst} ({args.to})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

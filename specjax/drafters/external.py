@@ -1,0 +1,443 @@
+"""Drafters trained elsewhere: EAGLE-3 heads (SafeAILab/EAGLE, SpecForge) and DFlash
+heads (z-lab/dflash), read from local directories into specjax's eagle3 and block
+drafters (DESIGN.md section 5, "Checkpoint layouts").
+
+    layout = detect_layout("heads/qwen3-8b-eagle3")          # "eagle3-hf", "dflash", None
+    drafter, params = load_external("heads/qwen3-8b-eagle3", target)
+    speculative_loop(..., drafter, params, ...)
+
+One name table per layout (`tensor_table`) maps every tensor of the directory to a
+specjax weight (and a layer index into the stacked [Ld, ...] weights); `convert.py`
+writes the same tables back. Facts taken from the public code:
+
+- EAGLE-3 (`architectures: ["LlamaForCausalLMEagle3"]`; sgl-project/SpecForge
+  `specforge/modeling/draft/llama3_eagle.py`, vllm `model_executor/models/llama_eagle3.py`,
+  SafeAILab/EAGLE `eagle/model/cnets.py`): `fc.weight` [D,3D]; `midlayer.*` one decoder
+  layer whose q/k/v read [input_layernorm(embedding) ; hidden_norm(h)] (2D, embedding
+  first), residual h; `norm.weight`; `lm_head.weight` [Vd,D] over a hot draft
+  vocabulary with `d2t` (i64[Vd], target id = draft id + d2t[draft id]) and `t2d`
+  (bool[V], the hot set; SpecForge `data/preprocessing.py`); optional Qwen3-style
+  `midlayer.self_attn.{q,k}_norm.weight` [H]. The draft's RoPE is its own (config
+  `rope_theta`, LlamaConfig's 10000 when absent; `rope_scaling` default or llama3).
+  Target features: the inputs of target layers `eagle_aux_hidden_state_layer_ids`
+  (vllm), default (2, L//2, L-3) as in EAGLE's `modeling_llama_kv.py`.
+- DFlash (a Qwen3Config with `dflash_config: {mask_token_id, target_layer_ids}` and
+  `block_size`; z-lab/dflash `dflash/model.py`, vllm `qwen3_dflash.py`): `fc.weight`
+  [D,n*D], `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` Qwen3 layers (q_norm,
+  k_norm); no embedding or LM head; target_layer_ids index layer OUTPUTS (HF
+  hidden_states[id + 1], the input of layer id + 1 = a specjax capture depth).
+
+Anything these layouts can say that specjax cannot run exactly (biases, fc_norm, sliding
+windows, causal draft attention, other RoPE types, ...) raises SpecjaxError naming the key
+or tensor: an inexact import would still be lossless (the target verifies) but slower
+than the user was promised, silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.config import ModelConfig
+from specjax.drafters.config import DrafterConfig
+from specjax.errors import SpecjaxError
+
+EAGLE3, DFLASH = "eagle3-hf", "dflash"
+LAYOUTS = (EAGLE3, DFLASH)
+
+# Per-layer suffix -> stacked specjax weight (common.layer_weights names).
+_LAYER = {
+    "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj", "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "post_attention_layernorm.weight": "post_norm", "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj", "mlp.down_proj.weight": "down_proj",
+}
+# Tensors a directory may hold that are not drafter weights: read by `_hot_vocab`, or
+# the target's own embedding (SpecForge and EAGLE may save a frozen copy; specjax always
+# reads the target's).
+_OUTSIDE = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
+
+
+def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
+    """External tensor name -> (specjax weight name, layer index or None) for an eagle3
+    (EAGLE-3 layout) or block-hidden (DFlash layout) drafter config."""
+    if dcfg.kind == "eagle3":
+        out = {"fc.weight": ("fc", None), "norm.weight": ("final_norm", None),
+               "midlayer.input_layernorm.weight": ("embed_norm", None),
+               "midlayer.hidden_norm.weight": ("hidden_norm", None)}
+        out.update({f"midlayer.{k}": (v, 0) for k, v in _LAYER.items()})
+    else:
+        out = {"fc.weight": ("fc", None), "norm.weight": ("final_norm", None),
+               "hidden_norm.weight": ("hidden_norm", None)}
+        for i in range(dcfg.num_layers):
+            out[f"layers.{i}.input_layernorm.weight"] = ("input_norm", i)
+            out.update({f"layers.{i}.{k}": (v, i) for k, v in _LAYER.items()})
+    if not dcfg.qk_norm:
+        out = {k: v for k, v in out.items() if v[0] not in ("q_norm", "k_norm")}
+    return out
+
+
+def read_config(path: str) -> dict:
+    """config.json of `path` as a dict. Raises SpecjaxError if absent or unreadable."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise SpecjaxError(f"drafter directory {path} does not exist")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise SpecjaxError(f"{cfg_path} is missing; a drafter directory needs config.json") \
+            from None
+    except (OSError, ValueError) as e:
+        raise SpecjaxError(f"{cfg_path} is unreadable ({' '.join(str(e).split())[:200]})") \
+            from None
+    if not isinstance(raw, dict):
+        raise SpecjaxError(f"{cfg_path} must hold a JSON object")
+    return raw
+
+
+def detect_layout(path: str) -> str | None:
+    """"dflash" for a config.json with `dflash_config`, "eagle3-hf" for one naming an
+    Eagle3 architecture or carrying `draft_vocab_size`, else None (a specjax drafter
+    directory, an HF draft LM, or not a directory). Never raises."""
+    try:
+        raw = read_config(path)
+    except SpecjaxError:
+        return None
+    if raw.get("format") == "specjax-drafter":
+        return None
+    if "dflash_config" in raw:
+        return DFLASH
+    archs = raw.get("architectures") or []
+    if any("eagle3" in str(a).lower() for a in archs) or "draft_vocab_size" in raw:
+        return EAGLE3
+    return None
+
+
+# ----------------------------------------------------------------------------- reading
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of `path`: its sharded index, model.safetensors, or else every
+    *.safetensors. Raises SpecjaxError when there are none (pytorch_model.bin included:
+    specjax never unpickles)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise SpecjaxError(f"{index} is unreadable ({e})") from None
+        return [os.path.join(path, n) for n in names]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(path, f) for f in files]
+    bins = [f for f in os.listdir(path) if f.endswith(".bin") or f.endswith(".pt")]
+    hint = (f" ({bins[0]} is a torch pickle: re-save it with safetensors.torch.save_file)"
+            if bins else "")
+    raise SpecjaxError(f"{path} has no *.safetensors weights{hint}; specjax reads "
+                       "safetensors only")
+
+
+def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of `path` (numpy, stored dtype) and the file each came from.
+    Raises SpecjaxError for unreadable files and a tensor present in two files."""
+    from safetensors import safe_open
+
+    out, where = {}, {}
+    for file in safetensors_files(path):
+        if not os.path.isfile(file):
+            raise SpecjaxError(f"{file} is listed in the safetensors index but missing")
+        try:
+            handle = safe_open(file, framework="numpy")
+        except Exception as e:  # safetensors raises its own error types
+            raise SpecjaxError(f"{file} is not a readable safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                if name in out:
+                    raise SpecjaxError(f"{file}: tensor {name} is also in {where[name]}")
+                out[name], where[name] = f.get_tensor(name), file
+    return out, where
+
+
+def rope_inv_freq(raw: dict, head_dim: int, where: str, default_theta: float | None,
+                  target: ModelConfig) -> tuple[float, np.ndarray]:
+    """(rope_theta, f64[H/2] RoPE inverse frequencies) of a draft config (rope_theta,
+    rope_scaling or rope_parameters: default or llama3), by `ModelConfig.inv_freq`.
+
+    default_theta: used when the config has no rope_theta (None: SpecjaxError)."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise SpecjaxError(f"{where}: rope_scaling must be an object or null")
+    theta = rope.get("rope_theta", raw.get("rope_theta", default_theta))
+    if theta is None:
+        raise SpecjaxError(f"{where}: rope_theta is missing (z-lab's code would take "
+                           "Qwen3Config's 10000, vLLM 1000000); add it to config.json")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        if any(k not in rope for k in keys):
+            raise SpecjaxError(f"{where}: llama3 rope_scaling needs {', '.join(keys)}")
+        scaling = tuple((k, float(rope[k])) for k in keys)
+    elif kind not in ("default", None):
+        raise SpecjaxError(f"{where}: rope_scaling type {kind!r} is not supported "
+                           "(default or llama3)")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise SpecjaxError(f"{where}: rope_theta={theta!r} must be a positive number")
+    return float(theta), dataclasses.replace(target, rope_theta=float(theta),
+                                             rope_scaling=scaling, head_dim=head_dim).inv_freq()
+
+
+def _refuse(raw: dict, where: str, checks) -> None:
+    """Raises for the first (key, value, neutral values) whose value is not neutral."""
+    for key, value, neutral in checks:
+        if value not in neutral:
+            raise SpecjaxError(f"{where}: {key}={value!r} is not supported by specjax's "
+                               f"drafter (supported: {neutral[0]!r})")
+
+
+class External(NamedTuple):
+    """A directory read into specjax terms.
+
+    dcfg: the DrafterConfig (kind eagle3 or block/hidden).
+    weights: specjax weight name -> np.ndarray in the network's shapes (stacked [Ld,...]).
+    head: own LM head [Vd,D] or None (the target's is used).
+    draft_ids: i32[Vd] target id of each hot-vocabulary row, or None (Vd == V, identity).
+    inv_freq: f64[H/2] the drafter's own RoPE frequencies.
+    """
+
+    dcfg: DrafterConfig
+    weights: dict
+    head: np.ndarray | None
+    draft_ids: np.ndarray | None
+    inv_freq: np.ndarray
+
+
+def _common_config(raw: dict, target: ModelConfig, where: str) -> dict:
+    """DrafterConfig fields every layout shares; checks width and vocabulary."""
+    D, V = target.hidden_size, target.vocab_size
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(raw.get(key), int):
+            raise SpecjaxError(f"{where}: {key} is missing or not an integer")
+    if raw["hidden_size"] != D or raw.get("target_hidden_size", D) != D:
+        raise SpecjaxError(f"{where}: hidden_size {raw['hidden_size']} (target_hidden_size "
+                           f"{raw.get('target_hidden_size')}) != the target's {D}")
+    if raw.get("vocab_size", V) != V:
+        raise SpecjaxError(f"{where}: vocab_size {raw['vocab_size']} != the target's {V}")
+    _refuse(raw, where, [
+        ("attention_bias", raw.get("attention_bias", False), (False, None)),
+        ("qkv_bias", raw.get("qkv_bias", False), (False, None)),
+        ("mlp_bias", raw.get("mlp_bias", False), (False, None)),
+        ("hidden_act", raw.get("hidden_act", "silu"), ("silu",)),
+        ("logit_scale", raw.get("logit_scale", 1.0), (1.0, 1, None)),
+        ("use_sliding_window", raw.get("use_sliding_window", False), (False, None)),
+    ])
+    N = raw["num_attention_heads"]
+    return dict(hidden_size=D, num_heads=N, num_kv_heads=raw.get("num_key_value_heads") or N,
+                head_dim=raw.get("head_dim") or D // N,
+                intermediate_size=raw["intermediate_size"], vocab_size=V,
+                target_num_layers=target.num_layers,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
+
+
+def eagle3_config(raw: dict, target: ModelConfig, where: str, qk_norm: bool) -> DrafterConfig:
+    """DrafterConfig of an EAGLE-3 config.json (LlamaForCausalLMEagle3)."""
+    L = target.num_layers
+    eagle = raw.get("eagle_config") or {}
+    _refuse(raw, where, [
+        ("num_hidden_layers", raw.get("num_hidden_layers", 1), (1,)),
+        ("fc_norm", raw.get("fc_norm", False), (False, None)),
+        ("norm_output", raw.get("norm_output", True), (True, None)),
+        ("norm_before_residual", raw.get("norm_before_residual", False), (False, None)),
+        ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state", True),
+         (True,)),
+    ])
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
+        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+    if not (isinstance(ids, list) and len(ids) == 3 and
+            all(isinstance(i, int) and 0 <= i <= L for i in ids)):
+        raise SpecjaxError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be three "
+                           f"target layer ids in 0..{L} (default (2, L//2, L-3))")
+    fields = _common_config(raw, target, where)
+    return DrafterConfig(kind="eagle3", num_layers=1, capture=tuple(ids), qk_norm=qk_norm,
+                         **fields)
+
+
+def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
+    """DrafterConfig (block, context hidden) of a z-lab DFlash config.json."""
+    from specjax.drafters.config import evenly_spaced_layers
+
+    L = target.num_layers
+    dc = raw.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise SpecjaxError(f"{where}: dflash_config must be an object")
+    layers = raw.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise SpecjaxError(f"{where}: num_hidden_layers is missing or not a positive integer")
+    if raw.get("num_target_layers", L) != L:
+        raise SpecjaxError(f"{where}: num_target_layers {raw['num_target_layers']} != the "
+                           f"target's {L} layers")
+    types = raw.get("layer_types") or []
+    _refuse(raw, where, [
+        ("layer_types", sorted(set(types)), ([], ["full_attention"])),
+        ("is_causal", raw.get("is_causal"), (None, False)),
+        ("is_neox_style", raw.get("is_neox_style", True), (True,)),
+        ("dflash_config.causal", dc.get("causal"), (None, False)),
+        ("dflash_config.use_swa", dc.get("use_swa", False), (False,)),
+        ("dflash_config.attention_sink_bias", dc.get("attention_sink_bias", False), (False,)),
+        ("dflash_config.projector_type", dc.get("projector_type"), (None,)),
+        ("dflash_config.pure_draft_prefix_len", dc.get("pure_draft_prefix_len", 0), (0,)),
+        ("dflash_config.shift_label", dc.get("shift_label", False), (False,)),
+        ("input_embedding_scale", raw.get("input_embedding_scale", 1.0), (1.0, 1, None)),
+        ("output_multiplier", raw.get("output_multiplier", 1.0), (1.0, 1, None)),
+        ("final_logit_softcapping", raw.get("final_logit_softcapping"), (None,)),
+    ])
+    ids = dc.get("target_layer_ids") or list(evenly_spaced_layers(L, layers))
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < L - 1
+                                                  for i in ids)):
+        raise SpecjaxError(f"{where}: dflash_config.target_layer_ids {ids} must be layer ids "
+                           f"in 0..{L - 2} (id {L - 1} is HF's post-norm hidden_states[L], "
+                           "which specjax does not capture)")
+    mask = dc.get("mask_token_id", raw.get("mask_token_id"))
+    block = raw.get("block_size", dc.get("block_size", 16))
+    if not isinstance(block, int) or block < 2:
+        raise SpecjaxError(f"{where}: block_size={block!r} must be an integer >= 2")
+    if not isinstance(mask, int):
+        raise SpecjaxError(f"{where}: dflash_config.mask_token_id is missing")
+    return DrafterConfig(kind="block", context="hidden", num_layers=layers,
+                         capture=tuple(i + 1 for i in ids), mask_token_id=mask,
+                         gamma=block - 1, **_common_config(raw, target, where))
+
+
+def _hot_vocab(tensors, raw, dcfg: DrafterConfig, where: dict, path: str):
+    """(head [Vd,D] or None, draft_ids i32[Vd] or None) from lm_head / d2t / t2d."""
+    V, D = dcfg.vocab_size, dcfg.hidden_size
+    head, d2t, t2d = (tensors.get(k) for k in ("lm_head.weight", "d2t", "t2d"))
+    Vd = raw.get("draft_vocab_size") or V
+    if head is None:
+        if Vd != V or d2t is not None:
+            raise SpecjaxError(f"{path}: tensor lm_head.weight missing (draft_vocab_size "
+                               f"{Vd}, d2t present: {d2t is not None})")
+        return None, None
+    if tuple(head.shape) != (Vd, D):
+        raise SpecjaxError(f"{where['lm_head.weight']}: tensor lm_head.weight has shape "
+                           f"{tuple(head.shape)}, expected {(Vd, D)} from draft_vocab_size")
+    if d2t is None:
+        if Vd != V:
+            raise SpecjaxError(f"{path}: tensor d2t missing (lm_head has {Vd} rows, the "
+                               f"target vocabulary {V})")
+        return head, None
+    if tuple(d2t.shape) != (Vd,) or not np.issubdtype(d2t.dtype, np.integer):
+        raise SpecjaxError(f"{where['d2t']}: tensor d2t has shape {tuple(d2t.shape)} "
+                           f"{d2t.dtype}, expected int64 {(Vd,)}")
+    ids = np.arange(Vd, dtype=np.int64) + d2t.astype(np.int64)
+    if ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != Vd:
+        raise SpecjaxError(f"{where['d2t']}: tensor d2t maps draft ids outside 0..{V - 1} "
+                           "or two draft ids to one target id")
+    if t2d is not None:
+        t2d = np.asarray(t2d)
+        if tuple(t2d.shape) != (V,) or t2d.astype(bool).sum() != Vd or \
+                not t2d.astype(bool)[ids].all():
+            raise SpecjaxError(f"{where['t2d']}: tensor t2d (shape {tuple(t2d.shape)}) does "
+                               "not mark exactly the target ids of d2t")
+    if Vd == V and (ids == np.arange(V)).all():
+        return head, None
+    return head, ids.astype(np.int32)
+
+
+def read_external(path: str, target: ModelConfig) -> External:
+    """Reads an EAGLE-3 or DFlash directory for `target` (its ModelConfig).
+
+    Raises: SpecjaxError (one line naming the key or tensor) for a directory of another
+      layout, config keys specjax cannot run exactly, a missing, unexpected or wrongly
+      shaped tensor, or shapes that do not fit the target.
+    """
+    from specjax import drafters
+
+    layout = detect_layout(path)
+    if layout is None:
+        raise SpecjaxError(f"{path}: config.json is neither an EAGLE-3 nor a DFlash head")
+    raw = read_config(path)
+    where_cfg = os.path.join(path, "config.json")
+    tensors, where = read_tensors(path)
+    if layout == EAGLE3:
+        qk = "midlayer.self_attn.q_norm.weight" in tensors
+        dcfg = eagle3_config(raw, target, where_cfg, qk)
+        theta, inv = rope_inv_freq(raw, dcfg.head_dim, where_cfg, 10000.0, target)
+    else:
+        dcfg = dflash_config(raw, target, where_cfg)
+        theta, inv = rope_inv_freq(raw, dcfg.head_dim, where_cfg, None, target)
+    dcfg = dataclasses.replace(dcfg, rope_theta=theta)
+    dcfg.check_target(target, where=path)
+    abstract = nnx.eval_shape(lambda: drafters.build_network(dcfg, rngs=nnx.Rngs(0)))
+    shapes = {".".join(map(str, p)): tuple(v.get_value().shape)
+              for p, v in nnx.to_flat_state(nnx.split(abstract, nnx.Param, ...)[1])}
+    table = tensor_table(dcfg)
+    for name in tensors:
+        if name not in table and name not in _OUTSIDE:
+            raise SpecjaxError(f"{where[name]}: tensor {name} has no counterpart in specjax's "
+                               f"{dcfg.kind} drafter ({layout} layout)")
+    missing = [n for n in table if n not in tensors]
+    if missing:
+        raise SpecjaxError(f"{path}: tensor {missing[0]} missing ({layout} layout"
+                           f"{f', and {len(missing) - 1} more' if len(missing) > 1 else ''})")
+    parts: dict[str, dict] = {}
+    for name, (attr, i) in table.items():
+        arr, want = tensors[name], shapes[attr][1:] if i is not None else shapes[attr]
+        if tuple(arr.shape) != want:
+            raise SpecjaxError(f"{where[name]}: tensor {name} has shape {tuple(arr.shape)}, "
+                               f"expected {want} from config.json")
+        parts.setdefault(attr, {})[i] = arr.astype(np.float32)
+    # p[None]: a whole weight; else the per-layer slices stacked in layer order
+    weights = {a: (p[None] if None in p else np.stack([p[i] for i in sorted(p)]))
+               for a, p in parts.items()}
+    assert set(weights) == set(shapes), (sorted(weights), sorted(shapes))
+    emb = tensors.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise SpecjaxError(f"{where['embed_tokens.weight']}: tensor embed_tokens.weight has "
+                           f"shape {tuple(emb.shape)}, not the target's embedding's")
+    head, ids = _hot_vocab(tensors, raw, dcfg, where, path)
+    return External(dcfg, weights, None if head is None else head.astype(np.float32), ids,
+                    inv)
+
+
+def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
+                  dtype=jnp.float32, matmul_dtype=None):
+    """(drafter, params) for `speculative_loop` from an EAGLE-3 or DFlash directory.
+
+    Args:
+      path: the directory; target: the `specjax.model.Transformer` it drafts for.
+      gamma: G (None: the layout's, DFlash block_size - 1, EAGLE-3 7).
+      sampling: SamplingParams (default greedy); dtype: the drafter's parameter dtype;
+      matmul_dtype: as `drafters.make_drafter`.
+    Returns: the loop adapter and params {"net", "embed", "head", "inv_freq"} plus
+      "draft_ids" (i32[Vd]) for a hot draft vocabulary; draft tokens and q [B,G,V] are in
+      the target vocabulary, q zero outside the hot set.
+    Raises: SpecjaxError as `read_external`.
+    """
+    from specjax.drafters import build_network, make_drafter
+    from specjax.sampling import SamplingParams
+
+    ext = read_external(path, target.cfg)
+    abstract = nnx.eval_shape(lambda: build_network(ext.dcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    for p, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(ext.weights[".".join(map(str, p))], dtype))
+    net = nnx.merge(graphdef, state)
+    drafter, params = make_drafter(ext.dcfg, net, target, gamma=gamma,
+                                   sampling=sampling or SamplingParams(),
+                                   matmul_dtype=matmul_dtype)
+    params["inv_freq"] = jnp.asarray(ext.inv_freq, jnp.float32)
+    if ext.head is not None:
+        params["head"] = jnp.asarray(ext.head, matmul_dtype or dtype)
+    if ext.draft_ids is not None:
+        params["draft_ids"] = jnp.asarray(ext.draft_ids, jnp.int32)
+    return drafter, params
