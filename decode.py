@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "logits (interpret mode on CPU: slow), reference = its jnp twin "
                          "(identical output for a seed), off = specjax.verify on "
                          "probabilities; auto: pallas on TPU, reference elsewhere")
+    ap.add_argument("--mesh", default=None,
+                    help="data=D,model=M: shard the target's weights and KV cache over M "
+                         "devices (heads, F, V) and batch rows over D (--batch-size a "
+                         "multiple of D); default: one device")
     ap.add_argument("--output", help="write completions to this JSONL file")
     ap.add_argument("--summary", help="write the summary to this JSON file")
     ap.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=True,
@@ -350,13 +354,19 @@ def run(args) -> int:
             "--allow-long-context to run anyway")
     prompt_width = prompt_width_for(longest, max_length)
     check_memory(args, cfg, dtype, max_length, prompt_width)
+    mesh = None
+    if args.mesh:
+        from specjax.sharding import check_batch, decode_mesh
+
+        mesh = decode_mesh(args.mesh)
+        check_batch(mesh, args.batch_size)
     target = load_model(args.target, dtype=dtype, matmul_dtype=flag_dtype(args.matmul_dtype))
 
     drafter, dparams, drafter_arg = make_drafter_from_args(args, target, sampling, dtype)
     eos = () if args.ignore_eos else cfg.eos_token_ids
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
-                  kernels=args.kernels)
+                  kernels=args.kernels, mesh=mesh)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams, **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
@@ -383,7 +393,8 @@ def run(args) -> int:
                "drafter": drafter_arg, "gamma": args.gamma if drafter is not None else 0,
                "verify": "greedy" if sampling.greedy else args.verify,
                "kernels": engines["main"].cfg.kernels,
-               "batch_size": args.batch_size, "prompts": len(prompts)}
+               "batch_size": args.batch_size, "prompts": len(prompts),
+               "mesh": dict(mesh.shape) if mesh is not None else None}
     if args.compare_ar:
         ar = stats.get("ar", st)
         summary["ar_tokens_per_s"] = ar.tokens_per_s

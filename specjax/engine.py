@@ -102,6 +102,16 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     return "pallas" if (backend or jax.default_backend()) == "tpu" else "reference"
 
 
+def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
+    """(N, K) of a drafter's attention: its config's, a draft LM's own model's, else the
+    target's (n-gram has no weights)."""
+    cfg = getattr(drafter, "cfg", None)
+    if cfg is None and hasattr(drafter, "graphdef"):
+        cfg = nnx.merge(drafter.graphdef, params).cfg
+    cfg = cfg if hasattr(cfg, "num_kv_heads") else target_cfg
+    return cfg.num_heads, cfg.num_kv_heads
+
+
 class Engine:
     """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
 
@@ -117,22 +127,44 @@ class Engine:
       eos_token_ids: ids that end a row (empty for --ignore-eos).
       layer_loop: "auto", "scan" or "unroll" (see `specjax.model.decoding_params`).
       kernels: verification path, see `resolve_kernels`.
+      mesh: None (one device) or a (data, fsdp, model) mesh (`specjax.sharding.decode_mesh`):
+        the target's and the drafter's weights and the KV cache are sharded over `model`,
+        rows over `data` x `fsdp` (`batch_size` must split evenly).
+
+    Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
+    divide.
     """
 
     def __init__(self, target, *, drafter=None, drafter_params=None,
                  sampling: SamplingParams = SamplingParams(), verify="block",
                  max_length: int, prompt_width: int, batch_size: int = 1,
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", mesh=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
         self.params = decoding_params(self.params, layer_loop)
         self.vocab_size = target.cfg.vocab_size
         self.drafter, self.drafter_params = drafter, drafter_params
+        self.mesh = mesh
+        cache_sharding = None
+        if mesh is not None:
+            from specjax import sharding
+
+            c = target.cfg
+            sharding.check_batch(mesh, batch_size)
+            self.params = sharding.shard_params(mesh, self.params, c.num_heads, c.num_kv_heads)
+            if drafter is not None:
+                n, k = _drafter_heads(drafter, drafter_params, c)
+                self.drafter_params = sharding.shard_params(mesh, drafter_params, n, k)
+            gamma = drafter.gamma if drafter is not None else 0
+            shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + gamma + 1,
+                     c.head_dim)
+            cache_sharding = sharding.cache_sharding(mesh, shape, c.num_heads)
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
-                              verify=verify, kernels=resolve_kernels(kernels))
+                              verify=verify, kernels=resolve_kernels(kernels),
+                              cache_sharding=cache_sharding)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -154,7 +186,12 @@ class Engine:
             tokens[b, :len(ids)] = ids
             lengths[b] = len(ids)
             budgets[b] = max_new_tokens
-        return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets)
+        if self.mesh is None:
+            return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets)
+        from specjax.sharding import rows_sharding
+
+        return tuple(jax.device_put(a, rows_sharding(self.mesh, a.shape))
+                     for a in (tokens, lengths, budgets))
 
     def _fn_args(self, args):
         if self.drafter is None:

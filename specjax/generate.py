@@ -58,6 +58,9 @@ class LoopConfig:
       (a `lax.scan` over chunks, each writing its K/V before the next attends to them),
       so activation memory follows the chunk, not the prompt: a 32k-token prompt needs
       scores for one chunk of tokens against one chunk of cache slots at a time.
+    cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
+      the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
+      applied where the cache is created.
     """
 
     max_length: int
@@ -69,6 +72,7 @@ class LoopConfig:
     pallas_backend: str = "auto"
     pallas_interpret: bool | None = None
     prefill_chunk: int = 512
+    cache_sharding: Any = None
 
     def __post_init__(self):
         if self.prefill_chunk < 1:
@@ -142,6 +146,10 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
     capacity = cfg.max_length + gamma + 1
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
     cache = model.init_cache(B, capacity)
+    if cfg.cache_sharding is not None:
+        constrain = functools.partial(jax.lax.with_sharding_constraint,
+                                      shardings=cfg.cache_sharding)
+        cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
     if Tp <= cfg.prefill_chunk:
         out = model(prompts, positions, cache, capture=capture,
                     logits_at=(prompt_lengths - 1)[:, None])
