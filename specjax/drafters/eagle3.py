@@ -4,8 +4,9 @@ SafeAILab/EAGLE and SpecForge, DESIGN.md section 5).
 One decoder layer over x_t = [embed_norm(embed(token_{t+1})) ; hidden_norm(h_t)] (2D
 features), with h as its residual: h_0 = fc(concat of target features at 3 depths),
 later steps feed back the layer's own pre-norm output. Logits come from the target's LM
-head after the drafter's final norm. Entry t (RoPE position t) pairs feature t with
-token t+1 and predicts token t+2.
+head after the drafter's final norm (an imported EAGLE-3 head's own head over a hot
+vocabulary: `common.LearnedDrafter.logits`, `external.py`). Entry t (RoPE position t)
+pairs feature t with token t+1 and predicts token t+2.
 
 Decoding state (`Eagle3State`): the drafter's one-layer KV cache [1,B,K,S,H], valid for
 positions 0..lengths-2 (built from TARGET features of committed tokens), and h_last
