@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the target and so the output are unaffected. auto: bfloat16 "
                          "(bf16 inputs, f32 accumulation; faster on CPU, the TPU/GPU "
                          "default anyway)")
+    ap.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                    help="learned drafters: auto = draft over the hot vocabulary in the "
+                         "drafter directory's draft_vocab.json when there is one (a smaller "
+                         "LM-head matmul per draft step; output unchanged), full = all ids")
     ap.add_argument("--kernels", choices=("auto", "off", "reference", "pallas"),
                     default="auto",
                     help="verification: pallas = the fused Pallas kernel from the target's "
@@ -193,7 +197,8 @@ def make_drafter_from_args(args, target, sampling, dtype):
     if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
         drafter, dparams = load_external(
             name, target, gamma=args.gamma, sampling=sampling, dtype=dtype,
-            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")))
+            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")),
+            draft_vocab=getattr(args, "draft_vocab", "auto"))
         args.gamma = drafter.gamma
         return drafter, dparams, name
     if DrafterConfig.is_drafter_dir(name):
@@ -223,10 +228,13 @@ def drafter_matmul_dtype(name: str):
     return flag_dtype(name, auto=jnp.bfloat16)
 
 
-def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None):
+def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
+                         draft_vocab="full"):
     """(drafter, params) from a drafter directory written by train.py, checked against the
     target: same shapes, and trained against these weights (the fingerprint recorded at
-    export). Raises SpecjaxError naming both directories otherwise."""
+    export). draft_vocab: "auto" drafts over the directory's hot vocabulary
+    (draft_vocab.json, `specjax.drafters.vocab`) when it has one, "full" over all ids.
+    Raises SpecjaxError naming both directories otherwise."""
     from flax import nnx
 
     from specjax.checkpoint import fingerprint
@@ -248,8 +256,13 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
                            f"{target_dir}") from None
     net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
     nnx.update(net, params)
+    hot = None
+    if draft_vocab == "auto":
+        from specjax.drafters.vocab import load_draft_vocab
+
+        hot = load_draft_vocab(path, target.cfg.vocab_size)
     return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling,
-                        matmul_dtype=matmul_dtype)
+                        matmul_dtype=matmul_dtype, draft_vocab=hot)
 
 
 def _format_table(summary: dict) -> str:

@@ -34,10 +34,12 @@ def drafter_net(kind, context, seed=0):
     return dcfg, build_network(dcfg, rngs=nnx.Rngs(seed))
 
 
-def run_learned(kind, context, G, budgets, eos=(), verify="block", matmul_dtype=None):
+def run_learned(kind, context, G, budgets, eos=(), verify="block", matmul_dtype=None,
+                draft_vocab=None):
     target, _ = models()
     dcfg, net = drafter_net(kind, context)
-    drafter, dparams = make_drafter(dcfg, net, target, gamma=G, matmul_dtype=matmul_dtype)
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=G, matmul_dtype=matmul_dtype,
+                                    draft_vocab=draft_vocab)
     g, p = nnx.split(target)
     cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos, verify=verify)
     toks, lens = prompts()

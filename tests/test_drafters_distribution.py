@@ -20,7 +20,7 @@ from specjax.generate import LoopConfig, speculative_loop
 
 
 @functools.cache
-def _learned(kind: str, gamma: int):
+def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None):
     target = _models()[0]
     dcfg = DrafterConfig.for_target(du.CFG, kind, gamma=gamma,
                                     mask_token_id=PAD if kind == "block" else None)
@@ -28,12 +28,12 @@ def _learned(kind: str, gamma: int):
     state = nnx.state(net, nnx.Param)
     nnx.update(net, jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 and x.shape[-1] != x.shape[-2]
                                  else x, state))
-    return make_drafter(dcfg, net, target, gamma=gamma, sampling=PLAIN)
+    return make_drafter(dcfg, net, target, gamma=gamma, sampling=PLAIN, draft_vocab=hot)
 
 
-def _tokens(kind, verify, gamma):
+def _tokens(kind, verify, gamma, hot=None):
     _, _, graphdef, params = _models()
-    drafter, dparams = _learned(kind, gamma)
+    drafter, dparams = _learned(kind, gamma, hot)
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=PLAIN,
                     verify=verify)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
@@ -58,4 +58,18 @@ def test_learned_drafter_sampling_is_lossless(kind, verify):
     assert (emp[exact == 0] == 0).all()
     assert stat < thresh, (stat, thresh)
     # Meaningful only if drafts are both accepted and rejected.
+    assert 0.05 < accepted[:, 0].mean() < 0.95
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_hot_draft_vocabulary_sampling_is_lossless(kind):
+    """A hot draft vocabulary (4 of the 6 ids; q is 0 on the other two) leaves the output
+    distribution exactly the target's: ids outside the set come from the residual."""
+    tokens, accepted = _tokens(kind, "block", 2, hot=(0, 2, 3, 5))
+    exact = _exact(PLAIN)
+    emp = du.empirical_pmf(tokens)
+    stat, thresh = du.tv(emp, exact), du.tv_null_quantile(exact, len(tokens), LEVEL)
+    print(f"\n[learned, hot vocab] {kind}: TV={stat:.4f} thresh={thresh:.4f}")
+    assert (emp[exact == 0] == 0).all()
+    assert stat < thresh, (stat, thresh)
     assert 0.05 < accepted[:, 0].mean() < 0.95

@@ -34,7 +34,8 @@ def build_network(dcfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> 
 
 
 def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | None = None,
-                 sampling: SamplingParams = SamplingParams(), matmul_dtype=None):
+                 sampling: SamplingParams = SamplingParams(), matmul_dtype=None,
+                 draft_vocab=None):
     """(drafter, params) for `speculative_loop`: the loop adapter of `net`'s kind, and
     params {"net": net's state, "embed", "head", "inv_freq"} taken from `target` (a
     `specjax.model.Transformer`; its arrays are shared, not copied).
@@ -45,6 +46,10 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
       norms, attention and caches keep the net's dtype. The target is untouched, so
       verification, and with it losslessness, does not depend on this choice; only the
       draft distributions q change (slightly) and with them the acceptance.
+    draft_vocab: None (draft over all V ids) or i32[Vd] distinct target ids, a hot draft
+      vocabulary (`specjax.drafters.vocab`): the drafter's head is the target's head rows
+      of those ids ([Vd, D]: each draft step's LM-head matmul shrinks by V/Vd) and q is 0
+      outside them. Verification is unchanged, so the output is too.
 
     Raises: SpecjaxError if `target` has other shapes than the drafter was built for.
     """
@@ -65,6 +70,9 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
                 a.dtype, jnp.floating) else a, state)
     embed, head = embed.astype(net.dtype), head.astype(matmul_dtype or net.dtype)  # no copy
     params = {"net": state, "embed": embed, "head": head, "inv_freq": target.inv_freq[...]}
+    if draft_vocab is not None:
+        ids = jnp.asarray(draft_vocab, jnp.int32)
+        params["head"], params["draft_ids"] = jnp.take(head, ids, axis=0), ids
     return drafter, params
 
 

@@ -112,7 +112,7 @@ class KVDrafter(common.LearnedDrafter):
                 attn = common.attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
                                          (own_k[i], own_v[i], own_mask)])
                 x = common.layer_out(net, i, x, attn)
-            nxt, probs = sample_logits(k, net.logits(x[:, 0], params["head"]), self.sampling)
+            nxt, probs = sample_logits(k, self.logits(net, x[:, 0], params), self.sampling)
             return (own_k, own_v, nxt), (nxt, probs)
 
         zeros = jnp.zeros(own_shape, net.dtype)

@@ -1,0 +1,119 @@
+"""A hot draft vocabulary for drafters that draft through the target's LM head.
+
+EAGLE-3 drafts over a reduced vocabulary (32k of Llama-3's 128k ids, the most frequent
+in its training data, mapped back by `d2t`; Li et al. 2025, section 3; SpecForge
+`generate_vocab_mapping`): each draft step multiplies by a [Vd, D] head instead of
+[V, D]. specjax's own drafters (eagle3, hybrid, kv, block) read the target's head, so
+the hot head is simply the target's rows of the Vd most frequent ids: no training, and
+the draft logits of those ids are unchanged. Draft tokens and q [B,G,V] stay in the
+target's vocabulary (q is 0 outside the hot set, see `common.hot_to_target`), so
+verification, and losslessness, do not change; only ids outside the set can never be
+drafted.
+
+    python -m specjax.drafters.vocab checkpoints/demo/drafters/eagle3 --size 2048
+
+writes `<drafter dir>/draft_vocab.json`: {"size", "coverage" (the fraction of counted
+tokens inside the set), "counted_tokens", "source", "ids" (sorted target ids)}, which
+decode.py uses by default (`--draft-vocab auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+VOCAB_NAME = "draft_vocab.json"
+
+
+def hot_ids(counts: np.ndarray, size: int) -> np.ndarray:
+    """i32[size]: the `size` most frequent ids of `counts` (i64[V]; ties: lower id first),
+    sorted ascending. Raises SpecjaxError unless 1 <= size <= V."""
+    counts = np.asarray(counts)
+    if not 1 <= size <= counts.shape[0]:
+        raise SpecjaxError(f"--size {size}: a draft vocabulary needs 1..{counts.shape[0]} ids")
+    order = np.argsort(-counts, kind="stable")  # stable: equal counts keep id order
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def save_draft_vocab(drafter_dir: str, counts: np.ndarray, size: int, source: str) -> dict:
+    """Writes `drafter_dir`/draft_vocab.json (atomically) and returns its contents."""
+    from specjax.fileio import atomic_write
+
+    ids = hot_ids(counts, size)
+    total = int(np.sum(counts))
+    record = {"size": int(size), "coverage": float(np.sum(counts[ids]) / max(total, 1)),
+              "counted_tokens": total, "source": source, "ids": ids.tolist()}
+    data = (json.dumps(record) + "\n").encode()
+    atomic_write(os.path.join(drafter_dir, VOCAB_NAME), lambda f: f.write(data))
+    return record
+
+
+def load_draft_vocab(drafter_dir: str, vocab_size: int) -> np.ndarray | None:
+    """i32[Vd] hot ids from `drafter_dir`/draft_vocab.json, or None when there is none.
+
+    Raises: SpecjaxError if the file is malformed or its ids are not distinct ids in
+    [0, vocab_size)."""
+    path = os.path.join(drafter_dir, VOCAB_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)["ids"]
+        arr = np.asarray(ids)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"{path}: unreadable draft vocabulary ({e}); rebuild it with "
+                           "python -m specjax.drafters.vocab") from None
+    if (arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer)
+            or arr.min() < 0 or arr.max() >= vocab_size or np.unique(arr).size != arr.size):
+        raise SpecjaxError(f"{path}: \"ids\" must be distinct token ids in [0, {vocab_size})")
+    return arr.astype(np.int32)
+
+
+def corpus_counts(tokenizer_dir: str, cache_dir: str, vocab_size: int) -> np.ndarray:
+    """i64[V] token counts of the training split (the stdlib corpus of specjax.data,
+    tokenized with `tokenizer_dir`, cached in `cache_dir`)."""
+    from specjax.data import load_tokens, tokenize_corpus
+
+    paths = tokenize_corpus(tokenizer_dir, cache_dir)
+    return np.bincount(load_tokens(paths["train"]), minlength=vocab_size)[:vocab_size]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Write a hot draft vocabulary (the most "
+                                 "frequent training-split ids) into a drafter directory.")
+    ap.add_argument("drafter", help="a drafter directory written by train.py")
+    ap.add_argument("--size", type=int, default=2048, help="hot ids to keep (default 2048)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory (default: the drafter's target's)")
+    ap.add_argument("--cache-dir", default="runs/token_cache",
+                    help="where the tokenized corpus is cached")
+    args = ap.parse_args(argv)
+    try:
+        from specjax.drafters.io import read_config
+
+        cfg = read_config(args.drafter)
+        vocab = int(cfg["vocab_size"])
+        tok = args.tokenizer or cfg.get("target", {}).get("path")
+        if not tok or not os.path.isdir(tok):
+            raise SpecjaxError(f"--tokenizer: no tokenizer directory (the drafter records "
+                               f"{tok!r}); pass --tokenizer DIR")
+        hot_ids(np.zeros(vocab), args.size)  # checks --size before tokenizing anything
+        counts = corpus_counts(tok, args.cache_dir, vocab)
+        rec = save_draft_vocab(args.drafter, counts, args.size,
+                               f"training split of the stdlib corpus, tokenizer {tok}")
+    except SpecjaxError as e:
+        print(f"specjax.drafters.vocab: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.drafter}/{VOCAB_NAME}: {rec['size']} ids cover {rec['coverage']:.1%} of "
+          f"{rec['counted_tokens']:,} training tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
