@@ -26,6 +26,7 @@ TrainState and of the rows at the checkpointed data position.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -225,12 +226,17 @@ class RunDirLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise SpecjaxError(f"run_dir {run_dir} is in use by another train.py (pid "
-                               f"{holder}); wait for it, stop it, or pass another "
-                               "--run-dir") from None
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):  # held
+                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(self.fd)
+                raise SpecjaxError(f"run_dir {run_dir} is in use by another train.py (pid "
+                                   f"{holder}); wait for it, stop it, or pass another "
+                                   "--run-dir") from None
+            # a filesystem without flock (some FUSE mounts): run, unguarded
+            print(f"[train] warning: {self.path} cannot be locked on this filesystem "
+                  f"({e.strerror}); nothing stops a second train.py on this run dir",
+                  file=sys.stderr, flush=True)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 

@@ -60,9 +60,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):  # a jax without this option
         pass
+    # Explicit flags name the whole cluster: no detection, which under SLURM would also
+    # limit each process to one local device (jax assumes a process per GPU there).
+    detect = None if coordinator is None else "deactivate"
     try:
         jax.distributed.initialize(coordinator_address=coordinator,
-                                   num_processes=num_processes, process_id=process_id)
+                                   num_processes=num_processes, process_id=process_id,
+                                   cluster_detection_method=detect)
     except (RuntimeError, ValueError) as e:
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise SpecjaxError(f"--distributed: cannot join the cluster ({msg}); pass "
