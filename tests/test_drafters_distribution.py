@@ -47,29 +47,25 @@ def _tokens(kind, verify, gamma, hot=None):
     return np.asarray(res.tokens)[:, Tp:Tp + N_NEW], np.asarray(res.accepted)
 
 
-@pytest.mark.parametrize("verify", ["token", "block"])
-@pytest.mark.parametrize("kind", ["eagle3", "block"])
-def test_learned_drafter_sampling_is_lossless(kind, verify):
-    tokens, accepted = _tokens(kind, verify, 2)
+def _assert_lossless(tokens, accepted, label):
     exact = _exact(PLAIN)
     emp = du.empirical_pmf(tokens)
     stat, thresh = du.tv(emp, exact), du.tv_null_quantile(exact, len(tokens), LEVEL)
-    print(f"\n[learned] {kind} {verify}: TV={stat:.4f} thresh={thresh:.4f}")
+    print(f"\n[{label}]: TV={stat:.4f} thresh={thresh:.4f}")
     assert (emp[exact == 0] == 0).all()
     assert stat < thresh, (stat, thresh)
     # Meaningful only if drafts are both accepted and rejected.
     assert 0.05 < accepted[:, 0].mean() < 0.95
 
 
+@pytest.mark.parametrize("verify", ["token", "block"])
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_learned_drafter_sampling_is_lossless(kind, verify):
+    _assert_lossless(*_tokens(kind, verify, 2), f"learned {kind} {verify}")
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "block"])
 def test_hot_draft_vocabulary_sampling_is_lossless(kind):
     """A hot draft vocabulary (4 of the 6 ids; q is 0 on the other two) leaves the output
     distribution exactly the target's: ids outside the set come from the residual."""
-    tokens, accepted = _tokens(kind, "block", 2, hot=(0, 2, 3, 5))
-    exact = _exact(PLAIN)
-    emp = du.empirical_pmf(tokens)
-    stat, thresh = du.tv(emp, exact), du.tv_null_quantile(exact, len(tokens), LEVEL)
-    print(f"\n[learned, hot vocab] {kind}: TV={stat:.4f} thresh={thresh:.4f}")
-    assert (emp[exact == 0] == 0).all()
-    assert stat < thresh, (stat, thresh)
-    assert 0.05 < accepted[:, 0].mean() < 0.95
+    _assert_lossless(*_tokens(kind, "block", 2, hot=(0, 2, 3, 5)), f"hot vocab {kind}")
