@@ -8,7 +8,8 @@ NamedShardings), optim (AdamW schedule), step (train state, lm loss, jitted step
 drafter_step (the drafter trainer: frozen target inside the step, objectives ttt and
 block), drafter_run (a drafter run's validation alpha/tau, best-tau snapshot, export),
 objectives (the drafter losses), inputs (token streams, tokenizer), checkpointing
-(orbax, SIGTERM), loop (train).
+(orbax, SIGTERM), multihost (several processes: start-up, agreeing on errors), loop
+(train).
 """
 
 from specjax.train.config import TrainConfig, load_config
