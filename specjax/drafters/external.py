@@ -410,7 +410,7 @@ def read_external(path: str, target: ModelConfig) -> External:
 
 
 def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
-                  dtype=jnp.float32, matmul_dtype=None):
+                  dtype=jnp.float32, matmul_dtype=None, draft_vocab: str = "full"):
     """(drafter, params) for `speculative_loop` from an EAGLE-3 or DFlash directory.
 
     Args:
@@ -418,6 +418,10 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
       gamma: G (None: the layout's, DFlash block_size - 1, EAGLE-3 7).
       sampling: SamplingParams (default greedy); dtype: the drafter's parameter dtype;
       matmul_dtype: as `drafters.make_drafter`.
+      draft_vocab: "auto": a head that drafts through the target's LM head (DFlash, or an
+        EAGLE-3 head with draft_vocab_size = V) drafts over the directory's
+        draft_vocab.json when it has one (`specjax.drafters.vocab`); "full": all ids. An
+        EAGLE-3 head's own hot vocabulary (d2t) is used either way.
     Returns: the loop adapter and params {"net", "embed", "head", "inv_freq"} plus
       "draft_ids" (i32[Vd]) for a hot draft vocabulary; draft tokens and q [B,G,V] are in
       the target vocabulary, q zero outside the hot set.
@@ -432,9 +436,14 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
     for p, var in nnx.to_flat_state(state):
         var.set_value(jnp.asarray(ext.weights[".".join(map(str, p))], dtype))
     net = nnx.merge(graphdef, state)
+    hot = None
+    if draft_vocab == "auto" and ext.head is None:
+        from specjax.drafters.vocab import load_draft_vocab
+
+        hot = load_draft_vocab(path, target.cfg.vocab_size)
     drafter, params = make_drafter(ext.dcfg, net, target, gamma=gamma,
                                    sampling=sampling or SamplingParams(),
-                                   matmul_dtype=matmul_dtype)
+                                   matmul_dtype=matmul_dtype, draft_vocab=hot)
     params["inv_freq"] = jnp.asarray(ext.inv_freq, jnp.float32)
     if ext.head is not None:
         params["head"] = jnp.asarray(ext.head, matmul_dtype or dtype)
