@@ -50,7 +50,10 @@ class LoopConfig:
       probabilities; "reference" / "pallas": `pallas_kernels.verify.verify_logits`
       straight from the target's logits, as jnp or as Pallas kernels (interpret mode on
       CPU); the two give identical output for the same seed. Top-k / top-p and custom
-      VerifyFns are not fused: they take the "off" path (one log line).
+      VerifyFns are not fused: they take the "off" path (one log line). "pallas" also
+      runs the target's attention into its KV cache in decode and verify forwards
+      through `pallas_kernels.attention` (see `target_attention`); "off" and
+      "reference" keep the chunked jnp attention (`specjax.attention`).
     pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
@@ -100,6 +103,40 @@ class LoopConfig:
                                  draft_probs=None if rule == "greedy" else q, impl=impl,
                                  backend=self.pallas_backend,
                                  interpret=self.pallas_interpret)
+
+        return fn
+
+    def target_attention(self) -> Callable | None:
+        """The `attention=` argument of the target's decode and verify forwards
+        (`specjax.model.Transformer.__call__`): None (the chunked jnp
+        `specjax.attention.cache_attention`) unless kernels == "pallas", then the causal
+        `pallas_kernels.attention.decode_attention` over the layer-major cache, read in
+        place, whose cost follows each row's length, not the capacity.
+
+        The jnp path, not the kernel's own jnp reference, is the non-Pallas twin: that
+        reference scores all S slots ([B, K, R, T, S]), which would slow the default CPU
+        path as the cache grows. The kernel and the chunked path agree up to f32 summation
+        order (tests/test_target_attention.py). The prefill (T = prompt width) always takes
+        the jnp path: the kernel holds a [T*R, H] query block on chip and is meant for few
+        queries. With `cache_sharding` (a mesh) the jnp path runs too, with one log line:
+        the kernel is not partitioned over the mesh (XLA would gather the cache)."""
+        if self.kernels != "pallas":
+            return None
+        if self.cache_sharding is not None:
+            _log.info("kernels=pallas: the attention kernel does not run on a mesh; the "
+                      "target attends with specjax.attention")
+            return None
+        from pallas_kernels.attention import decode_attention
+
+        backend = self.pallas_backend
+        if backend == "auto":
+            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
+        interpret = self.pallas_interpret
+
+        def fn(q, k_cache, v_cache, layer, lengths, k_new, v_new):
+            return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new,
+                                    mode="causal", backend=backend, interpret=interpret,
+                                    layer=layer)
 
         return fn
 
@@ -226,12 +263,13 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
     state, _ = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, 0, ())
     B = prompts.shape[0]
     rows = jnp.arange(B)
+    attention = cfg.target_attention()
 
     def step(s: LoopState) -> LoopState:
         key, k = jax.random.split(s.key)
         pos = (s.lengths - 1)[:, None]
         pending = jnp.take_along_axis(s.tokens, pos, axis=1)
-        out = model(pending, pos, s.cache)
+        out = model(pending, pos, s.cache, attention=attention)
         nxt, _ = sample_logits(k, out.logits[:, 0], cfg.sampling)
         active = ~s.done
         tokens = s.tokens.at[rows, jnp.where(active, s.lengths, s.tokens.shape[1])].set(
@@ -258,6 +296,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     G = drafter.gamma
     verify = cfg.verifier()
     fused = cfg.fused_verify()
+    attention = cfg.target_attention()
     state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
     key, k_init = jax.random.split(state.key)
     state = state.replace(drafter_state=drafter.init(drafter_params, view, k_init), key=key)
@@ -274,7 +313,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
         with jax.named_scope("target_verify_forward"):
             out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
-                        capture=drafter.capture)
+                        capture=drafter.capture, attention=attention)
         with jax.named_scope("verify_rule"):
             if fused is not None:
                 tau, nxt = fused(out.logits, draft, q, k_verify)

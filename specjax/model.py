@@ -12,6 +12,7 @@ Sources: transformers `models/qwen3/modeling_qwen3.py` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -197,6 +198,7 @@ class Transformer(nnx.Module):
         capture: tuple[int, ...] = (),
         logits_at: jax.Array | None = None,
         capture_kv: tuple[int, ...] = (),
+        attention: Callable | None = None,
     ) -> ForwardOutput:
         """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
 
@@ -213,6 +215,19 @@ class Transformer(nnx.Module):
           capture_kv: layers l in 0..L-1 whose keys and values are returned (cache-free
             forward only: with a cache, read them from the cache). Training of KV-reuse
             drafters uses them.
+          attention: how the queries attend into the cache (ignored without one). None:
+            `specjax.attention.cache_attention`, the chunked jnp path (any T: prefill,
+            decode, verify). Or fn(q [B,T,N,H], k_cache, v_cache [L,B,K,S,H], layer,
+            lengths i32[B], k_new, v_new [B,T,K,H]) -> [B,T,N,H], causal attention over
+            each row's slots < lengths plus the T new tokens, with the layer read in
+            place, such as `pallas_kernels.attention.decode_attention(mode="causal",
+            layer=...)` (`specjax.generate.LoopConfig.target_attention` builds it). It
+            gets lengths = positions[:, 0] (the slots before a row's first new token)
+            and the new tokens' K/V separately; they are also written into the cache
+            (for later forwards) before the call, but at slots >= lengths, which it does
+            not read, so no token counts twice. Meant for few queries (decode T = 1,
+            verify T = G + 1): its [T*R, H] query block and [T*R, T] new-token scores
+            sit in on-chip memory, so the loops keep the prefill on the jnp path.
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
@@ -278,13 +293,18 @@ class Transformer(nnx.Module):
                 probs = jax.nn.softmax(scores, axis=-1)
                 attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
                                   preferred_element_type=jnp.float32).astype(v_l.dtype)
-            else:  # chunks up to the longest row's position: cost follows the context
+            else:
                 k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
                 v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
-                attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
-                                       dot_dtype=ad, layer=l).astype(v_all.dtype)
-            attn = attn.reshape(B, K, R, T, H)
-            attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
+                if attention is not None:  # e.g. the Pallas kernel, in the cache's dtype
+                    attn = attention(q.astype(k_all.dtype), k_all, v_all, l, positions[:, 0],
+                                     k, v).astype(v_all.dtype)
+                else:  # chunks up to the longest row's position: cost follows the context
+                    attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
+                                           dot_dtype=ad, layer=l).astype(v_all.dtype)
+            if cache is None or attention is None:  # [B,K,R*T,H] -> [B,T,N*H]
+                attn = attn.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
+            attn = attn.reshape(B, T, N * H)
             o = linear(attn, w["o_proj"])
             if c.attention_bias:
                 o = o + w["o_bias"]

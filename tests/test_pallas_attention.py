@@ -9,6 +9,9 @@
 - The reference and kernel match an independent float64 numpy loop, and causal mode
   matches specjax.model's attention (new K/V written into the cache, slot <= position).
 - The TPU kernel computes only the tiles below each row's length (tile counter, index map).
+- Given the whole layer-major cache [L, B, K, S, H] and a layer (static or traced), both
+  layouts read that layer in place and equal the reference on cache[layer]; the other
+  layers hold NaN, so reading any of them shows.
 - Gradients (custom_vjp with the reference's backward) match the reference's.
 - Both layouts lower for TPU (Mosaic) and GPU (Triton) at a Qwen3-8B-like shape.
 """
@@ -161,6 +164,28 @@ def test_tiles_past_length_are_skipped():
     np.testing.assert_array_equal(np.asarray(idx(js, ns)), [0, 0, 0, 0, 0, 0, 0, 1, 1, 3])
 
 
+@pytest.mark.parametrize("name", ["tpu", "triton"])
+def test_layer_major_cache_read_in_place(name):
+    """decode_attention(k_cache=[L, B, K, S, H], layer=l) equals the reference on layer l,
+    for a static layer and for a traced one (as under `lax.scan` over layers)."""
+    B, T, N, K, S, H, L = 2, 3, 4, 2, 40, 64, 3
+    lengths = [7, 40]
+    q, kc, vc, ln, kn, vn = _inputs(B, T, N, K, S, H, lengths, seed=7)
+    nan = jnp.full((L, B, K, S, H), jnp.nan, jnp.float32)
+    want = np.asarray(decode_attention_reference(q, kc, vc, ln, kn, vn))
+    f = functools.partial(decode_attention, block_s=16, **KERNELS[name])
+    traced_fn = jax.jit(lambda k_all, v_all, lay: f(q, k_all, v_all, ln, kn, vn, layer=lay))
+    for layer in (0, 2):
+        k_all, v_all = nan.at[layer].set(kc), nan.at[layer].set(vc)
+        static = f(q, k_all, v_all, ln, kn, vn, layer=layer)
+        traced = traced_fn(k_all, v_all, layer)
+        ref = decode_attention_reference(q, k_all, v_all, ln, kn, vn, layer=layer)
+        for got in (static, traced, ref):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="L, B, K, S, H"):
+        decode_attention(q, kc, vc, ln, kn, vn, layer=0)
+
+
 @pytest.mark.parametrize("mode", ["causal", "block"])
 def test_gradient_matches_reference(mode):
     args = _inputs(2, 3, 4, 2, 40, 64, [0, 29], seed=1, poison=False)
@@ -183,7 +208,9 @@ def test_gradient_matches_reference(mode):
 @pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "triton")])
 def test_lowers_for_tpu_and_gpu_at_qwen3_8b_shape(platform, backend):
     """Qwen3-8B attention (N 32, K 8, H 128), S 4096, T 8, B 2, bf16: both modes lower
-    (Mosaic tpu_custom_call / Triton), checked without the hardware."""
+    (Mosaic tpu_custom_call / Triton), checked without the hardware; so does causal mode
+    over the layer-major cache [36, B, K, S', H] with a traced layer (S' = 4104, not a
+    multiple of the tile, as a decoding loop's capacity max_length + G + 1)."""
     B, T, N, K, S, H = 2, 8, 32, 8, 4096, 128
     spec = jax.ShapeDtypeStruct
     dt = jnp.bfloat16
@@ -206,6 +233,12 @@ def test_lowers_for_tpu_and_gpu_at_qwen3_8b_shape(platform, backend):
             exported = jax.export.export(jax.jit(f), platforms=[platform],
                                          disabled_checks=checks)(*args)
             assert marker in exported.mlir_module(), mode
+        cache = spec((36, B, K, S + 8, H), dt)
+        f = functools.partial(decode_attention, mode="causal", interpret=False,
+                              backend=backend)
+        exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
+            args[0], cache, cache, *args[3:], layer=spec((), jnp.int32))
+        assert marker in exported.mlir_module()
 
 
 def test_bad_arguments_raise():

@@ -2,10 +2,13 @@
 
 `decode_attention` attends T new query tokens (T small: a verify block or a draft
 block) over one layer of specjax's layer-major cache (`specjax.kv_cache.KVCache.k[l]`,
-[B, K, S, H], valid slots 0..lengths[b]-1) plus the T tokens' own keys and values,
-which are NOT yet in the cache. Two masks over the new tokens: "causal" (query t sees
-new tokens 0..t: verification, autoregressive decoding) and "block" (every query sees
-all T new tokens: bidirectional block drafters).
+[B, K, S, H], valid slots 0..lengths[b]-1; or the whole [L, B, K, S, H] cache plus a
+`layer` index, read in place) plus the T tokens' own keys and values, which are NOT
+read from the cache (slots >= lengths[b] are never read, so a caller may already have
+written them there). Two masks over the new tokens: "causal" (query t sees new tokens
+0..t: verification, autoregressive decoding) and "block" (every query sees all T new
+tokens: bidirectional block drafters). `specjax.model.Transformer` calls it (causal,
+layer-major) for its decode and verify forwards when `LoopConfig.kernels` is "pallas".
 
 `impl="pallas"` runs `kernel.py` (TPU: Mosaic with scalar-prefetched lengths and tile
 skipping; GPU: Triton, `backend="triton"`), `impl="reference"` runs `reference.py`.
@@ -52,7 +55,8 @@ def pick_block_s(S: int, block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -
 
 
 def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
-                     block_s=DEFAULT_BLOCK_S, interpret=None, backend="tpu", impl="pallas"):
+                     block_s=DEFAULT_BLOCK_S, interpret=None, backend="tpu", impl="pallas",
+                     layer=None):
     """Attention of T new queries over each row's valid cache prefix plus the new tokens.
 
     Args:
@@ -60,7 +64,8 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
       k_cache, v_cache: [B, K, S, H] one layer of the cache, same dtype as q or not (the
         dots run in the cache's dtype pairing as given, accumulating in f32). Slots
         0..lengths[b]-1 are valid; slots at or past lengths[b] are never read into the
-        result (they may hold anything, NaN included).
+        result (they may hold anything, NaN included). Or, with `layer`, the whole
+        layer-major cache [L, B, K, S, H] (`specjax.kv_cache.KVCache.k`).
       lengths: i32[B] valid cache length per row; 0 allowed; values are clipped to 0..S.
       k_new, v_new: [B, T, K, H] keys/values of the T query tokens themselves.
       mode: "causal": query t sees cache slots < lengths[b] and new tokens 0..t;
@@ -70,6 +75,10 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
         "cpu"); True/False; or a `pltpu.InterpretParams` (TPU backend).
       backend: "tpu" (Mosaic, grid over S tiles) or "triton" (GPU, loop over S tiles).
       impl: "pallas" or "reference" (the jnp reference, same result up to rounding).
+      layer: None, or an int / i32 scalar (traced is fine, e.g. under `lax.scan` over
+        layers) naming the layer of a [L, B, K, S, H] cache to attend over: the kernels
+        read that layer's tiles in place (scalar prefetch on TPU, pointer offsets in
+        Triton), so no copy of the layer is made.
 
     GQA: N = K * R; query head n uses KV head n // R. Scale 1/sqrt(H), f32 softmax.
 
@@ -81,37 +90,38 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     Differentiable (reverse mode) w.r.t. q, k_cache, v_cache, k_new, v_new: the
     backward pass is the reference's.
     """
-    reference.check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode)
+    reference.check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer)
     if impl not in ("pallas", "reference"):
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'reference'")
-    S = k_cache.shape[2]
+    S = k_cache.shape[-2]
     bs = pick_block_s(S, block_s, backend)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new,
-                                          mode=mode)
+                                          mode=mode, layer=layer)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     fwd_kernel = kernel.KERNELS[backend]
+    layer = None if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def ref(q, kc, vc, kn, vn, lengths):
-        return decode_attention_reference(q, kc, vc, lengths, kn, vn, mode=mode)
+    def ref(q, kc, vc, kn, vn, lengths, layer):
+        return decode_attention_reference(q, kc, vc, lengths, kn, vn, mode=mode, layer=layer)
 
     @jax.custom_vjp
-    def attn(q, kc, vc, kn, vn, lengths):
+    def attn(q, kc, vc, kn, vn, lengths, layer):
         return fwd_kernel(q, kc, vc, lengths, kn, vn, causal=mode == "causal", block_s=bs,
-                          interpret=interpret)
+                          interpret=interpret, layer=layer)
 
-    def attn_fwd(q, kc, vc, kn, vn, lengths):
-        return attn(q, kc, vc, kn, vn, lengths), (q, kc, vc, kn, vn, lengths)
+    def attn_fwd(q, kc, vc, kn, vn, lengths, layer):
+        return attn(q, kc, vc, kn, vn, lengths, layer), (q, kc, vc, kn, vn, lengths, layer)
 
     def attn_bwd(res, g):
-        *diff, lengths = res
-        _, vjp = jax.vjp(lambda *a: ref(*a, lengths), *diff)
-        return (*vjp(g), None)
+        *diff, lengths, layer = res
+        _, vjp = jax.vjp(lambda *a: ref(*a, lengths, layer), *diff)
+        return (*vjp(g), None, None)
 
     attn.defvjp(attn_fwd, attn_bwd)
-    return attn(q, k_cache, v_cache, k_new, v_new, lengths)
+    return attn(q, k_cache, v_cache, k_new, v_new, lengths, layer)
 
 
 __all__ = ["decode_attention", "decode_attention_reference", "pick_block_s", "MODES",

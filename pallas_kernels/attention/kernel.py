@@ -5,9 +5,15 @@ per (row b, KV head k) the queries are one [T*R, H] block; row i = t*R + r is qu
 token t = i // R of head k*R + r. New token u is visible to row i in causal mode iff
 u <= t, i.e. u*R <= i (no integer division in the kernel).
 
+The cache comes in layer-major, [L, B, K, S, H] (specjax's `KVCache.k`), with the layer
+to read as an i32 scalar (static or traced, e.g. under `lax.scan` over layers): the
+kernels address that layer's tiles in place, so no [B, K, S, H] copy of the layer is
+made before the call.
+
 TPU (`backend="tpu"`, Mosaic): grid (B, K, nS) with nS = cdiv(S, block_s). The S axis
 is "arbitrary" and folds tiles into an online softmax (running max m, sum l,
-accumulator o, f32 VMEM scratch). Per-row valid lengths come in by scalar prefetch:
+accumulator o, f32 VMEM scratch). Per-row valid lengths and the layer come in by
+scalar prefetch:
 tiles at or past lengths[b] are skipped with `pl.when`, and the K/V index_map clamps
 the tile index to the row's last needed tile, so a skipped step re-uses the resident
 block and issues no DMA: cost follows the context, not the capacity. The last grid
@@ -17,7 +23,9 @@ outputs [T*R, H] and the new tokens [T, H] are full dims.
 
 GPU (`backend="triton"`): Triton runs grid points in parallel, so there is no resident
 accumulator across grid steps: the grid is (B, K) and each program loops over its row's
-valid tiles (a dynamic trip count of cdiv(lengths[b], block_s)). Triton wants
+valid tiles (a dynamic trip count of cdiv(lengths[b], block_s)), loading them from the
+whole cache (viewed as [L*B*K, S, H], left in HBM: `pl.ANY`) at row (layer*B + b)*K + k
+with masked loads. Triton wants
 power-of-two block shapes with dots of at least 16 x 16, so the wrapper pads the query
 rows and the new tokens (padded new tokens are masked out; padded rows are dropped).
 
@@ -105,17 +113,26 @@ def kv_tile_index(j, length, block_s):
     return jnp.minimum(j, last)
 
 
-def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                         interpret=False, count_tiles=False):
-    """Grid (B, K, nS) kernel with scalar-prefetched lengths (see the module doc).
+def _layer_major(k_cache, v_cache, layer):
+    """([L, B, K, S, H] caches, i32 layer): a [B, K, S, H] cache becomes L = 1, layer 0."""
+    if k_cache.ndim == 4:
+        return k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)
+    return k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(())
 
-    Arguments as `decode_attention` (validated there); lengths already clipped to 0..S and
-    block_s a multiple of 8 or equal to S. count_tiles=True (tests) also returns
-    i32[B, K], the number of cache tiles each program actually computed."""
+
+def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
+                         interpret=False, count_tiles=False, layer=None):
+    """Grid (B, K, nS) kernel with scalar-prefetched lengths and layer (see the module doc).
+
+    Arguments as `decode_attention` (validated there): k_cache, v_cache [B, K, S, H], or
+    [L, B, K, S, H] with `layer` (i32 scalar) naming the one to read; lengths already
+    clipped to 0..S and block_s a multiple of 8 or equal to S. count_tiles=True (tests)
+    also returns i32[B, K], the number of cache tiles each program actually computed."""
     from jax.experimental.pallas import tpu as pltpu
 
     B, T, N, H = q.shape
-    _, K, S, _ = k_cache.shape
+    k_cache, v_cache, layer = _layer_major(k_cache, v_cache, layer)
+    _, _, K, S, _ = k_cache.shape
     R = N // K
     M = T * R
     nS = pl.cdiv(S, block_s)
@@ -124,10 +141,13 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
     kn = k_new.transpose(0, 2, 1, 3)  # [B, K, T, H]
     vn = v_new.transpose(0, 2, 1, 3)
 
-    def kv_index(b, h, j, len_ref):
-        return b, h, kv_tile_index(j, len_ref[b], block_s), 0
+    def kv_index(b, h, j, len_ref, layer_ref):
+        return layer_ref[0], b, h, kv_tile_index(j, len_ref[b], block_s), 0
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref, *rest):
+    def fixed(b, h, j, len_ref, layer_ref):  # q, new tokens, output: one block per (b, h)
+        return b, h, 0, 0
+
+    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref, *rest):
         cnt_ref, (m_sc, l_sc, acc_sc) = (rest[0], rest[1:]) if count_tiles else (None, rest)
         b, j = pl.program_id(0), pl.program_id(2)
         length = len_ref[b]
@@ -155,20 +175,20 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
             m, l, acc = _online_step(m_sc[...], l_sc[...], acc_sc[...], s, vn_ref[0, 0])
             o_ref[0, 0] = (acc / l).astype(o_ref.dtype)
 
-    out_specs = pl.BlockSpec((1, 1, M, H), lambda b, h, j, ln: (b, h, 0, 0))
+    out_specs = pl.BlockSpec((1, 1, M, H), fixed)
     out_shape = jax.ShapeDtypeStruct((B, K, M, H), q.dtype)
     if count_tiles:
-        out_specs = (out_specs, pl.BlockSpec((1, 1, 1, 1), lambda b, h, j, ln: (b, h, 0, 0)))
+        out_specs = (out_specs, pl.BlockSpec((1, 1, 1, 1), fixed))
         out_shape = (out_shape, jax.ShapeDtypeStruct((B, K, 1, 1), jnp.int32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(B, K, nS),
         in_specs=[
-            pl.BlockSpec((1, 1, M, H), lambda b, h, j, ln: (b, h, 0, 0)),
-            pl.BlockSpec((1, 1, block_s, H), kv_index),
-            pl.BlockSpec((1, 1, block_s, H), kv_index),
-            pl.BlockSpec((1, 1, T, H), lambda b, h, j, ln: (b, h, 0, 0)),
-            pl.BlockSpec((1, 1, T, H), lambda b, h, j, ln: (b, h, 0, 0)),
+            pl.BlockSpec((1, 1, M, H), fixed),
+            pl.BlockSpec((None, 1, 1, block_s, H), kv_index),  # layer axis squeezed
+            pl.BlockSpec((None, 1, 1, block_s, H), kv_index),
+            pl.BlockSpec((1, 1, T, H), fixed),
+            pl.BlockSpec((1, 1, T, H), fixed),
         ],
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
@@ -182,7 +202,7 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="decode_attention",
-    )(lengths, qf, k_cache, v_cache, kn, vn)
+    )(lengths, layer.reshape(1), qf, k_cache, v_cache, kn, vn)
     if count_tiles:
         return _unfold_o(out[0], T, R), out[1][:, :, 0, 0]
     return _unfold_o(out, T, R)
@@ -196,37 +216,42 @@ def _pow2_at_least(n, lo):
 
 
 def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                            interpret=False):
+                            interpret=False, layer=None):
     """Grid (B, K) kernel looping over the valid S tiles inside (see the module doc).
 
     Arguments as `decode_attention_tpu`; block_s must be a power of two >= 16."""
     from jax.experimental.pallas import triton as pltriton
 
     B, T, N, H = q.shape
-    _, K, S, _ = k_cache.shape
+    k_cache, v_cache, layer = _layer_major(k_cache, v_cache, layer)
+    L, _, K, S, _ = k_cache.shape
     R = N // K
     M = T * R
     Mp, Tp = _pow2_at_least(M, 16), _pow2_at_least(T, 16)
-    nS = pl.cdiv(S, block_s)
     scale = 1.0 / float(np.sqrt(H))
     qf = jnp.pad(_fold_q(q, K, R), ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
     pad_t = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
     kn = jnp.pad(k_new.transpose(0, 2, 1, 3), pad_t)  # [B, K, Tp, H]
     vn = jnp.pad(v_new.transpose(0, 2, 1, 3), pad_t)
     lens = lengths.reshape(B, 1)
+    layer_arr = layer.reshape(1, 1)
+    kc = k_cache.reshape(L * B * K, S, H)  # a free view of the layer-major cache
+    vc = v_cache.reshape(L * B * K, S, H)
 
-    def kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref):
+    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref):
         length = len_ref[0, 0]
         qb = q_ref[0, 0]
+        row = (layer_ref[0, 0] * B + pl.program_id(0)) * K + pl.program_id(1)
 
         def body(j, carry):
             start = j * block_s
             # Masked loads: Triton reads raw pointers, so rows past the length (and past S,
-            # where the block overhangs the array) must not be touched at all.
-            rows = start + jax.lax.broadcasted_iota(jnp.int32, (block_s, H), 0)
-            keep = rows < length
-            kt = pltriton.load(k_ref.at[pl.ds(start, block_s), :], mask=keep, other=0)
-            vt = pltriton.load(v_ref.at[pl.ds(start, block_s), :], mask=keep, other=0)
+            # where the last tile overhangs the array) must not be touched at all.
+            slots = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_s, H), 1)
+            keep = slots < length
+            tile = (pl.ds(row, 1), pl.ds(start, block_s), slice(None))
+            kt = pltriton.load(k_ref.at[tile], mask=keep, other=0)[0]
+            vt = pltriton.load(v_ref.at[tile], mask=keep, other=0)[0]
             s, vt = _tile_scores(qb, kt, vt, start, length, scale)
             return _online_step(*carry, s, vt)
 
@@ -243,11 +268,12 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         grid=(B, K),
         in_specs=[
             pl.BlockSpec((1, 1), lambda b, h: (b, 0)),
+            pl.BlockSpec((1, 1), lambda b, h: (0, 0)),
             pl.BlockSpec((1, 1, Mp, H), lambda b, h: (b, h, 0, 0)),
-            # Squeezed (None) leading dims: the kernel sees the [nS*block_s, H] row itself
-            # (`ref.at[0, 0, ...]` breaks the interpreter's discharge of masked loads).
-            pl.BlockSpec((None, None, nS * block_s, H), lambda b, h: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, nS * block_s, H), lambda b, h: (b, h, 0, 0)),
+            # The whole cache, addressed in the kernel (pl.ds slices: integer indexing,
+            # `ref.at[0, ...]`, breaks the interpreter's discharge of masked loads).
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec((1, 1, Tp, H), lambda b, h: (b, h, 0, 0)),
             pl.BlockSpec((1, 1, Tp, H), lambda b, h: (b, h, 0, 0)),
         ],
@@ -256,7 +282,7 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="decode_attention_triton",
-    )(lens, qf, k_cache, v_cache, kn, vn)
+    )(lens, layer_arr, qf, kc, vc, kn, vn)
     return _unfold_o(out[:, :, :M], T, R)
 
 

@@ -14,16 +14,20 @@ import numpy as np
 MODES = ("causal", "block")
 
 
-def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode):
-    """Validates shapes and mode; returns (B, T, N, K, R, S, H). Raises ValueError."""
+def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer=None):
+    """Validates shapes and mode; returns (B, T, N, K, R, S, H). Raises ValueError.
+    With `layer` the caches are layer-major [L, B, K, S, H], else [B, K, S, H]."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if q.ndim != 4:
         raise ValueError(f"q {q.shape} must be [B, T, N, H]")
     B, T, N, H = q.shape
-    if k_cache.ndim != 4 or k_cache.shape[0] != B or k_cache.shape[3] != H:
-        raise ValueError(f"k_cache {k_cache.shape} must be [B, K, S, H] with B={B}, H={H}")
-    _, K, S, _ = k_cache.shape
+    lead = 1 if layer is not None else 0
+    want = "[L, B, K, S, H] (a layer is given)" if lead else "[B, K, S, H]"
+    if (k_cache.ndim != 4 + lead or k_cache.shape[lead] != B
+            or k_cache.shape[3 + lead] != H):
+        raise ValueError(f"k_cache {k_cache.shape} must be {want} with B={B}, H={H}")
+    K, S = k_cache.shape[1 + lead:3 + lead]
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {v_cache.shape} must equal k_cache {k_cache.shape}")
     if K == 0 or N % K:
@@ -36,16 +40,21 @@ def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode):
     return B, T, N, K, N // K, S, H
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal"):
+def decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
+                               layer=None):
     """Attention of T new queries over a row's cached prefix plus the T new tokens.
 
     Same arguments and result as `pallas_kernels.attention.decode_attention` (without the
-    kernel knobs): q [B, T, N, H], k_cache/v_cache [B, K, S, H], lengths i32[B] (clipped
+    kernel knobs): q [B, T, N, H], k_cache/v_cache [B, K, S, H] (or [L, B, K, S, H] with
+    `layer`, an int or i32 scalar: that layer is sliced out), lengths i32[B] (clipped
     to 0..S), k_new/v_new [B, T, K, H]; mode "causal" (query t sees new tokens 0..t) or
     "block" (all T). Returns [B, T, N, H] in q.dtype; scale 1/sqrt(H); f32 softmax.
     Raises ValueError on bad shapes or mode.
     """
-    B, T, N, K, R, S, H = check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode)
+    B, T, N, K, R, S, H = check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer)
+    if layer is not None:
+        k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     f32 = jnp.float32
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
     valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
