@@ -101,11 +101,14 @@ def _local_bytes(shape, logical, mesh: _Mesh, dtype) -> int:
     return n // split * itemsize(dtype)
 
 
-def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype) -> int:
+def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype, heads=None) -> int:
     """Per-device bytes of an nnx.State of parameters (abstract is enough) sharded by
-    `specjax.train.mesh.PARAM_AXES` / LOGICAL_RULES."""
+    `specjax.train.mesh.PARAM_AXES` / LOGICAL_RULES; with heads=(N, K), as decoding
+    shards them (`specjax.sharding`: heads kept whole, replicated where `model` does not
+    divide N or K)."""
     from flax import nnx
 
+    from specjax.sharding import whole_heads
     from specjax.train.mesh import PARAM_AXES, param_axes
 
     total = 0
@@ -113,6 +116,8 @@ def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype) -> int:
         shape = tuple(var.get_value().shape)
         name = next((str(p) for p in reversed(path) if str(p) in PARAM_AXES), None)
         logical = None if name is None else param_axes(name, len(shape))
+        if logical is not None and heads is not None:
+            logical = whole_heads(logical, mesh, *heads)
         total += _local_bytes(shape, logical, mesh, dtype)
     return total
 
@@ -140,17 +145,23 @@ def abstract_drafter(dcfg):
 def decode_plan(cfg, mesh: _Mesh, batch: int, max_length: int, dtype, *, dcfg=None,
                 prompt_width: int | None = None, gamma: int = 7) -> dict:
     """Per-device bytes for decoding: {"target weights", "KV cache", "drafter weights",
-    "drafter state", "prefill activations"}. Weights sharded by the training rules
-    (heads, F and V over `model`); the KV cache [L,B,K,S,H] splits B over data x fsdp
-    and K over model (replicated when model does not divide K, as vLLM does)."""
+    "drafter state", "prefill activations"}. Weights sharded as decoding shards them
+    (`specjax.sharding`: heads, F and V over `model`, a head never cut); the KV cache
+    [L,B,K,S,H] splits B over data x fsdp and K over model (replicated when model does
+    not divide K, as vLLM does)."""
+    from specjax.sharding import whole_heads
+
     S = max_length + gamma + 1
     P = prompt_width or min(max_length, 512)
-    out = {"target weights": params_bytes_per_device(abstract_target(cfg), mesh, dtype)}
-    kv_logical = ("layers", "batch", "kv_heads", "seq", None)
+
+    heads = (cfg.num_heads, cfg.num_kv_heads)
+    out = {"target weights": params_bytes_per_device(abstract_target(cfg), mesh, dtype, heads)}
+    kv_logical = whole_heads(("layers", "batch", "kv_heads", "seq", None), mesh, *heads)
     kv_shape = (cfg.num_layers, batch, cfg.num_kv_heads, S, cfg.head_dim)
     out["KV cache"] = 2 * _local_bytes(kv_shape, kv_logical, mesh, dtype)
     if dcfg is not None:
-        out["drafter weights"] = params_bytes_per_device(abstract_drafter(dcfg), mesh, dtype)
+        out["drafter weights"] = params_bytes_per_device(
+            abstract_drafter(dcfg), mesh, dtype, (dcfg.num_heads, dcfg.num_kv_heads))
         layers = max(dcfg.num_memories, 0) + (1 if dcfg.kind in ("eagle3", "hybrid") else 0)
         if dcfg.kind == "block":
             layers = dcfg.num_layers * (2 if dcfg.context == "both" else 1)

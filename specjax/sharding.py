@@ -74,9 +74,10 @@ def check_batch(mesh, batch_size: int) -> None:
                            f"data axis ({rows}); use a multiple of {rows}")
 
 
-def _whole_heads(axes, mesh, num_heads: int, num_kv_heads: int):
+def whole_heads(axes, mesh, num_heads: int, num_kv_heads: int):
     """`axes` with "heads" / "kv_heads" dropped (replicated) where the model axis does not
-    divide N / K: a split inside a head would cut H."""
+    divide N / K: a split inside a head would cut H. `mesh`: anything with a
+    `.shape` dict holding "model"."""
     m = mesh.shape["model"]
     drop = {"heads": num_heads % m != 0, "kv_heads": num_kv_heads % m != 0}
     return tuple(None if drop.get(a, False) else a for a in axes)
@@ -86,7 +87,7 @@ def param_shardings(mesh, params, num_heads: int, num_kv_heads: int):
     """NamedShardings for a decoding params tree (a target's or a drafter's nnx.State):
     the training rules (`specjax.train.mesh.PARAM_AXES`), also for layer weights that
     `specjax.model.decoding_params` unstacked into per-layer tuples (their rule minus the
-    leading layer axis); heads kept whole (see `_whole_heads`); the rest replicated."""
+    leading layer axis); heads kept whole (see `whole_heads`); the rest replicated."""
 
     def one(path, leaf):
         name = _param_name(path)
@@ -95,7 +96,7 @@ def param_shardings(mesh, params, num_heads: int, num_kv_heads: int):
         axes = None if name is None else param_axes(name, len(shape) + unstacked)
         if axes is None:
             return NamedSharding(mesh, P())
-        axes = _whole_heads(axes[1:] if unstacked else axes, mesh, num_heads, num_kv_heads)
+        axes = whole_heads(axes[1:] if unstacked else axes, mesh, num_heads, num_kv_heads)
         logical = tuple(a if a is not None else "norm" for a in axes)  # "norm": replicated
         return NamedSharding(mesh, logical_spec(mesh, logical, shape))
 
@@ -110,7 +111,7 @@ def shard_params(mesh, params, num_heads: int, num_kv_heads: int):
 def cache_sharding(mesh, shape: tuple[int, ...], num_heads: int) -> NamedSharding:
     """Sharding of a KV cache array [L,B,K,S,H]: rows over data, KV heads over model
     (replicated when the model axis does not divide K or N)."""
-    axes = _whole_heads(CACHE_AXES, mesh, num_heads, shape[2])
+    axes = whole_heads(CACHE_AXES, mesh, num_heads, shape[2])
     return NamedSharding(mesh, logical_spec(mesh, tuple(a or "norm" for a in axes), shape))
 
 

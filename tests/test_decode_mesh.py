@@ -143,3 +143,24 @@ def test_decode_cli_mesh_runs_and_reports(tiny_demo, tmp_path):
     s = json.loads(summary.read_text())
     assert code == 0 and s["mesh"] == {"data": 2, "fsdp": 1, "model": 4}
     assert s["ar_identical"] is True
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_memory_planner_matches_the_engines_shards(mesh):
+    """specjax.plan's per-device decoding figures (from config.json alone) equal the bytes
+    the Engine actually places on device 0 (weights, and the KV cache by its sharding)."""
+    from specjax import plan
+
+    eng, _ = run("none", mesh)
+    cfg, dev = target().cfg, jax.devices()[0]
+    params = {k: v for k, v in eng.params.items() if k != "inv_freq"}  # not a weight
+    placed = sum(s.data.nbytes for leaf in jax.tree.leaves(params)
+                 for s in leaf.addressable_shards if s.device == dev)
+    sizes = parse_mesh(mesh)
+    want = plan.decode_plan(cfg, plan._Mesh(sizes.data, sizes.fsdp, sizes.model), batch=8,
+                            max_length=48, dtype=jax.numpy.float32, gamma=0)
+    assert want["target weights"] == placed
+    S = 48 + 0 + 1
+    cache = jax.device_put(jax.numpy.zeros((2, 8, 4, S, 16)), eng.cfg.cache_sharding)
+    local = sum(s.data.nbytes for s in cache.addressable_shards if s.device == dev)
+    assert want["KV cache"] == 2 * local
