@@ -91,6 +91,9 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     "off": specjax.verify on the filtered probabilities (the original path);
     "reference" / "pallas": pallas_kernels.verify from the target's logits, as jnp or as
     Pallas kernels (interpret mode on CPU, slow there); the two give identical output.
+    "pallas" also runs the target's decode and verify attention into its KV cache through
+    pallas_kernels.attention (`LoopConfig.target_attention`); the others keep the chunked
+    jnp attention.
     "auto": "pallas" on TPU (its Mosaic lowering is checked by the tests), "reference" on
     GPU and CPU (the GPU kernel lowers through Triton but has not run on a GPU in CI).
     Raises SpecjaxError on any other name.

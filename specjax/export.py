@@ -7,10 +7,15 @@
 Builds the target (and a learned drafter from its directory's config.json) as abstract
 shapes (`jax.eval_shape`: no weights are read or allocated, so Qwen3-8B or a 70B model
 lowers on a laptop), then `jax.export`s the autoregressive loop and, with a drafter, the
-speculative loop, for each platform. With `--kernels pallas` the verification kernel is
-inside the speculative loop: Mosaic (`tpu_custom_call`) on TPU, Triton on GPU. This
-checks what lowering checks (shapes, the Pallas lowering rules such as TPU's (8, 128)
-block tiling), not the final libtpu / ptxas compile.
+speculative loop, for each platform. With `--kernels pallas` the Pallas kernels are
+inside: Mosaic (`tpu_custom_call`) on TPU, Triton on GPU. The target's attention into its
+KV cache (`pallas_kernels.attention`) is in both loops, once per target forward after
+the prefill (inside the scan over layers; `--layer-loop unroll`: once per layer), and
+the speculative loop adds the verification kernel (`pallas_kernels.verify`: one call
+for greedy, two for sampled block or token verification). So the report reads 1 custom
+call for the autoregressive loop and 2 (T=0) or 3 (T>0) for the speculative one, with
+scan. This checks what lowering checks (shapes, the Pallas lowering rules such as TPU's
+(8, 128) block tiling), not the final libtpu / ptxas compile.
 
 Prints one line per (platform, loop) and exits 0; exits 2 with one line naming the loop,
 the platform and the error when something does not lower or the input is bad.
@@ -126,6 +131,23 @@ def abstract_engine(args):
     return loops_for
 
 
+def _lowering_target(platform: str):
+    """A context for lowering to `platform` on a host without it: for cuda, an abstract
+    one-device mesh of an H100, since jax 0.12 asks the default device for the GPU's
+    compute capability when lowering a Triton kernel with dots ("No supported GPU devices
+    found" on a CPU host); elsewhere nothing."""
+    import contextlib
+
+    import jax
+
+    if platform != "cuda":
+        return contextlib.nullcontext()
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
+                                      platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+
+
 def export_loops(args) -> list[str]:
     """Lowers every loop for every platform; returns one report line each.
     Raises SpecjaxError naming the loop and platform that failed."""
@@ -141,11 +163,13 @@ def export_loops(args) -> list[str]:
     loops_for = abstract_engine(args)
     lines = []
     for platform in platforms:
-        # The verification kernel's layout and compiler parameters follow the platform.
+        # The kernels' layout and compiler parameters follow the platform.
         for name, fn, fargs in loops_for(backend.get(platform, "tpu")):
             checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
             try:
-                exp = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*fargs)
+                with _lowering_target(platform):
+                    exp = jax.export.export(fn, platforms=[platform],
+                                            disabled_checks=checks)(*fargs)
             except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
                 msg = " ".join(str(e).split())[:400]
                 raise SpecjaxError(f"{name} loop does not lower for {platform} "

@@ -1,5 +1,7 @@
 """python -m specjax.export: the decoding loops lower for TPU and GPU from config.json alone
-(abstract shapes, no weights), with the Pallas verification kernel inside."""
+(abstract shapes, no weights), with the Pallas kernels inside: the target's attention
+into its KV cache (one call per target forward after the prefill under the scan over
+layers, one per layer unrolled) in both loops, and verification in the speculative one."""
 
 from __future__ import annotations
 
@@ -36,9 +38,13 @@ def test_qwen3_8b_ngram_sampled_lowers_for_tpu_and_gpu(tmp_path, capsys):
     assert code == 0, err
     lines = out.strip().splitlines()
     assert len(lines) == 4, out
-    # Block verification with sampling: the stats and the residual kernels.
-    assert "tpu   speculative" in out and "2 Mosaic custom calls" in out
-    assert "cuda  speculative" in out and "2 Triton custom calls" in out
+    # Autoregressive: the attention kernel in the decode forward. Speculative: attention in
+    # the verify forward, plus block verification with sampling (stats and residual).
+    for platform, kind in (("tpu", "Mosaic"), ("cuda", "Triton")):
+        assert f"{platform:5s} autoregressive  lowered" in out
+        assert f"{platform:5s} speculative     lowered" in out
+        ar, sp = (ln for ln in lines if ln.startswith(platform))
+        assert ar.endswith(f"1 {kind} custom calls") and sp.endswith(f"3 {kind} custom calls")
 
 
 @pytest.mark.parametrize("name,kind,platform", [("Llama-3.1-8B", "eagle3", "tpu"),
@@ -58,7 +64,24 @@ def test_demo_target_block_drafter_greedy(tmp_path, capsys, tiny_demo):
     code, out, err = _run(capsys, "--config", tiny_demo / "target", "--drafter", d,
                           "--platforms", "tpu,cuda", "--max-length", 256, "--dtype", "float32")
     assert code == 0, err
+    # Greedy: one verification kernel; attention once in each loop.
     assert out.count("1 Mosaic custom calls") == 1 and out.count("1 Triton custom calls") == 1
+    assert out.count("2 Mosaic custom calls") == 1 and out.count("2 Triton custom calls") == 1
+
+
+def test_unrolled_layers_and_reference_kernels(tmp_path, capsys, tiny_demo):
+    """--layer-loop unroll: one attention kernel per layer (the demo target has 4);
+    --kernels reference: no Pallas kernel at all (the chunked jnp attention)."""
+    L = ModelConfig.from_dir(str(tiny_demo / "target")).num_layers
+    common = ["--config", tiny_demo / "target", "--drafter", "ngram", "--platforms", "tpu",
+              "--max-length", 128, "--dtype", "float32"]
+    code, out, err = _run(capsys, *common, "--layer-loop", "unroll")
+    assert code == 0, err
+    ar, sp = out.strip().splitlines()
+    assert ar.endswith(f"{L} Mosaic custom calls") and sp.endswith(f"{L + 1} Mosaic custom calls")
+    code, out, err = _run(capsys, *common, "--kernels", "reference")
+    assert code == 0, err
+    assert out.count("no Pallas kernels") == 2
 
 
 @pytest.mark.parametrize("case", ["missing", "not_drafter", "platform", "batch"])

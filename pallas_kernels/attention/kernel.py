@@ -19,7 +19,7 @@ the tile index to the row's last needed tile, so a skipped step re-uses the resi
 block and issues no DMA: cost follows the context, not the capacity. The last grid
 step folds the T new tokens in and writes o / l. Block shapes obey the (8, 128) rule:
 K/V blocks are [block_s, H] (block_s a multiple of 8, H the full dim), queries and
-outputs [T*R, H] and the new tokens [T, H] are full dims.
+outputs [T*R, H] and the new tokens [Tn, H] (T padded to a multiple of 8) are full dims.
 
 GPU (`backend="triton"`): Triton runs grid points in parallel, so there is no resident
 accumulator across grid steps: the grid is (B, K) and each program loops over its row's
@@ -138,8 +138,12 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
     nS = pl.cdiv(S, block_s)
     scale = 1.0 / float(np.sqrt(H))
     qf = _fold_q(q, K, R)  # [B, K, M, H]
-    kn = k_new.transpose(0, 2, 1, 3)  # [B, K, T, H]
-    vn = v_new.transpose(0, 2, 1, 3)
+    # New tokens padded to a multiple of 8 rows (masked out in `_new_scores`, V zero):
+    # with T = 1 a bf16 [M, H] x [1, H]^T dot fails Mosaic's verifier (jax 0.10.2).
+    Tn = -(-T // 8) * 8
+    pad_t = ((0, 0), (0, 0), (0, Tn - T), (0, 0))
+    kn = jnp.pad(k_new.transpose(0, 2, 1, 3), pad_t)  # [B, K, Tn, H]
+    vn = jnp.pad(v_new.transpose(0, 2, 1, 3), pad_t)
 
     def kv_index(b, h, j, len_ref, layer_ref):
         return layer_ref[0], b, h, kv_tile_index(j, len_ref[b], block_s), 0
@@ -187,8 +191,8 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
             pl.BlockSpec((1, 1, M, H), fixed),
             pl.BlockSpec((None, 1, 1, block_s, H), kv_index),  # layer axis squeezed
             pl.BlockSpec((None, 1, 1, block_s, H), kv_index),
-            pl.BlockSpec((1, 1, T, H), fixed),
-            pl.BlockSpec((1, 1, T, H), fixed),
+            pl.BlockSpec((1, 1, Tn, H), fixed),
+            pl.BlockSpec((1, 1, Tn, H), fixed),
         ],
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
