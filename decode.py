@@ -204,7 +204,8 @@ def make_drafter_from_args(args, target, sampling, dtype):
     if DrafterConfig.is_drafter_dir(name):
         drafter, dparams = load_learned_drafter(
             name, target, args.target, args.gamma, sampling, dtype,
-            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")))
+            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")),
+            draft_vocab=getattr(args, "draft_vocab", "auto"))
         args.gamma = drafter.gamma
         return drafter, dparams, name
     args.gamma = args.gamma or DEFAULT_GAMMA

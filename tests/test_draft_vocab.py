@@ -13,6 +13,7 @@ import pytest
 from specjax.drafters import make_drafter
 from specjax.drafters.vocab import hot_ids, load_draft_vocab, main, save_draft_vocab
 from specjax.errors import SpecjaxError
+from specjax.sampling import SamplingParams
 from tests.test_drafters_decode import drafter_net, run_learned
 from tests.test_speculative_greedy import BUDGETS, models, rows, run_ar
 
@@ -91,6 +92,13 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
     save_drafter(str(d), dcfg, nnx.state(net, nnx.Param), tgt, jnp.float32)
     save_draft_vocab(str(d), np.arange(target.cfg.vocab_size)[::-1], 50, "test")
     outs = {}
+    for mode, hot in (("auto", True), ("full", False)):
+        args = decode.build_parser().parse_args(["--target", tgt, "--drafter", str(d),
+                                                 "--draft-vocab", mode])
+        _, params, _ = decode.make_drafter_from_args(args, target, SamplingParams(), jnp.float32)
+        assert ("draft_ids" in params) == hot
+        if hot:
+            assert params["head"].shape[0] == 50
     for mode in ("auto", "full"):
         s = tmp_path / f"{mode}.json"
         o = tmp_path / f"{mode}.jsonl"
