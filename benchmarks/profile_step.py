@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's matmul inputs (decode.py's flag)")
     ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="a learned drafter's matmul inputs (decode.py's flag)")
+    ap.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                    help="as decode.py: the drafter's hot vocabulary (auto) or all ids")
     ap.add_argument("--prompts", default=os.path.join(decode.DEMO_DIR, "prompts.jsonl"))
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -183,7 +185,8 @@ def run(args) -> dict:
     prompts = prompts[:args.num_prompts]
     sampling = SamplingParams()
     d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target,
-                                drafter_dtype=args.drafter_dtype)
+                                drafter_dtype=args.drafter_dtype,
+                                draft_vocab=args.draft_vocab)
     drafter, dparams, name = decode.make_drafter_from_args(d_args, target, sampling,
                                                            jnp.float32)
     if drafter is None:
