@@ -94,6 +94,21 @@ def _weight_files(path: str) -> list[str]:
     )
 
 
+def open_safetensors(file: str):
+    """A safetensors handle of `file` (numpy framework), for `with ... as f`.
+
+    Raises: SpecjaxError (one line) when the file is missing or not readable as
+    safetensors."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(file):
+        raise SpecjaxError(f"{file} is listed in the safetensors index but missing")
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:  # safetensors raises its own error types
+        raise SpecjaxError(f"{file} is not a readable safetensors file ({e})") from None
+
+
 def load_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Reads all tensors into specjax names (stacked per layer), checking names and shapes.
 
@@ -103,20 +118,12 @@ def load_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
     Raises:
       SpecjaxError naming the file and tensor: unknown tensor, missing tensor, wrong shape.
     """
-    from safetensors import safe_open
-
     expected = _expected_tensors(cfg)
     seen = set()
     stacked: dict[str, list] = {}
     out: dict[str, np.ndarray] = {}
     for file in _weight_files(path):
-        if not os.path.exists(file):
-            raise SpecjaxError(f"{file} is listed in the safetensors index but missing")
-        try:
-            handle = safe_open(file, framework="numpy")
-        except Exception as e:  # safetensors raises its own error types
-            raise SpecjaxError(f"{file} is not a readable safetensors file ({e})") from None
-        with handle as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     seen.add(hf_name)  # some tied checkpoints still store it; identical copy

@@ -148,17 +148,11 @@ def safetensors_files(path: str) -> list[str]:
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors of `path` (numpy, stored dtype) and the file each came from.
     Raises SpecjaxError for unreadable files and a tensor present in two files."""
-    from safetensors import safe_open
+    from specjax.checkpoint import open_safetensors
 
     out, where = {}, {}
     for file in safetensors_files(path):
-        if not os.path.isfile(file):
-            raise SpecjaxError(f"{file} is listed in the safetensors index but missing")
-        try:
-            handle = safe_open(file, framework="numpy")
-        except Exception as e:  # safetensors raises its own error types
-            raise SpecjaxError(f"{file} is not a readable safetensors file ({e})") from None
-        with handle as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name in out:
                     raise SpecjaxError(f"{file}: tensor {name} is also in {where[name]}")

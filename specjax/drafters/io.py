@@ -144,9 +144,8 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
     Raises: SpecjaxError for a missing or corrupt config.json or safetensors file, and a
       missing, unexpected or wrongly shaped tensor.
     """
-    from safetensors import safe_open
-
     from specjax import drafters
+    from specjax.checkpoint import open_safetensors
 
     raw = read_config(path)
     target = raw.get("target") or {}
@@ -163,11 +162,7 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
     if not os.path.isfile(file):
         raise SpecjaxError(f"{file} is missing; re-export the drafter with train.py")
     seen = set()
-    try:
-        handle = safe_open(file, framework="numpy")
-    except Exception as e:  # safetensors raises its own error types
-        raise SpecjaxError(f"{file} is not a readable safetensors file ({e})") from None
-    with handle as f:
+    with open_safetensors(file) as f:
         for name in f.keys():
             if name not in expected:
                 raise SpecjaxError(f"{file}: tensor {name} is not a weight of a {dcfg.kind} "
