@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--process-id", type=int, metavar="I",
                     help="--distributed: this process's index in [0, N) (with "
                          "--coordinator)")
+    ap.add_argument("--kernels", choices=("auto", "pallas", "reference"),
+                    help="attention of the training forwards (overrides train.kernels): "
+                         "pallas_kernels.attention.packed_attention (pallas) or jnp "
+                         "(reference); auto (default): pallas on TPU/GPU, reference on CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -63,7 +67,10 @@ def main(argv=None) -> int:
     try:
         from specjax.train import load_config, train
 
-        cfg = load_config(args.config, args.overrides, run_dir=args.run_dir, target=args.target)
+        overrides = list(args.overrides)
+        if args.kernels:
+            overrides.append(f"train.kernels={args.kernels}")
+        cfg = load_config(args.config, overrides, run_dir=args.run_dir, target=args.target)
         if args.distributed:
             from specjax.train import multihost
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.drafters.base import Drafter, LoopView
+from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
@@ -128,15 +129,38 @@ class LoopConfig:
             return None
         from pallas_kernels.attention import decode_attention
 
-        backend = self.pallas_backend
-        if backend == "auto":
-            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
-        interpret = self.pallas_interpret
+        backend, interpret = self._pallas_layout()
 
         def fn(q, k_cache, v_cache, layer, lengths, k_new, v_new):
             return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new,
                                     mode="causal", backend=backend, interpret=interpret,
                                     layer=layer)
+
+        return fn
+
+    def _pallas_layout(self) -> tuple[str, bool | None]:
+        """(backend "tpu" or "triton", interpret) of the attention kernels."""
+        backend = self.pallas_backend
+        if backend == "auto":
+            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
+        return backend, self.pallas_interpret
+
+    def drafter_attention(self) -> Callable | None:
+        """The kernel a learned drafter attends with (`specjax.drafters.common.
+        attention_kernel`): None (the drafters' jnp attention) unless kernels ==
+        "pallas", then `pallas_kernels.attention.packed_attention` for every source given
+        by a per-query limit (the drafter's own cache, the merged target memory, the block
+        drafter's context); the block drafter's own block and the TTT-style diagonals stay
+        jnp (a few entries per query) and are merged by log-sum-exp. On a mesh
+        (`cache_sharding`) the jnp path runs, as for `target_attention`."""
+        if self.kernels != "pallas" or self.cache_sharding is not None:
+            return None
+        from pallas_kernels.attention import packed_attention
+
+        backend, interpret = self._pallas_layout()
+
+        def fn(q, k, v, limit):
+            return packed_attention(q, k, v, limit, backend=backend, interpret=interpret)
 
         return fn
 
@@ -297,9 +321,13 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     verify = cfg.verifier()
     fused = cfg.fused_verify()
     attention = cfg.target_attention()
+    # the drafter's attention: the kernel or jnp, fixed by cfg (part of this trace's key)
+    drafter_attention = functools.partial(attention_kernel, cfg.drafter_attention())
     state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
     key, k_init = jax.random.split(state.key)
-    state = state.replace(drafter_state=drafter.init(drafter_params, view, k_init), key=key)
+    with drafter_attention():
+        dstate = drafter.init(drafter_params, view, k_init)
+    state = state.replace(drafter_state=dstate, key=key)
     B = prompts.shape[0]
     offsets = jnp.arange(G + 1, dtype=jnp.int32)
 
@@ -307,7 +335,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
         # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
-        with jax.named_scope("drafter_propose"):
+        with jax.named_scope("drafter_propose"), drafter_attention():
             draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
         pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
@@ -337,7 +365,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
-        with jax.named_scope("drafter_update"):
+        with jax.named_scope("drafter_update"), drafter_attention():
             dstate = drafter.update(drafter_params, dstate, after, tau)
         act = active.astype(jnp.int32)
         accepted = s.accepted + act[:, None] * (offsets[None, :G] < tau[:, None])

@@ -199,6 +199,7 @@ class Transformer(nnx.Module):
         logits_at: jax.Array | None = None,
         capture_kv: tuple[int, ...] = (),
         attention: Callable | None = None,
+        self_attention: Callable | None = None,
     ) -> ForwardOutput:
         """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
 
@@ -228,6 +229,12 @@ class Transformer(nnx.Module):
             not read, so no token counts twice. Meant for few queries (decode T = 1,
             verify T = G + 1): its [T*R, H] query block and [T*R, T] new-token scores
             sit in on-chip memory, so the loops keep the prefill on the jnp path.
+          self_attention: the cache-free forward's causal attention (ignored with a
+            cache). None: jnp scores [B,K,R*T,T]. Or fn(q [B,T,N,H], k, v [B,K,T,H],
+            limit i32[B,T]) -> (o [B,T,N,H], lse), where query t sees keys s < limit[b,t],
+            such as `pallas_kernels.attention.packed_attention` (flash attention: no
+            [T, T] scores in memory). It gets limit = t + 1, which is the causal mask when
+            each row's positions are consecutive (as in training).
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
@@ -248,6 +255,9 @@ class Transformer(nnx.Module):
             k_cache, v_cache = cache.k, cache.v
         # Row r*T + t of a KV head's folded queries is token t of query head k*R + r.
         mask_q = None if mask is None else jnp.tile(mask, (1, R, 1))  # [B,R*T,T]
+        # the attention result comes back folded [B,K,R*T,H] (jnp paths) or [B,T,N,H]
+        folded = attention is None if cache is not None else self_attention is None
+        causal_limit = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
         q_pos = jnp.tile(positions, (1, R))  # [B,R*T]
         batch_idx = jnp.arange(B)[:, None]
         scale = 1.0 / np.sqrt(H)
@@ -287,12 +297,17 @@ class Transformer(nnx.Module):
                     hit = (kv_layers == l)[:, None, None, None, None]
                     kv_out = (jnp.where(hit, k_l[None], kv_out[0]),
                               jnp.where(hit, v_l[None], kv_out[1]))
-                scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
-                                    preferred_element_type=jnp.float32) * scale
-                scores = jnp.where(mask_q[:, None], scores, -1e30)
-                probs = jax.nn.softmax(scores, axis=-1)
-                attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
-                                  preferred_element_type=jnp.float32).astype(v_l.dtype)
+                if self_attention is not None:
+                    attn, _ = self_attention(q.astype(ad), k_l.astype(ad), v_l.astype(ad),
+                                             causal_limit)
+                    attn = attn.astype(v_l.dtype)
+                else:
+                    scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
+                                        preferred_element_type=jnp.float32) * scale
+                    scores = jnp.where(mask_q[:, None], scores, -1e30)
+                    probs = jax.nn.softmax(scores, axis=-1)
+                    attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
+                                      preferred_element_type=jnp.float32).astype(v_l.dtype)
             else:
                 k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
                 v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
@@ -302,7 +317,7 @@ class Transformer(nnx.Module):
                 else:  # chunks up to the longest row's position: cost follows the context
                     attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
                                            dot_dtype=ad, layer=l).astype(v_all.dtype)
-            if cache is None or attention is None:  # [B,K,R*T,H] -> [B,T,N*H]
+            if folded:  # [B,K,R*T,H] -> [B,T,N*H]
                 attn = attn.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
             attn = attn.reshape(B, T, N * H)
             o = linear(attn, w["o_proj"])

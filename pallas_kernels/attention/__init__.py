@@ -12,6 +12,8 @@ layer-major) for its decode and verify forwards when `LoopConfig.kernels` is "pa
 
 `impl="pallas"` runs `kernel.py` (TPU: Mosaic with scalar-prefetched lengths and tile
 skipping; GPU: Triton, `backend="triton"`), `impl="reference"` runs `reference.py`.
+`num_splits` (split-S, flash-decoding) cuts the S axis into chunks run by independent
+programs whose partial softmax states are merged by log-sum-exp (`pick_num_splits`).
 The Pallas path is wrapped in `jax.custom_vjp` whose backward is `jax.vjp` of the
 reference (correct but not memory-efficient: it materialises [B, K, R, T, S] scores).
 """
@@ -27,6 +29,11 @@ from pallas_kernels.attention.reference import MODES, decode_attention_reference
 
 BACKENDS = ("tpu", "triton")
 DEFAULT_BLOCK_S = 128
+# `pick_num_splits`: split S only when B*K < SPLIT_BELOW_PROGRAMS, into at most MAX_SPLITS
+# chunks of at least MIN_TILES_PER_SPLIT tiles.
+SPLIT_BELOW_PROGRAMS = 8
+MAX_SPLITS = 8
+MIN_TILES_PER_SPLIT = 4
 
 
 def pick_block_s(S: int, block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -> int:
@@ -54,9 +61,25 @@ def pick_block_s(S: int, block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -
     return min(block_s, max(16, int(2 ** np.ceil(np.log2(max(S, 1))))))
 
 
+def pick_num_splits(B: int, K: int, S: int, block_s: int) -> int:
+    """The number of S splits `decode_attention(num_splits=None)` asks for.
+
+    With nS = cdiv(S, block_s) tiles (block_s the tile `pick_block_s` returned): 1 when
+    B*K >= SPLIT_BELOW_PROGRAMS (8), i.e. the (row, KV head) programs alone fill the
+    machine; else min(MAX_SPLITS, max(1, nS // MIN_TILES_PER_SPLIT)) = min(8, max(1,
+    nS // 4)), so every split gets at least 4 tiles of the longest possible row. The rule
+    looks at the capacity S, not the lengths (static shapes only); the kernels then skip
+    the tiles past each row's length whatever P is.
+    """
+    if B * K >= SPLIT_BELOW_PROGRAMS:
+        return 1
+    nS = -(-S // block_s)
+    return min(MAX_SPLITS, max(1, nS // MIN_TILES_PER_SPLIT))
+
+
 def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
                      block_s=DEFAULT_BLOCK_S, interpret=None, backend="tpu", impl="pallas",
-                     layer=None):
+                     layer=None, num_splits=None):
     """Attention of T new queries over each row's valid cache prefix plus the new tokens.
 
     Args:
@@ -79,13 +102,22 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
         layers) naming the layer of a [L, B, K, S, H] cache to attend over: the kernels
         read that layer's tiles in place (scalar prefetch on TPU, pointer offsets in
         Triton), so no copy of the layer is made.
+      num_splits: split-S (flash-decoding): None picks `pick_num_splits(B, K, S, tile)`
+        (1 unless B*K < 8, then min(8, max(1, cdiv(S, tile) // 4))); an int P >= 1 cuts
+        the cdiv(S, tile) S tiles into chunks of cdiv(nS, P) whole tiles run by
+        independent programs (at most P of them: cdiv(nS, chunk), none past S), each
+        writing partial (m, l, acc) f32 [B, K, P, T*R, 1 | H] that a jnp log-sum-exp
+        combine merges and normalises. P = 1 is the single-pass kernel (no partials).
+        The result is the same up to f32 rounding for every P. Ignored by
+        impl="reference" (but still validated).
 
     GQA: N = K * R; query head n uses KV head n // R. Scale 1/sqrt(H), f32 softmax.
 
     Returns: [B, T, N, H] in q.dtype.
 
     Raises: ValueError on bad shapes (N not a multiple of K, k_new not [B, T, K, H], ...),
-    an unknown mode, backend or impl, or a bad block_s.
+    an unknown mode, backend or impl, a bad block_s, or num_splits not None and not an
+    int >= 1.
 
     Differentiable (reverse mode) w.r.t. q, k_cache, v_cache, k_new, v_new: the
     backward pass is the reference's.
@@ -96,6 +128,9 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     S = k_cache.shape[-2]
     bs = pick_block_s(S, block_s, backend)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+    if num_splits is None:
+        num_splits = pick_num_splits(q.shape[0], k_cache.shape[-3], S, bs)
+    kernel.split_tiles(-(-S // bs), num_splits)  # raises on a bad num_splits
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new,
                                           mode=mode, layer=layer)
@@ -110,7 +145,7 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     @jax.custom_vjp
     def attn(q, kc, vc, kn, vn, lengths, layer):
         return fwd_kernel(q, kc, vc, lengths, kn, vn, causal=mode == "causal", block_s=bs,
-                          interpret=interpret, layer=layer)
+                          interpret=interpret, layer=layer, num_splits=num_splits)
 
     def attn_fwd(q, kc, vc, kn, vn, lengths, layer):
         return attn(q, kc, vc, kn, vn, lengths, layer), (q, kc, vc, kn, vn, lengths, layer)
@@ -124,5 +159,5 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     return attn(q, k_cache, v_cache, k_new, v_new, lengths, layer)
 
 
-__all__ = ["decode_attention", "decode_attention_reference", "pick_block_s", "MODES",
-           "BACKENDS", "DEFAULT_BLOCK_S", "kernel", "reference"]
+__all__ = ["decode_attention", "decode_attention_reference", "pick_block_s",
+           "pick_num_splits", "MODES", "BACKENDS", "DEFAULT_BLOCK_S", "kernel", "reference"]

@@ -29,6 +29,25 @@ with masked loads. Triton wants
 power-of-two block shapes with dots of at least 16 x 16, so the wrapper pads the query
 rows and the new tokens (padded new tokens are masked out; padded rows are dropped).
 
+Split-S (flash-decoding), `num_splits` > 1: with few programs (B*K small) the grids
+above leave most cores idle on a long row, so the S axis is also cut into P contiguous
+chunks of whole tiles, chunk = cdiv(nS, num_splits) tiles, P = cdiv(nS, chunk) <=
+num_splits (`split_tiles`: no split starts past S), each processed by an independent
+program that writes its partial online-softmax state to HBM: m and l f32 [B, K, P, M, 1]
+and the unnormalised accumulator f32 [B, K, P, M, H]. Only the last split folds the T
+new tokens in, so every row has a finite m somewhere. `combine_splits` (jnp, outside the
+kernel) then rescales the partials by exp(m_p - max_p m_p), sums them and normalises.
+- TPU: grid (B, K, P, chunk), dimension semantics ("parallel", "parallel", "parallel",
+  "arbitrary"); step i of split p is global tile j = p*chunk + i, computed only while
+  j*block_s < lengths[b], and the index map clamps j with `kv_tile_index` as above, so a
+  split whose chunk lies wholly past the length computes nothing, issues no DMA and
+  writes m = -inf, l = 0, acc = 0 (or, as the last split, just the new tokens' state).
+- Triton: grid (B, K, P); each program loops over the tiles of its chunk below the
+  length (a trip count of max(0, min((p+1)*chunk, cdiv(lengths[b], block_s)) - p*chunk)).
+With P = 1 (the default for most shapes, see `decode_attention`) neither kernel writes
+partials: the single-pass code paths above, unchanged. Splitting changes only the order
+of the f32 sums, so results agree up to f32 rounding.
+
 Within a tile, lanes at or past lengths[b] (including the padding of a partial last
 tile when S is not a multiple of block_s) are masked in the scores AND zeroed in V, so
 NaN or stale values there never reach the result (0 * NaN would).
@@ -100,13 +119,44 @@ def _new_scores(q, kn, scale, causal, R, T_valid):
     return jnp.where(keep, s, NEG_INF)
 
 
+# ----------------------------------------------------------------------------- split-S
+
+
+def split_tiles(nS, num_splits):
+    """(chunk, P): the S tiles per split, chunk = cdiv(nS, num_splits), and the number of
+    splits the kernels run, P = cdiv(nS, chunk) <= num_splits, so that no split starts at
+    or past S (e.g. nS 10, num_splits 6 -> chunk 2, P 5). P == 1 means the single pass.
+    Raises ValueError unless num_splits is an int >= 1."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
+            or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be an int >= 1")
+    chunk = -(-nS // int(num_splits))
+    return chunk, -(-nS // chunk)
+
+
+def combine_splits(m, l, acc):
+    """Merges P partial online-softmax states by log-sum-exp rescaling and normalises.
+
+    m, l: f32 [B, K, P, M, 1] (running max and sum of each split, -inf / 0 where a split
+    saw nothing), acc: f32 [B, K, P, M, H] (unnormalised). Every row must have a finite
+    m in some split (the split that folded the new tokens in). Returns f32 [B, K, M, H]."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)  # a split with m = -inf weighs 0 (its l and acc are 0 too)
+    return jnp.sum(w * acc, axis=2) / jnp.sum(w * l, axis=2)
+
+
 # ----------------------------------------------------------------------------- TPU
 
 
 def kv_tile_index(j, length, block_s):
     """The S tile that grid step j loads: j itself while j < cdiv(length, block_s), else
     the row's last needed tile (tile 0 when length is 0). A repeated block index makes the
-    Pallas pipeline skip the copy, so steps past the length cost no HBM traffic."""
+    Pallas pipeline skip the copy, so steps past the length cost no HBM traffic.
+
+    With split-S, j is the global tile p * chunk + i of split p's step i: a split whose
+    chunk lies wholly past the length maps every step to the row's last needed tile, the
+    block the previous grid step (the end of split p - 1) already holds, so it issues no
+    DMA either."""
     # lax.div, not //: jnp's floor division lowers through `sign`, which Mosaic lowers
     # only after querying the TPU generation (so exporting from a CPU host fails).
     last = jnp.maximum(jax.lax.div(length + block_s - 1, block_s) - 1, 0)
@@ -121,13 +171,15 @@ def _layer_major(k_cache, v_cache, layer):
 
 
 def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                         interpret=False, count_tiles=False, layer=None):
-    """Grid (B, K, nS) kernel with scalar-prefetched lengths and layer (see the module doc).
+                         interpret=False, count_tiles=False, layer=None, num_splits=1):
+    """Grid (B, K, nS) kernel with scalar-prefetched lengths and layer, or with
+    num_splits > 1 the split-S grid (B, K, P, chunk) plus `combine_splits` (module doc).
 
     Arguments as `decode_attention` (validated there): k_cache, v_cache [B, K, S, H], or
     [L, B, K, S, H] with `layer` (i32 scalar) naming the one to read; lengths already
-    clipped to 0..S and block_s a multiple of 8 or equal to S. count_tiles=True (tests)
-    also returns i32[B, K], the number of cache tiles each program actually computed."""
+    clipped to 0..S and block_s a multiple of 8 or equal to S; num_splits an int >= 1
+    (see `split_tiles`). count_tiles=True (tests) also returns the number of cache tiles
+    each program actually computed: i32[B, K], or i32[B, K, P] with splits."""
     from jax.experimental.pallas import tpu as pltpu
 
     B, T, N, H = q.shape
@@ -136,6 +188,8 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
     R = N // K
     M = T * R
     nS = pl.cdiv(S, block_s)
+    chunk, P = split_tiles(nS, num_splits)
+    split = P > 1
     scale = 1.0 / float(np.sqrt(H))
     qf = _fold_q(q, K, R)  # [B, K, M, H]
     # New tokens padded to a multiple of 8 rows (masked out in `_new_scores`, V zero):
@@ -145,18 +199,37 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
     kn = jnp.pad(k_new.transpose(0, 2, 1, 3), pad_t)  # [B, K, Tn, H]
     vn = jnp.pad(v_new.transpose(0, 2, 1, 3), pad_t)
 
-    def kv_index(b, h, j, len_ref, layer_ref):
-        return layer_ref[0], b, h, kv_tile_index(j, len_ref[b], block_s), 0
+    if split:  # grid (B, K, P, chunk): step i of split p is global tile p * chunk + i
+        grid, steps = (B, K, P, chunk), chunk
 
-    def fixed(b, h, j, len_ref, layer_ref):  # q, new tokens, output: one block per (b, h)
-        return b, h, 0, 0
+        def kv_index(b, h, p, i, len_ref, layer_ref):
+            return layer_ref[0], b, h, kv_tile_index(p * chunk + i, len_ref[b], block_s), 0
 
-    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref, *rest):
-        cnt_ref, (m_sc, l_sc, acc_sc) = (rest[0], rest[1:]) if count_tiles else (None, rest)
-        b, j = pl.program_id(0), pl.program_id(2)
+        def fixed(b, h, p, i, len_ref, layer_ref):
+            return b, h, 0, 0
+
+        def per_split(b, h, p, i, len_ref, layer_ref):  # partials, tile counts
+            return b, h, p, 0, 0
+    else:
+        grid, steps = (B, K, nS), nS
+
+        def kv_index(b, h, j, len_ref, layer_ref):
+            return layer_ref[0], b, h, kv_tile_index(j, len_ref[b], block_s), 0
+
+        def fixed(b, h, j, len_ref, layer_ref):  # q, new tokens, output: one per (b, h)
+            return b, h, 0, 0
+
+    n_out = (3 if split else 1) + count_tiles
+
+    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, *rest):
+        outs, (m_sc, l_sc, acc_sc) = rest[:n_out], rest[n_out:]
+        cnt_ref = outs[-1] if count_tiles else None
+        b, i = pl.program_id(0), pl.program_id(len(grid) - 1)
+        p = pl.program_id(2) if split else None
+        j = p * chunk + i if split else i  # the global S tile of this step
         length = len_ref[b]
 
-        @pl.when(j == 0)
+        @pl.when(i == 0)
         def _init():
             m_sc[...] = jnp.full((M, 1), NEG_INF, jnp.float32)
             l_sc[...] = jnp.zeros((M, 1), jnp.float32)
@@ -173,20 +246,46 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
             if cnt_ref is not None:
                 cnt_ref[...] = cnt_ref[...] + 1
 
-        @pl.when(j == nS - 1)
-        def _finish():
+        def fold_new():
             s = _new_scores(q_ref[0, 0], kn_ref[0, 0], scale, causal, R, T)
-            m, l, acc = _online_step(m_sc[...], l_sc[...], acc_sc[...], s, vn_ref[0, 0])
-            o_ref[0, 0] = (acc / l).astype(o_ref.dtype)
+            return _online_step(m_sc[...], l_sc[...], acc_sc[...], s, vn_ref[0, 0])
 
-    out_specs = pl.BlockSpec((1, 1, M, H), fixed)
-    out_shape = jax.ShapeDtypeStruct((B, K, M, H), q.dtype)
+        @pl.when(i == steps - 1)
+        def _finish():
+            if not split:
+                m, l, acc = fold_new()
+                outs[0][0, 0] = (acc / l).astype(outs[0].dtype)
+                return
+
+            @pl.when(p == P - 1)  # one split folds the new tokens in
+            def _new():
+                m_sc[...], l_sc[...], acc_sc[...] = fold_new()
+
+            m_ref, l_ref, acc_ref = outs[:3]
+            m_ref[0, 0, 0] = m_sc[...]
+            l_ref[0, 0, 0] = l_sc[...]
+            acc_ref[0, 0, 0] = acc_sc[...]
+
+    f32 = jnp.float32
+    if split:
+        out_specs = [pl.BlockSpec((1, 1, 1, M, 1), per_split),
+                     pl.BlockSpec((1, 1, 1, M, 1), per_split),
+                     pl.BlockSpec((1, 1, 1, M, H), per_split)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, P, M, 1), f32),
+                     jax.ShapeDtypeStruct((B, K, P, M, 1), f32),
+                     jax.ShapeDtypeStruct((B, K, P, M, H), f32)]
+        cnt_spec = pl.BlockSpec((1, 1, 1, 1, 1), per_split)
+        cnt_shape = jax.ShapeDtypeStruct((B, K, P, 1, 1), jnp.int32)
+    else:
+        out_specs = [pl.BlockSpec((1, 1, M, H), fixed)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, M, H), q.dtype)]
+        cnt_spec = pl.BlockSpec((1, 1, 1, 1), fixed)
+        cnt_shape = jax.ShapeDtypeStruct((B, K, 1, 1), jnp.int32)
     if count_tiles:
-        out_specs = (out_specs, pl.BlockSpec((1, 1, 1, 1), fixed))
-        out_shape = (out_shape, jax.ShapeDtypeStruct((B, K, 1, 1), jnp.int32))
+        out_specs, out_shape = out_specs + [cnt_spec], out_shape + [cnt_shape]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(B, K, nS),
+        grid=grid,
         in_specs=[
             pl.BlockSpec((1, 1, M, H), fixed),
             pl.BlockSpec((None, 1, 1, block_s, H), kv_index),  # layer axis squeezed
@@ -195,21 +294,24 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
             pl.BlockSpec((1, 1, Tn, H), fixed),
         ],
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
-                        pltpu.VMEM((M, H), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((M, 1), f32), pltpu.VMEM((M, 1), f32),
+                        pltpu.VMEM((M, H), f32)],
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",)),
         interpret=interpret,
-        name="decode_attention",
+        name="decode_attention_split" if split else "decode_attention",
     )(lengths, layer.reshape(1), qf, k_cache, v_cache, kn, vn)
+    o = combine_splits(*out[:3]).astype(q.dtype) if split else out[0]
+    o = _unfold_o(o, T, R)
     if count_tiles:
-        return _unfold_o(out[0], T, R), out[1][:, :, 0, 0]
-    return _unfold_o(out, T, R)
+        cnt = out[-1]
+        return o, (cnt[:, :, :, 0, 0] if split else cnt[:, :, 0, 0])
+    return o
 
 
 # ----------------------------------------------------------------------------- GPU (Triton)
@@ -220,8 +322,10 @@ def _pow2_at_least(n, lo):
 
 
 def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                            interpret=False, layer=None):
-    """Grid (B, K) kernel looping over the valid S tiles inside (see the module doc).
+                            interpret=False, layer=None, num_splits=1):
+    """Grid (B, K) kernel looping over the valid S tiles inside, or with num_splits > 1
+    grid (B, K, P), each program looping over the valid tiles of its chunk, plus
+    `combine_splits` (see the module doc).
 
     Arguments as `decode_attention_tpu`; block_s must be a power of two >= 16."""
     from jax.experimental.pallas import triton as pltriton
@@ -232,6 +336,8 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
     R = N // K
     M = T * R
     Mp, Tp = _pow2_at_least(M, 16), _pow2_at_least(T, 16)
+    chunk, P = split_tiles(pl.cdiv(S, block_s), num_splits)
+    split = P > 1
     scale = 1.0 / float(np.sqrt(H))
     qf = jnp.pad(_fold_q(q, K, R), ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
     pad_t = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
@@ -242,7 +348,7 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
     kc = k_cache.reshape(L * B * K, S, H)  # a free view of the layer-major cache
     vc = v_cache.reshape(L * B * K, S, H)
 
-    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref):
+    def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, *outs):
         length = len_ref[0, 0]
         qb = q_ref[0, 0]
         row = (layer_ref[0, 0] * B + pl.program_id(0)) * K + pl.program_id(1)
@@ -262,32 +368,62 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         carry = (jnp.full((Mp, 1), NEG_INF, jnp.float32), jnp.zeros((Mp, 1), jnp.float32),
                  jnp.zeros((Mp, H), jnp.float32))
         n_tiles = jax.lax.div(length + block_s - 1, block_s)
-        m, l, acc = jax.lax.fori_loop(0, n_tiles, body, carry)
+        if not split:
+            m, l, acc = jax.lax.fori_loop(0, n_tiles, body, carry)
+            s = _new_scores(qb, kn_ref[0, 0], scale, causal, R, T)
+            m, l, acc = _online_step(m, l, acc, s, vn_ref[0, 0])
+            outs[0][0, 0] = (acc / l).astype(outs[0].dtype)
+            return
+        p = pl.program_id(2)
+        lo = p * chunk  # tiles lo .. min(lo + chunk, n_tiles) - 1 (none if lo >= n_tiles)
+        m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + chunk, n_tiles), body, carry)
+        # The last split folds the new tokens in (computed everywhere, kept there: the new
+        # scores always have a finite entry per row, so the discarded fold is finite too).
         s = _new_scores(qb, kn_ref[0, 0], scale, causal, R, T)
-        m, l, acc = _online_step(m, l, acc, s, vn_ref[0, 0])
-        o_ref[0, 0] = (acc / l).astype(o_ref.dtype)
+        m2, l2, acc2 = _online_step(m, l, acc, s, vn_ref[0, 0])
+        last = p == P - 1
+        m_ref, l_ref, acc_ref = outs
+        m_ref[0, 0, 0] = jnp.where(last, m2, m)
+        l_ref[0, 0, 0] = jnp.where(last, l2, l)
+        acc_ref[0, 0, 0] = jnp.where(last, acc2, acc)
 
+    if split:
+        grid = (B, K, P)
+        fixed = lambda b, h, p: (b, h, 0, 0)  # noqa: E731
+        per_split = lambda b, h, p: (b, h, p, 0, 0)  # noqa: E731
+        out_specs = [pl.BlockSpec((1, 1, 1, Mp, 1), per_split),
+                     pl.BlockSpec((1, 1, 1, Mp, 1), per_split),
+                     pl.BlockSpec((1, 1, 1, Mp, H), per_split)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, P, Mp, 1), jnp.float32),
+                     jax.ShapeDtypeStruct((B, K, P, Mp, 1), jnp.float32),
+                     jax.ShapeDtypeStruct((B, K, P, Mp, H), jnp.float32)]
+    else:
+        grid = (B, K)
+        fixed = lambda b, h: (b, h, 0, 0)  # noqa: E731
+        out_specs = [pl.BlockSpec((1, 1, Mp, H), fixed)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, Mp, H), q.dtype)]
     out = pl.pallas_call(
         kernel,
-        grid=(B, K),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((1, 1), lambda b, h: (b, 0)),
-            pl.BlockSpec((1, 1), lambda b, h: (0, 0)),
-            pl.BlockSpec((1, 1, Mp, H), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((1, 1), lambda b, h, *_: (b, 0)),
+            pl.BlockSpec((1, 1), lambda b, h, *_: (0, 0)),
+            pl.BlockSpec((1, 1, Mp, H), fixed),
             # The whole cache, addressed in the kernel (pl.ds slices: integer indexing,
             # `ref.at[0, ...]`, breaks the interpreter's discharge of masked loads).
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec((1, 1, Tp, H), lambda b, h: (b, h, 0, 0)),
-            pl.BlockSpec((1, 1, Tp, H), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((1, 1, Tp, H), fixed),
+            pl.BlockSpec((1, 1, Tp, H), fixed),
         ],
-        out_specs=pl.BlockSpec((1, 1, Mp, H), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, Mp, H), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        name="decode_attention_triton",
+        name="decode_attention_triton_split" if split else "decode_attention_triton",
     )(lens, layer_arr, qf, kc, vc, kn, vn)
-    return _unfold_o(out[:, :, :M], T, R)
+    o = combine_splits(*out).astype(q.dtype) if split else out[0]
+    return _unfold_o(o[:, :, :M], T, R)
 
 
 KERNELS = {"tpu": decode_attention_tpu, "triton": decode_attention_triton}

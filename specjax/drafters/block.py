@@ -94,27 +94,27 @@ class BlockNet(nnx.Module):
           token at anchor + k.
         """
         B, A = anchors.shape
-        T, G = tokens.shape[1], gamma
+        G = gamma
         pos = (anchors[:, :, None] + jnp.arange(G + 1, dtype=jnp.int32)).reshape(B, -1)
         first = jnp.take_along_axis(tokens, anchors, axis=1)[:, :, None]
         blk = jnp.concatenate([first, jnp.full((B, A, G), self.cfg.mask_token_id, jnp.int32)],
                               axis=2).reshape(B, -1)
         anchor_q = jnp.repeat(anchors, G + 1, axis=1)  # [B,Q]
-        ctx_mask = jnp.arange(T)[None, None, :] < anchor_q[:, :, None]
-        bid = jnp.repeat(jnp.arange(A), G + 1)
-        block_mask = jnp.broadcast_to(bid[:, None] == bid[None, :], (B, bid.size, bid.size))
-        out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], block_mask, embed,
+        ctx_mask = common.Limit(anchor_q - 1)  # context strictly before the anchor
+        out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], G + 1, embed,
                              inv_freq)
         return out.reshape(B, A, G + 1, -1)
 
-    def run_block(self, tokens, positions, contexts, block_mask, embed, inv_freq):
+    def run_block(self, tokens, positions, contexts, block_size: int, embed, inv_freq):
         """The block forward.
 
         Args:
           tokens, positions: i32[B,Q] block tokens (anchor token, then mask ids) and
             their positions (several blocks may be packed along Q).
-          contexts: list of ((k, v) [Ld,B,K,S,H], mask bool[B,Q,S]) context sources.
-          block_mask: bool[B,Q,Q], which block entries each query sees (its own block).
+          contexts: list of ((k, v) [Ld,B,K,S,H], mask) context sources, mask a bool[B,Q,S]
+            or a `common.Limit`.
+          block_size: G+1: Q holds Q / block_size blocks, each query sees every entry of
+            its own block (`common.Blocks`).
           embed: [V,D]; inv_freq: f32[H/2].
         Returns: outputs [B,Q,D] (pre-norm).
         """
@@ -123,7 +123,7 @@ class BlockNet(nnx.Module):
         for i in range(self.cfg.num_layers):
             q, k, v = common.layer_qkv(self, i, x, cos, sin)
             sources = [(kv[0][i], kv[1][i], mask) for kv, mask in contexts]
-            sources.append((k.swapaxes(1, 2), v.swapaxes(1, 2), block_mask))
+            sources.append((k, v, common.Blocks(block_size)))
             x = common.layer_out(self, i, x, common.attend(q, sources))
         return x
 
@@ -171,8 +171,7 @@ class BlockDrafter(common.LearnedDrafter):
                 # context strictly before the anchor, read up to the longest row only
                 visible = common.Limit(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)))
                 contexts.append(((cache.k, cache.v), visible))
-        block_mask = jnp.ones((B, G + 1, G + 1), bool)
-        out = net.run_block(tokens, pos, contexts, block_mask, params["embed"],
+        out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
                             params["inv_freq"])
         logits = self.logits(net, out[:, 1:], params)  # [B,G,V]
         keys = jax.random.split(key, G)

@@ -16,6 +16,8 @@ target cache.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -101,36 +103,87 @@ def kv_only(w, x, cos, sin, eps, cfg: DrafterConfig):
 class Limit(NamedTuple):
     """A source mask given by position: slot s is visible to query t of row b iff
     s <= pos[b, t] (pos i32[B,T]). Long sources given this way are read in chunks up to
-    the largest visible slot (`specjax.attention`), so their cost follows the context."""
+    the largest visible slot (`specjax.attention`), so their cost follows the context;
+    inside `attention_kernel` they go through the kernel instead."""
 
     pos: jax.Array
 
 
+class Blocks(NamedTuple):
+    """A source of the queries' own keys (k, v [B,T,K,H], like a `diag` entry) packed in
+    aligned blocks of `size` entries: query t sees entry u iff t // size == u // size
+    (bidirectional inside a block, nothing across blocks; T a multiple of size). The
+    block-wise objective's packed blocks: it costs T * size scores, not T * T."""
+
+    size: int
+
+
 ATTEND_CHUNK = DEFAULT_CHUNK  # sources with S > this and a Limit mask are chunked
+
+_KERNEL: contextvars.ContextVar = contextvars.ContextVar("specjax_attend_kernel",
+                                                         default=None)
+
+
+@contextlib.contextmanager
+def attention_kernel(fn):
+    """While tracing inside this context, `attend` computes every `Limit` source with
+    fn(q [B,T,N,H], k [B,K,S,H], v [B,K,S,H], limit i32[B,T]) -> (o [B,T,N,H], lse
+    f32[B,T,N]), where query t sees slots s < limit[b, t] and lse is the log-sum-exp of
+    its scores (-inf when it sees nothing), such as
+    `pallas_kernels.attention.packed_attention`; the other sources are merged with it by
+    log-sum-exp. fn = None: the jnp path. The choice is made at trace time, so enter the
+    context inside the function that jax traces, with fn fixed by that function's own
+    static configuration (`specjax.generate.LoopConfig.drafter_attention`, the trainers'
+    `kernels`): a jit cache entry then never mixes the two paths."""
+    token = _KERNEL.set(fn)
+    try:
+        yield
+    finally:
+        _KERNEL.reset(token)
 
 
 def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
     """Attention of q [B,T,N,H] over several key/value sources under ONE softmax.
 
     Args:
-      sources: (k [B,K,S,H], v [B,K,S,H], mask) each (any S per source), mask a bool[B,T,S]
-        or a `Limit` (slots <= pos[b, t] visible). A Limit source longer than
-        ATTEND_CHUNK slots is read in chunks up to its largest visible slot.
+      sources: (k, v, mask) each. k, v [B,K,S,H] (any S per source) with mask a
+        bool[B,T,S] or a `Limit` (slots <= pos[b, t] visible; a Limit source longer than
+        ATTEND_CHUNK slots is read in chunks up to its largest visible slot, and inside
+        `attention_kernel` every Limit source goes through the kernel); or the queries'
+        own k, v [B,T,K,H] with mask a `Blocks` (aligned bidirectional blocks).
       diag: (k [B,T,K,H], v [B,T,K,H]) each: query t sees only entry t of each (the
         training-time-test diagonal: later steps at the same position).
     Returns: [B,T,N*H] in q's dtype. Scores and softmax in f32. A query with no visible
-      key at all returns the mean of the values it masked (no NaN); callers never use it.
+      key at all returns zeros (or, on the one-softmax path, the mean of the values it
+      masked); callers never use it.
     """
     B, T, N, H = q.shape
     K = (sources[0][0].shape[1] if sources else diag[0][0].shape[2])
+    if sources and isinstance(sources[0][2], Blocks):
+        K = sources[0][0].shape[2]
     R = N // K
     scale = 1.0 / np.sqrt(H)
     qg = q.reshape(B, T, K, R, H)
-    scores, values, long = [], [], []
+    kernel = _KERNEL.get()
+    scores, values, parts, kernel_parts = [], [], [], 0
     for k, v, mask in sources:
+        if isinstance(mask, Blocks):
+            parts.append(_blocks_part(qg, k, v, mask.size, scale))
+            continue
         if isinstance(mask, Limit):
+            if kernel is not None:
+                o, lse = kernel(q, k, v, jnp.maximum(mask.pos + 1, 0).astype(jnp.int32))
+                lse = lse.reshape(B, T, K, R).transpose(0, 2, 3, 1)  # [B,K,R,T]
+                parts.append((lse, jnp.where(jnp.isfinite(lse), 1.0, 0.0),
+                              o.astype(jnp.float32).reshape(B, T, K, R, H)))
+                kernel_parts += 1
+                continue
             if k.shape[2] > ATTEND_CHUNK:
-                long.append((k, v, mask.pos))
+                qf = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # row r*T + t
+                m, l, acc = cache_attention_stats(qf, k, v, jnp.tile(mask.pos, (1, R)),
+                                                  chunk=ATTEND_CHUNK, dot_dtype=q.dtype)
+                parts.append((m.reshape(B, K, R, T), l.reshape(B, K, R, T),
+                              acc.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)))
                 continue
             mask = jnp.arange(k.shape[2])[None, None, :] <= mask.pos[:, :, None]
         s = jnp.einsum("BTKRH,BKSH->BKRTS", qg, k, preferred_element_type=jnp.float32) * scale
@@ -140,18 +193,13 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
         s = jnp.einsum("BTKRH,BTKH->BKRT", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(s[..., None])
         values.append(("diag", v))
-    if not long:
+    if not parts:
         probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
         return _weighted(probs, scores, values, q.dtype).reshape(B, T, N * H)
-    # Merge chunked long sources and the short ones under one softmax: each contributes
+    if len(parts) == 1 and not scores and kernel_parts == 1:
+        return parts[0][2].astype(q.dtype).reshape(B, T, N * H)  # normalised already
+    # Merge the parts and the short sources under one softmax: each contributes
     # (max m, sum exp(s - m), sum exp(s - m) v); rescale all to the joint max.
-    qf = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # row r*T + t
-    parts = []
-    for k, v, pos in long:
-        m, l, acc = cache_attention_stats(qf, k, v, jnp.tile(pos, (1, R)), chunk=ATTEND_CHUNK,
-                                          dot_dtype=q.dtype)
-        parts.append((m.reshape(B, K, R, T), l.reshape(B, K, R, T),
-                      acc.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)))  # [B,T,K,R,H]
     if scores:
         cat = jnp.concatenate(scores, axis=-1)
         m = jnp.max(cat, axis=-1)
@@ -161,14 +209,33 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = ()):
     top = parts[0][0]
     for m, _, _ in parts[1:]:
         top = jnp.maximum(top, m)
+    # only for range: the result does not depend on it (nor, then, does its gradient)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
     num, den = 0.0, 0.0
     for m, l, acc in parts:
-        w = jnp.exp(m - top)  # [B,K,R,T]
+        w = jnp.exp(m - top)  # [B,K,R,T]; m = -inf (nothing seen): 0
         num = num + acc * w.transpose(0, 3, 1, 2)[..., None]
         den = den + l * w
     den = jnp.where(den > 0, den, 1.0)  # nothing visible at all: zeros, not NaN
     out = num / den.transpose(0, 3, 1, 2)[..., None]
     return out.astype(q.dtype).reshape(B, T, N * H)
+
+
+def _blocks_part(qg, k, v, size: int, scale):
+    """(m, l, acc) of queries qg [B,T,K,R,H] over their own k, v [B,T,K,H] in aligned
+    blocks of `size` (see `Blocks`): m, l f32[B,K,R,T], acc f32[B,T,K,R,H]."""
+    B, T, K, R, H = qg.shape
+    if T % size:
+        raise ValueError(f"Blocks({size}): T={T} must be a multiple of the block size")
+    A = T // size
+    qb = qg.reshape(B, A, size, K, R, H)
+    s = jnp.einsum("BATKRH,BAUKH->BKRATU", qb, k.reshape(B, A, size, K, H),
+                   preferred_element_type=jnp.float32) * scale
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    acc = jnp.einsum("BKRATU,BAUKH->BATKRH", p, v.reshape(B, A, size, K, H).astype(jnp.float32))
+    return (m.reshape(B, K, R, T), jnp.sum(p, axis=-1).reshape(B, K, R, T),
+            acc.reshape(B, T, K, R, H))
 
 
 def _weighted(probs, scores, values, dtype):

@@ -90,7 +90,7 @@ class Eagle3(nnx.Module):
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if anchors is None:
             anchors = pos
-        visible = jnp.arange(T)[None, None, :] <= anchors[:, :, None]  # [B,P,T]
+        visible = common.Limit(anchors)  # step-0 keys at positions <= the anchor
         g = self.features(hidden)
         # Step 0 over every position: its keys are the context of every later step.
         emb = jnp.take(embed, tokens[:, 1:T + 1], axis=0)

@@ -57,7 +57,7 @@ class KVOnly(nnx.Module):
         B, T = tokens.shape[0], tokens.shape[1] - 1
         if anchors is None:
             anchors = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        visible = jnp.arange(T)[None, None, :] <= anchors[:, :, None]  # [B,P,T]
+        visible = common.Limit(anchors)  # memory slots <= the anchor
         own = [[] for _ in range(self.cfg.num_layers)]
         outs = []
         for k in range(steps):

@@ -160,6 +160,10 @@ class LoopConfig:
         the same target; tensors of the same name and shape are loaded, the rest keep
         their random init (a hybrid from a trained eagle3, as KVShot did). Ignored when
         the run dir already holds a checkpoint (that one is resumed).
+      kernels: the attention of every training forward (`specjax/train/kernels.py`):
+        "pallas" (`pallas_kernels.attention.packed_attention`, forward and backward
+        kernels; interpret mode on CPU, slow), "reference" (jnp), or "auto" (pallas on
+        TPU and GPU, reference on CPU). `train.py --kernels` sets it.
     """
 
     steps: int = 1000
@@ -174,8 +178,12 @@ class LoopConfig:
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
     init_from: str | None = None
+    kernels: str = "auto"
 
     def __post_init__(self):
+        if self.kernels not in ("auto", "pallas", "reference"):
+            raise SpecjaxError(f"train.kernels={self.kernels!r}; use one of auto, pallas, "
+                               "reference")
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",
                      "keep_checkpoints"):
             _check_positive(f"train.{name}", getattr(self, name))

@@ -88,7 +88,8 @@ class DrafterRun:
         T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
         self.trainer = DrafterTrainer(self.dcfg, target, cfg.objective, cfg.drafter, dtype, tx,
                                       schedule, mesh, seed=loop.seed, grad_accum=A,
-                                      micro_batch=loop.micro_batch, eval_batch=B, seq_len=T)
+                                      micro_batch=loop.micro_batch, eval_batch=B, seq_len=T,
+                                      kernels=loop.kernels)
         self.start_info = {"params": self.trainer.num_params,
                            "target_params": int(target.cfg.num_params),
                            "drafter": cfg.drafter.kind}

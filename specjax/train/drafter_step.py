@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from specjax.drafters.common import attention_kernel
 from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
 from specjax.train.objectives import Frozen
@@ -70,14 +71,17 @@ class DrafterTrainer(Trainer):
       target: the frozen target, a `specjax.model.Transformer` in the training dtype
         (its arrays are copied into their shardings once).
       objective: "ttt" or "block"; opts: the DrafterTrainConfig (loss options).
-      dtype, tx, schedule, mesh, seed, grad_accum, micro_batch, eval_batch, seq_len: as
-        for `Trainer`.
+      dtype, tx, schedule, mesh, seed, grad_accum, micro_batch, eval_batch, seq_len,
+        kernels: as for `Trainer` (with "pallas" the kernel serves both the frozen target's
+        forward and the drafter's attention).
     """
 
     def __init__(self, dcfg, target, objective: str, opts, dtype, tx, schedule, mesh, *,
-                 seed: int, grad_accum: int, micro_batch: int, eval_batch: int, seq_len: int):
+                 seed: int, grad_accum: int, micro_batch: int, eval_batch: int, seq_len: int,
+                 kernels: str = "auto"):
         from specjax import drafters
 
+        self.set_kernels(kernels, mesh)
         self.dcfg, self.objective, self.dtype, self.tx = dcfg, objective, dtype, tx
         self.schedule, self.mesh, self.seed, self.grad_accum = schedule, mesh, seed, grad_accum
         self.model_cfg = target.cfg
@@ -192,11 +196,12 @@ class DrafterTrainer(Trainer):
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         tgt = target(tokens, positions, None, capture=self.dcfg.capture,
-                     capture_kv=self.dcfg.kv_layers)
+                     capture_kv=self.dcfg.kv_layers, self_attention=self.attention)
         tgt = jax.lax.stop_gradient(tgt)
         frozen = jax.lax.stop_gradient(Frozen.from_target(target))
         fn = self.eval_fn if evaluation else self.loss_fn
-        return fn(self.network(params), tgt, rows, frozen, key)
+        with attention_kernel(self.attention):
+            return fn(self.network(params), tgt, rows, frozen, key)
 
     def loss(self, params, rows, target_params, key) -> jax.Array:
         """The training loss only (f32[])."""

@@ -151,7 +151,7 @@ class _LMRun:
         T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
         self.trainer = Trainer(model_cfg, dtype, tx, schedule, mesh, seed=loop.seed,
                                grad_accum=A, micro_batch=loop.micro_batch, eval_batch=B,
-                               seq_len=T)
+                               seq_len=T, kernels=loop.kernels)
         self.start_info = {"params": model_cfg.num_params}
         self.best = None
 

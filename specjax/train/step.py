@@ -59,11 +59,14 @@ class Trainer:
       mesh: the (data, fsdp, model) mesh.
       seed: parameter initialisation and the step RNG.
       grad_accum: A, micro-steps per optimizer step.
+      kernels: "auto", "pallas" or "reference": the attention of the training forward
+        (`specjax.train.kernels`).
     """
 
     def __init__(self, model_cfg, dtype, tx, schedule, mesh, *, seed: int, grad_accum: int,
-                 micro_batch: int, eval_batch: int, seq_len: int):
+                 micro_batch: int, eval_batch: int, seq_len: int, kernels: str = "auto"):
         self.model_cfg, self.dtype, self.tx, self.schedule = model_cfg, dtype, tx, schedule
+        self.set_kernels(kernels, mesh)
         self.mesh, self.seed, self.grad_accum = mesh, seed, grad_accum
         abstract = nnx.eval_shape(lambda: Transformer(model_cfg, dtype=dtype,
                                                       rngs=nnx.Rngs(seed)))
@@ -80,6 +83,15 @@ class Trainer:
                                                              seq_len + 1))
         self.eval_batch_sharding = mesh_lib.batch_sharding(mesh, (eval_batch, seq_len + 1))
         self._metric_sharding = Metrics(*(mesh_lib.replicated(mesh),) * 3)
+
+    def set_kernels(self, kernels: str, mesh) -> None:
+        """Resolves `kernels` ("auto" by platform) and builds `self.attention`, the packed
+        attention function of the training forwards, or None for the jnp path."""
+        from specjax.train import kernels as kernels_lib
+
+        self.kernels = kernels_lib.resolve(kernels)
+        self.attention = (kernels_lib.packed_attention_fn(mesh) if self.kernels == "pallas"
+                          else None)
 
     # ------------------------------------------------------------------ state
 
@@ -143,7 +155,8 @@ class Trainer:
         tokens, targets = rows[:, :-1], rows[:, 1:]
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits = model(tokens, positions, None).logits  # f32[B,T,V], cache-free
+        logits = model(tokens, positions, None,  # f32[B,T,V], cache-free
+                       self_attention=self.attention).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     def _grads(self, params, batch):

@@ -1,0 +1,93 @@
+"""Attention kernels in training: `train.kernels` in configs, `train.py --kernels`.
+
+    kernels = resolve("auto")                 # "pallas" on TPU/GPU, "reference" on CPU
+    fn = packed_attention_fn(mesh)            # fn(q, k, v, limit) -> (o, lse) or None
+
+With "pallas" the attention of every training forward goes through
+`pallas_kernels.attention.packed_attention` (flash attention with a per-query limit,
+forward and backward as Pallas kernels, DESIGN.md section 10):
+- the target's cache-free causal forward (objective lm, and the frozen target inside the
+  drafter objectives): `specjax.model.Transformer(..., self_attention=fn)`;
+- the drafters' attention over their context (TTT: step-0 keys at positions <= t and,
+  for kv/hybrid, the merged target memory; block-wise: the context strictly before each
+  block's anchor), through `specjax.drafters.common.attention_kernel`; the block's own
+  entries and TTT's diagonal stay jnp (a few entries per query) and are merged with the
+  kernel's output by log-sum-exp.
+No [T, S] scores are then kept for the backward pass, which is what TTT runs out of
+memory on at long sequences. With "reference" the jnp attention runs (the same
+function; results agree up to f32 summation order).
+
+On a mesh with more than one device the kernel runs under `jax.shard_map`: rows split
+over the batch axes (data, fsdp) and heads over `model` when it divides both N and K
+(else heads are replicated), so each device runs the kernel on its own shard and XLA
+never has to gather a custom call's operands.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from specjax.errors import SpecjaxError
+
+KERNEL_CHOICES = ("auto", "pallas", "reference")
+
+_log = logging.getLogger("specjax.train")
+
+
+def resolve(kernels: str, backend: str | None = None) -> str:
+    """"pallas" or "reference" for `train.kernels`: "auto" is "pallas" on TPU and GPU and
+    "reference" on CPU (where Pallas runs only in its slow interpret mode).
+
+    Raises: SpecjaxError (one line) for any other value."""
+    if kernels not in KERNEL_CHOICES:
+        raise SpecjaxError(f"train.kernels={kernels!r}: expected one of "
+                           f"{', '.join(KERNEL_CHOICES)}")
+    if kernels != "auto":
+        return kernels
+    return "reference" if (backend or jax.default_backend()) == "cpu" else "pallas"
+
+
+def packed_attention_fn(mesh=None, *, backend: str | None = None,
+                        interpret: bool | None = None) -> Callable:
+    """fn(q [B,T,N,H], k, v [B,K,S,H], limit i32[B,T]) -> (o [B,T,N,H], lse f32[B,T,N]):
+    `pallas_kernels.attention.packed_attention` (query t of row b sees slots
+    s < limit[b, t]), under `jax.shard_map` when `mesh` has more than one device (see
+    the module doc).
+
+    backend: "tpu" (Mosaic layout) or "triton" (GPU); None: triton on GPU, else tpu.
+    interpret: None (interpret mode on CPU only) or a bool."""
+    from pallas_kernels.attention import packed_attention
+
+    if backend is None:
+        backend = "triton" if jax.default_backend() == "gpu" else "tpu"
+
+    def local(q, k, v, limit):
+        return packed_attention(q, k, v, limit, backend=backend, interpret=interpret)
+
+    if mesh is None or mesh.size == 1:
+        return local
+
+    def sharded(q, k, v, limit):
+        from specjax.train import mesh as mesh_lib
+
+        B, N, K = q.shape[0], q.shape[2], k.shape[1]
+        batch = tuple(a for a in mesh_lib.LOGICAL_RULES["batch"] if mesh.shape[a] > 1)
+        rows = batch if batch and B % mesh_lib._axis_size(mesh, batch) == 0 else None
+        rows = rows[0] if rows and len(rows) == 1 else rows
+        M = mesh.shape["model"]
+        heads = "model" if M > 1 and N % M == 0 and K % M == 0 else None
+        if heads is None and M > 1:
+            _log.info("kernels=pallas: %d query / %d KV heads do not split over model=%d; "
+                      "the attention kernel sees every head on each device", N, K, M)
+        spec_q = P(rows, None, heads, None)
+        spec_kv = P(rows, heads, None, None)
+        run = jax.shard_map(local, mesh=mesh,
+                            in_specs=(spec_q, spec_kv, spec_kv, P(rows, None)),
+                            out_specs=(spec_q, P(rows, None, heads)), check_vma=False)
+        return run(q, k, v, limit)
+
+    return sharded
