@@ -159,8 +159,9 @@ class LoopConfig:
 
         backend, interpret = self._pallas_layout()
 
-        def fn(q, k, v, limit):
-            return packed_attention(q, k, v, limit, backend=backend, interpret=interpret)
+        def fn(q, k, v, limit):  # the kernel takes one dtype: the queries'
+            return packed_attention(q, k.astype(q.dtype), v.astype(q.dtype), limit,
+                                    backend=backend, interpret=interpret)
 
         return fn
 

@@ -8,8 +8,11 @@
   forward writes is the same (the kernel takes the new K/V separately and reads only
   slots before each row's first new token, so no token counts twice).
 - The real loops: `kernels="pallas"` and `kernels="reference"` give identical tokens for
-  the autoregressive loop, n-gram and an eagle3 drafter, at T = 0 and T = 1 (through
-  `Engine` for one case, i.e. unrolled layers).
+  the autoregressive loop, n-gram and every learned drafter kind (eagle3, kv, hybrid,
+  block with context both; random init), at T = 0 and T = 1 (through `Engine` for one
+  case, i.e. unrolled layers). With "pallas" the learned drafters attend through
+  `pallas_kernels.attention.packed_attention` too (`LoopConfig.drafter_attention`; a
+  spy checks it is called).
 
 Why identical tokens are expected though the logits are not bitwise equal: the kernel
 and the chunked path sum the softmax in a different order (one online pass over tiles
@@ -85,15 +88,40 @@ def test_forward_matches_chunked_attention(layer_loop):
 def test_loopconfig_switch():
     """Only kernels="pallas" swaps the attention; "reference" and "off" keep the jnp path."""
     base = dict(max_length=16, prompt_width=8)
-    assert LoopConfig(**base, kernels="off").target_attention() is None
-    assert LoopConfig(**base, kernels="reference").target_attention() is None
+    for kernels in ("off", "reference"):
+        assert LoopConfig(**base, kernels=kernels).target_attention() is None
+        assert LoopConfig(**base, kernels=kernels).drafter_attention() is None
     assert callable(LoopConfig(**base, kernels="pallas").target_attention())
+    assert callable(LoopConfig(**base, kernels="pallas").drafter_attention())
+
+
+def test_learned_drafter_attends_through_the_kernel(monkeypatch):
+    import pallas_kernels.attention as attention
+
+    calls = []
+    real = attention.packed_attention
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attention, "packed_attention", counted)
+    jax.clear_caches()
+    try:
+        _run("block", "pallas", 0.0)
+    finally:
+        jax.clear_caches()
+    assert calls  # init / propose / update traced through the kernel
+
+
+LEARNED = {"eagle3": {}, "kv": {"num_layers": 2}, "hybrid": {},
+           "block": {"context": "both", "num_layers": 2}}
 
 
 @functools.cache
-def _eagle3():
+def _learned(kind):
     target, _ = models()
-    dcfg = DrafterConfig.for_target(target.cfg, "eagle3", gamma=3)
+    dcfg = DrafterConfig.for_target(target.cfg, kind, gamma=3, **LEARNED[kind])
     return dcfg, build_network(dcfg, rngs=nnx.Rngs(0))
 
 
@@ -111,13 +139,13 @@ def _run(kind, kernels, temperature):
     if kind == "ngram":
         drafter, dparams = NgramDrafter(3, V, sampling=sp), ()
     else:
-        dcfg, net = _eagle3()
+        dcfg, net = _learned(kind)
         drafter, dparams = make_drafter(dcfg, net, target, gamma=3, sampling=sp)
     return rows(speculative_loop(g, p, drafter, dparams, cfg, toks, lens, budgets, key))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["ar", "ngram", "eagle3"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "eagle3", "kv", "hybrid", "block"])
 def test_loops_pallas_equals_reference(kind, temperature):
     pallas = _run(kind, "pallas", temperature)
     assert pallas == _run(kind, "reference", temperature)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import kernel, reference
+from pallas_kernels.attention.packed import packed_attention, packed_attention_reference
 from pallas_kernels.attention.reference import MODES, decode_attention_reference
 
 BACKENDS = ("tpu", "triton")
@@ -159,5 +160,6 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     return attn(q, k_cache, v_cache, k_new, v_new, lengths, layer)
 
 
-__all__ = ["decode_attention", "decode_attention_reference", "pick_block_s",
+__all__ = ["decode_attention", "decode_attention_reference", "packed_attention",
+           "packed_attention_reference", "pick_block_s",
            "pick_num_splits", "MODES", "BACKENDS", "DEFAULT_BLOCK_S", "kernel", "reference"]

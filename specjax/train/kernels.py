@@ -65,8 +65,9 @@ def packed_attention_fn(mesh=None, *, backend: str | None = None,
     if backend is None:
         backend = "triton" if jax.default_backend() == "gpu" else "tpu"
 
-    def local(q, k, v, limit):
-        return packed_attention(q, k, v, limit, backend=backend, interpret=interpret)
+    def local(q, k, v, limit):  # the kernel takes one dtype: the queries'
+        return packed_attention(q, k.astype(q.dtype), v.astype(q.dtype), limit,
+                                backend=backend, interpret=interpret)
 
     if mesh is None or mesh.size == 1:
         return local

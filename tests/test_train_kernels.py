@@ -1,0 +1,150 @@
+"""Training with the attention kernel (`train.kernels=pallas`, `train.py --kernels`).
+
+- The drafter objectives (ttt: eagle3 and kv; block: block drafter with context both) and
+  the lm objective train with `pallas_kernels.attention.packed_attention` (interpret
+  mode on CPU) to the same losses, step by step, as with the jnp attention
+  (`reference`), and the kernel really runs (a spy counts its traced calls: the frozen
+  target's layers and the drafter's context sources).
+- On a (2, 2, 2) mesh of simulated devices the kernel runs under shard_map (rows over
+  data x fsdp, heads over model) to the single-device losses.
+- `auto` resolves to reference on CPU; a bad value is a one-line error.
+- The drafter objectives' train steps lower for TPU and GPU with the kernels inside
+  (jax.export, abstract shapes at the tiny test sizes): Mosaic / Triton custom calls
+  appear in both the forward and the backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.errors import SpecjaxError
+from specjax.train import kernels as kernels_lib
+from specjax.train import load_config, train
+from tests.test_train import corpus  # noqa: F401  (fixture)
+from tests.test_train import tiny_cfg as lm_cfg
+from tests.test_train_drafters import TINY, setup, tiny_args  # noqa: F401  (fixture)
+
+STEPS = 3
+SETS = {"eagle3": ["objective=ttt", "drafter.kind=eagle3"],
+        "kv": ["objective=ttt", "drafter.kind=kv", "drafter.num_layers=2"],
+        "block": ["objective=block", "drafter.kind=block", "drafter.context=both",
+                  "drafter.num_anchors=4"]}
+
+
+def _cfg(setup, run_dir, kind, kernels, mesh=(1, 1, 1)):  # noqa: F811
+    args = tiny_args(setup, "eagle3", mesh) + SETS[kind] + [
+        f"train.steps={STEPS}", f"train.kernels={kernels}", "export.enabled=false"]
+    return load_config(TINY, args, run_dir=str(run_dir))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Traced calls of packed_attention (the kernel path): "target" (from the frozen
+    target's forward in specjax/model.py) or "drafter"."""
+    import pallas_kernels.attention as attention
+
+    calls = []
+    real = attention.packed_attention
+
+    def counted(q, k, v, limit, **kw):
+        import inspect
+
+        files = [f.filename for f in inspect.stack()[1:12]]
+        calls.append("target" if any(f.endswith("model.py") for f in files) else "drafter")
+        return real(q, k, v, limit, **kw)
+
+    monkeypatch.setattr(attention, "packed_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "kv", "block"])
+def test_drafter_losses_with_kernel_equal_reference(setup, tmp_path, spy, kind):  # noqa: F811
+    ref = train(_cfg(setup, tmp_path / "ref", kind, "reference"), progress=False)
+    assert not spy
+    got = train(_cfg(setup, tmp_path / "pallas", kind, "pallas"), progress=False)
+    a = np.array([ref.losses[s] for s in sorted(ref.losses)])
+    b = np.array([got.losses[s] for s in sorted(got.losses)])
+    assert len(a) == STEPS
+    np.testing.assert_allclose(b, a, rtol=2e-4)
+    assert {"target", "drafter"} <= set(spy)  # the target's layers and the drafter's context
+
+
+def test_drafter_kernel_on_a_mesh_equals_one_device(setup, tmp_path, spy):  # noqa: F811
+    one = train(_cfg(setup, tmp_path / "one", "eagle3", "pallas"), progress=False)
+    mesh = train(_cfg(setup, tmp_path / "mesh", "eagle3", "pallas", (2, 2, 2)),
+                 progress=False)
+    a = np.array([one.losses[s] for s in sorted(one.losses)])
+    b = np.array([mesh.losses[s] for s in sorted(mesh.losses)])
+    np.testing.assert_allclose(b, a, rtol=2e-5)
+    assert spy
+
+
+def test_lm_objective_with_kernel_equals_reference(corpus, tmp_path, spy):  # noqa: F811
+    runs = {}
+    for kernels in ("reference", "pallas"):
+        cfg = lm_cfg(corpus, tmp_path / kernels, (1, 1, 1), f"train.steps={STEPS}",
+                     f"train.kernels={kernels}", "export.enabled=false")
+        runs[kernels] = train(cfg, progress=False)
+    a = np.array([runs["reference"].losses[s] for s in sorted(runs["reference"].losses)])
+    b = np.array([runs["pallas"].losses[s] for s in sorted(runs["pallas"].losses)])
+    np.testing.assert_allclose(b, a, rtol=2e-4)
+    assert spy
+
+
+def test_auto_and_bad_values():
+    assert kernels_lib.resolve("auto", "cpu") == "reference"
+    assert kernels_lib.resolve("auto", "tpu") == "pallas"
+    assert kernels_lib.resolve("auto", "gpu") == "pallas"
+    with pytest.raises(SpecjaxError, match="train.kernels"):
+        kernels_lib.resolve("fast")
+    with pytest.raises(SpecjaxError, match="train.kernels"):
+        load_config(TINY, ["train.kernels=fast"])
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "triton")])
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_train_step_lowers_with_kernels(setup, tmp_path, platform, backend, kind):  # noqa: F811
+    """The jitted drafter train step (target forward, drafter loss, backward, AdamW) with
+    the packed kernel for `platform`, exported from abstract shapes, against a tiny target
+    with head_dim 16 (Triton's dots need 16 at least)."""
+    from flax import nnx
+
+    from specjax.checkpoint import load_tokenizer, save_model
+    from specjax.model import Transformer
+    from specjax.testing.tiny import tiny_config
+
+    target = Transformer(tiny_config(320, hidden_size=64, num_layers=4, num_heads=4,
+                                     num_kv_heads=2, head_dim=16, intermediate_size=64),
+                         rngs=nnx.Rngs(7))
+    save_model(target, str(tmp_path / "t16"), tokenizer=load_tokenizer(setup["tokenizer"]))
+    setup = {**setup, "target": str(tmp_path / "t16")}
+    import jax.numpy as jnp
+
+    from specjax.train import kernels as klib
+    from specjax.train import mesh as mesh_lib
+    from specjax.train.drafter_run import DrafterRun
+    from specjax.train.optim import make_optimizer
+
+    cfg = _cfg(setup, tmp_path / "x", kind, "pallas")
+    real = klib.packed_attention_fn
+    mp = pytest.MonkeyPatch()
+    mp.setattr(klib, "packed_attention_fn",
+               lambda mesh=None, **kw: real(mesh, backend=backend, interpret=False))
+    try:
+        mesh = mesh_lib.make_mesh(cfg.mesh)
+        tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+        tr = DrafterRun(cfg, mesh, tx, schedule, jnp.float32).trainer
+    finally:
+        mp.undo()
+    state = tr.abstract_target()
+    batch = jax.ShapeDtypeStruct((1, 8, 17), np.int32, sharding=tr.batch_sharding)
+    step = jax.jit(tr._drafter_step)
+    exp = jax.export.export(step, platforms=[platform], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        state, batch, tr.target_params)
+    text = exp.mlir_module()
+    needle = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+    # forward kernels of the target's layers and the drafter, plus the backward kernels
+    assert text.count(needle) >= 3, text.count(needle)
