@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="learned drafter directories written by train.py (default: every "
                          "one in drafters/ beside --target, as checkpoints/demo/ ships them); "
                          "each runs at its trained G")
+    ap.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                    help="learned drafters: draft over the directory's hot vocabulary "
+                         "(draft_vocab.json) or all ids; default auto, as decode.py")
     ap.add_argument("--prompts", default=os.path.join(DEMO_DIR, "prompts.jsonl"),
                     help='JSONL, one object a line with "prompt" (text) or "input_ids"')
     ap.add_argument("--num-prompts", type=int, default=None,
@@ -242,9 +245,10 @@ def run(args) -> dict:
         name = os.path.basename(os.path.normpath(path))
         mm = decode.drafter_matmul_dtype("auto")  # decode.py's default --drafter-dtype
         d0, p0 = decode.load_learned_drafter(path, target, args.target, None, greedy,
-                                             jnp.float32, matmul_dtype=mm)
+                                             jnp.float32, matmul_dtype=mm,
+                                             draft_vocab=args.draft_vocab)
         d1, p1 = decode.load_learned_drafter(path, target, args.target, None, t1, jnp.float32,
-                                             matmul_dtype=mm)
+                                             matmul_dtype=mm, draft_vocab=args.draft_vocab)
         learned[name] = (d0, p0, d1, p1)
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:
@@ -391,7 +395,8 @@ def run(args) -> dict:
     end = result["load_average"]["end"][0]
     print(f"## specjax vs transformers: target {target.cfg.num_params / 1e6:.2f}M params, "
           f"draft LM {draft.cfg.num_params / 1e6:.2f}M (G={G}), learned drafters "
-          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'}, f32, "
+          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'} "
+          f"(draft vocabulary {args.draft_vocab}), f32, "
           f"{n} prompts x {N_new} new tokens, {args.repeats} interleaved repeats\n")
     print(f"{jax.default_backend()} backend, jax {env['jax']}, torch {env.get('torch', '-')}, "
           f"transformers {env.get('transformers', '-')}, {cores} cores, torch threads {threads}, "

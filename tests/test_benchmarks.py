@@ -86,6 +86,49 @@ def test_kernels_roofline_arithmetic():
     assert "| block | 8 | 8 |" in text and "roofline us H100" in text
 
 
+def test_kernels_packed_training_arithmetic():
+    """benchmarks/kernels.py's packed-attention training table against hand-worked
+    figures: causal T = S = 2048 at Qwen3-8B heads (N 32, K 8, R 4, H 128, bf16)."""
+    from benchmarks import kernels
+
+    limit = kernels.packed_limits("causal", 2048, 2048)
+    # Folded rows: 2048 * 4 = 8192 per KV head, 64 row tiles of 128 rows = 32 queries;
+    # tile i's largest limit is 32 (i + 1), so it reads i // 4 + 1 S tiles of 128:
+    # 4 * (1 + ... + 16) = 544 per KV head, 8 KV heads.
+    assert kernels.packed_pairs(limit, 32, 8, 2048) == 4352
+    # Forward: K and V tiles per pair (2 * 4352 * 128*128*2 B), q read and o written
+    # (2 * 8*8192*128*2 B), limits read and lse written (2 * 8*8192*4 B).
+    fwd, bwd = kernels.packed_train_bytes(limit, 32, 8, 2048, 128)
+    assert fwd == 285_212_672 + 33_554_432 + 524_288
+    # jnp: the f32 scores [1, 32, 2048, 2048] are 4 * 32 * 2048 * 2048 B = 512 MiB, the
+    # same as the probabilities autodiff keeps; the kernel keeps o (2048*32*128*2 B) and
+    # lse (2048*32*4 B).
+    scores = 4 * 32 * 2048 * 2048
+    assert scores == 2**29
+    jfwd, jbwd = kernels.jnp_train_bytes(1, 2048, 2048, 32, 8, 128)
+    qo, kv = 2048 * 32 * 128 * 2, 8 * 2048 * 128 * 2
+    assert jfwd == 4 * scores + 2 * qo + 2 * kv and jbwd == 7 * scores + 4 * qo + 4 * kv
+    assert kernels.packed_kept_bytes(1, 2048, 2048, 32, 128) == (16_777_216 + 262_144, scores)
+    # FLOPs: jnp 4 * 32 * 2048^2 * 128 forward (all entries), backward 2x; the kernel
+    # 4 * 128^3 per computed pair forward, backward 3.5x.
+    assert kernels.jnp_train_flops(1, 2048, 2048, 32, 128) == (68_719_476_736,
+                                                                137_438_953_472)
+    assert kernels.packed_train_flops(limit, 32, 8, 2048, 128) == (36_507_222_016,
+                                                                   127_775_277_056)
+    # Roofline: 819 GB at 819 GB/s, or 197 TFLOP at 197 TFLOP/s, is one second on v5e.
+    assert kernels.roofline_ms((819e9, 0), (0, 197e12), "TPU v5e") == 2000.0
+    # Block-wise: 512 blocks of 16 queries, anchors (a + 1) * 8: mean 8 * 513 / 2 = 2052.
+    assert kernels.packed_limits("block", 8192, 4096, 512).mean() == 2052.0
+    rows = {r["case"]: r for r in kernels.packed_rows()}
+    assert rows["causal"]["T"] == 8192  # the last causal row
+    assert rows["block A 512 x 16"]["ref_kept"] == 4 * 32 * 8192 * 4096
+    assert all(r["bytes"] < r["ref_bytes"] and r["flops"] < r["ref_flops"]
+               for r in rows.values())
+    text = kernels.format_tables(markdown=True)
+    assert "| causal | 2048 | 2048 | 1024 |" in text
+    assert "| block A 512 x 16 | 8192 | 4096 | 2052 |" in text and "kept jnp MiB" in text
+
+
 def test_context_length_quick(tmp_path):
     """benchmarks/context_length.py --quick: both sweeps run, every attention setting
     gives the same tokens, and the JSON and plot are written."""
