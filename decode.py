@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="verification: pallas = the fused Pallas kernel from the target's "
                          "logits (interpret mode on CPU: slow), reference = its jnp twin "
                          "(identical output for a seed), off = specjax.verify on "
-                         "probabilities; auto: pallas on TPU, reference elsewhere")
+                         "probabilities; auto: pallas on TPU, reference elsewhere. pallas "
+                         "also runs the target's and the learned drafters' attention "
+                         "through pallas_kernels.attention")
     ap.add_argument("--mesh", default=None,
                     help="data=D,model=M: shard the target's weights and KV cache over M "
                          "devices (heads, F, V) and batch rows over D (--batch-size a "
