@@ -131,7 +131,7 @@ def abstract_engine(args):
     return loops_for
 
 
-def _lowering_target(platform: str):
+def lowering_target(platform: str):
     """A context for lowering to `platform` on a host without it: for cuda, an abstract
     one-device mesh of an H100, since jax 0.12 asks the default device for the GPU's
     compute capability when lowering a Triton kernel with dots ("No supported GPU devices
@@ -167,7 +167,7 @@ def export_loops(args) -> list[str]:
         for name, fn, fargs in loops_for(backend.get(platform, "tpu")):
             checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
             try:
-                with _lowering_target(platform):
+                with lowering_target(platform):
                     exp = jax.export.export(fn, platforms=[platform],
                                             disabled_checks=checks)(*fargs)
             except Exception as e:  # noqa: BLE001 - reported as one line, exit 2

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -33,6 +32,7 @@ from pallas_kernels.attention import (
     kernel,
     pick_block_s,
 )
+from specjax.export import lowering_target
 
 TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 KERNELS = {
@@ -216,15 +216,12 @@ def test_lowers_for_tpu_and_gpu_at_qwen3_8b_shape(platform, backend):
     dt = jnp.bfloat16
     args = (spec((B, T, N, H), dt), spec((B, K, S, H), dt), spec((B, K, S, H), dt),
             spec((B,), jnp.int32), spec((B, T, K, H), dt), spec((B, T, K, H), dt))
-    checks, target = [], contextlib.nullcontext()
+    checks = []
     if backend == "triton":
         checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        # jax 0.12 asks the default device for the GPU's compute capability when lowering
-        # Triton ("No supported GPU devices found"): name an abstract H100 instead.
-        gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                          platform="gpu")
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+    # jax 0.12 asks the default device for the GPU's compute capability when lowering
+    # Triton: specjax.export names an abstract H100 instead
+    target = lowering_target("cuda" if backend == "triton" else "tpu")
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
     with target:
         for mode in ("causal", "block"):

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -33,6 +32,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from pallas_kernels.attention import packed_kernel
 from pallas_kernels.attention.packed import packed_attention, pick_blocks
 from pallas_kernels.attention.packed_reference import packed_attention_reference
+from specjax.export import lowering_target
 
 TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 KERNELS = {
@@ -273,15 +273,12 @@ def test_lowers_for_tpu_and_gpu(platform, backend):
     and jax.grad of a loss of (o, lse) lower to Mosaic tpu_custom_calls / Triton kernels
     for DFlash-like training (B 1, T 512 packed queries, S 256) and for inference (B 2,
     T 17 queries: one row tile of 72 rows on TPU; S 4100, not a multiple of the tile)."""
-    checks, target = [], contextlib.nullcontext()
+    checks = []
     if backend == "triton":
         checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        # jax 0.12 asks the default device for the GPU's compute capability when lowering
-        # Triton: name an abstract H100 instead.
-        gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                          platform="gpu")
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
+    # jax 0.12 asks the default device for the GPU's compute capability when lowering
+    # Triton: specjax.export names an abstract H100 instead
+    target = lowering_target("cuda" if backend == "triton" else "tpu")
     names = ["packed_attention_fwd", "packed_attention_dq", "packed_attention_dkv"]
     spec, dt = jax.ShapeDtypeStruct, jnp.bfloat16
     N, K, H = 32, 8, 128

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.attention.kernel import _dot_nn, _dot_nt
+
 NEG_INF = float("-inf")
 
 
@@ -147,18 +149,6 @@ def kv_tile_index(j, tmax, bs):
 
 
 # ----------------------------------------------------------------------------- tile math
-
-
-def _dot_nt(a, b):
-    """a [M, H] . b [N, H]^T -> f32 [M, N] (inputs' dtype on the MXU / tensor cores)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    """a [M, N] . b [N, H] -> f32 [M, H]."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
 
 
 def _iota(shape, axis, start=0):
