@@ -148,10 +148,20 @@ def lowering_target(platform: str):
         jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu))
 
 
+def export_for(fn, platform: str, *args):
+    """`jax.export.export(fn, platforms=[platform])(*args)` from a host without that
+    platform: inside `lowering_target`, with the Triton custom call allowed (jax's
+    export rejects it as not guaranteed stable). Returns the jax.export.Exported."""
+    import jax
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
+    with lowering_target(platform):
+        return jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*args)
+
+
 def export_loops(args) -> list[str]:
     """Lowers every loop for every platform; returns one report line each.
     Raises SpecjaxError naming the loop and platform that failed."""
-    import jax
 
     from specjax.errors import SpecjaxError
 
@@ -165,11 +175,8 @@ def export_loops(args) -> list[str]:
     for platform in platforms:
         # The kernels' layout and compiler parameters follow the platform.
         for name, fn, fargs in loops_for(backend.get(platform, "tpu")):
-            checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CHECK)]
             try:
-                with lowering_target(platform):
-                    exp = jax.export.export(fn, platforms=[platform],
-                                            disabled_checks=checks)(*fargs)
+                exp = export_for(fn, platform, *fargs)
             except Exception as e:  # noqa: BLE001 - reported as one line, exit 2
                 msg = " ".join(str(e).split())[:400]
                 raise SpecjaxError(f"{name} loop does not lower for {platform} "

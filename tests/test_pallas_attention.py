@@ -32,7 +32,7 @@ from pallas_kernels.attention import (
     kernel,
     pick_block_s,
 )
-from specjax.export import lowering_target
+from specjax.export import export_for
 
 TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 KERNELS = {
@@ -216,26 +216,18 @@ def test_lowers_for_tpu_and_gpu_at_qwen3_8b_shape(platform, backend):
     dt = jnp.bfloat16
     args = (spec((B, T, N, H), dt), spec((B, K, S, H), dt), spec((B, K, S, H), dt),
             spec((B,), jnp.int32), spec((B, T, K, H), dt), spec((B, T, K, H), dt))
-    checks = []
-    if backend == "triton":
-        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    # jax 0.12 asks the default device for the GPU's compute capability when lowering
-    # Triton: specjax.export names an abstract H100 instead
-    target = lowering_target("cuda" if backend == "triton" else "tpu")
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
-    with target:
-        for mode in ("causal", "block"):
-            f = functools.partial(decode_attention, mode=mode, interpret=False,
-                                  backend=backend)
-            exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                         disabled_checks=checks)(*args)
-            assert marker in exported.mlir_module(), mode
-        cache = spec((36, B, K, S + 8, H), dt)
-        f = functools.partial(decode_attention, mode="causal", interpret=False,
-                              backend=backend)
-        exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
-            args[0], cache, cache, *args[3:], layer=spec((), jnp.int32))
-        assert marker in exported.mlir_module()
+    for mode in ("causal", "block"):
+        f = functools.partial(decode_attention, mode=mode, interpret=False, backend=backend)
+        assert marker in export_for(jax.jit(f), platform, *args).mlir_module(), mode
+    cache = spec((36, B, K, S + 8, H), dt)
+    def f(q, kc, vc, lengths, kn, vn, layer):  # a traced layer index
+        return decode_attention(q, kc, vc, lengths, kn, vn, mode="causal", interpret=False,
+                                backend=backend, layer=layer)
+
+    exported = export_for(jax.jit(f), platform, args[0], cache, cache, *args[3:],
+                          spec((), jnp.int32))
+    assert marker in exported.mlir_module()
 
 
 def test_bad_arguments_raise():

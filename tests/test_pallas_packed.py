@@ -32,7 +32,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from pallas_kernels.attention import packed_kernel
 from pallas_kernels.attention.packed import packed_attention, pick_blocks
 from pallas_kernels.attention.packed_reference import packed_attention_reference
-from specjax.export import lowering_target
+from specjax.export import export_for
 
 TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 KERNELS = {
@@ -273,12 +273,6 @@ def test_lowers_for_tpu_and_gpu(platform, backend):
     and jax.grad of a loss of (o, lse) lower to Mosaic tpu_custom_calls / Triton kernels
     for DFlash-like training (B 1, T 512 packed queries, S 256) and for inference (B 2,
     T 17 queries: one row tile of 72 rows on TPU; S 4100, not a multiple of the tile)."""
-    checks = []
-    if backend == "triton":
-        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    # jax 0.12 asks the default device for the GPU's compute capability when lowering
-    # Triton: specjax.export names an abstract H100 instead
-    target = lowering_target("cuda" if backend == "triton" else "tpu")
     names = ["packed_attention_fwd", "packed_attention_dq", "packed_attention_dkv"]
     spec, dt = jax.ShapeDtypeStruct, jnp.bfloat16
     N, K, H = 32, 8, 128
@@ -288,14 +282,12 @@ def test_lowers_for_tpu_and_gpu(platform, backend):
         f = functools.partial(packed_attention, interpret=False, backend=backend)
         w1, w2 = jnp.ones((B, T, N, H), jnp.float32), jnp.ones((B, T, N), jnp.float32)
         g = jax.grad(functools.partial(_loss, f, w1, w2), argnums=(0, 1, 2))
-        with target:
-            for fn, n_kernels in ((f, 1), (g, 3)):
-                text = jax.export.export(jax.jit(fn), platforms=[platform],
-                                         disabled_checks=checks)(*args).mlir_module()
-                if platform == "tpu":
-                    assert text.count("tpu_custom_call") == n_kernels, (T, n_kernels)
-                for i, name in enumerate(names):
-                    assert (name in text) == (i < n_kernels), (T, name)
+        for fn, n_kernels in ((f, 1), (g, 3)):
+            text = export_for(jax.jit(fn), platform, *args).mlir_module()
+            if platform == "tpu":
+                assert text.count("tpu_custom_call") == n_kernels, (T, n_kernels)
+            for i, name in enumerate(names):
+                assert (name in text) == (i < n_kernels), (T, name)
 
 
 def test_bad_arguments_raise():

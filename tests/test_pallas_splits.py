@@ -32,7 +32,7 @@ from pallas_kernels.attention import (
     kernel,
     pick_num_splits,
 )
-from specjax.export import lowering_target
+from specjax.export import export_for
 
 TPU_INTERPRET = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 KERNELS = {
@@ -177,21 +177,13 @@ def test_split_lowers_for_tpu_and_gpu_at_qwen3_8b_decode_shape(platform, backend
     dt = jnp.bfloat16
     args = (spec((B, T, N, H), dt), spec((B, K, S, H), dt), spec((B, K, S, H), dt),
             spec((B,), jnp.int32), spec((B, T, K, H), dt), spec((B, T, K, H), dt))
-    checks = []
-    if backend == "triton":
-        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    # jax 0.12 asks the default device for the GPU's compute capability when lowering
-    # Triton: specjax.export names an abstract H100 instead
-    target = lowering_target("cuda" if backend == "triton" else "tpu")
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
-    with target:
-        for mode in ("causal", "block"):
-            f = functools.partial(decode_attention, mode=mode, interpret=False,
-                                  backend=backend, num_splits=P)
-            exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                         disabled_checks=checks)(*args)
-            text = exported.mlir_module()
-            assert marker in text, mode
-            # The partial accumulators [B, K, P, T*R, H] f32 come out of the kernel.
-            assert f"tensor<{B}x{K}x{P}x{T * N // K}x{H}xf32>" in text, mode
-            assert exported.out_avals[0].shape == (B, T, N, H)
+    for mode in ("causal", "block"):
+        f = functools.partial(decode_attention, mode=mode, interpret=False,
+                              backend=backend, num_splits=P)
+        exported = export_for(jax.jit(f), platform, *args)
+        text = exported.mlir_module()
+        assert marker in text, mode
+        # The partial accumulators [B, K, P, T*R, H] f32 come out of the kernel.
+        assert f"tensor<{B}x{K}x{P}x{T * N // K}x{H}xf32>" in text, mode
+        assert exported.out_avals[0].shape == (B, T, N, H)

@@ -22,6 +22,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.verify import pick_tile, verify_logits
+from specjax.export import export_for
 from specjax.verify import verify_greedy
 
 # The TPU interpreter: out-of-bounds reads raise, uninitialised memory (the padding of a
@@ -203,9 +204,6 @@ def test_lowers_for_tpu_and_gpu_at_qwen3_vocab(platform, backend):
     spec = jax.ShapeDtypeStruct
     args = (spec((B, G + 1, V), jnp.bfloat16), spec((B, G), jnp.int32),
             spec((B, G, V), jnp.float32))
-    checks = []
-    if backend == "triton":
-        checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
     for rule, mode in [("greedy", "onehot"), ("token", "probs"), ("block", "probs"),
                        ("block", "onehot")]:
@@ -214,9 +212,7 @@ def test_lowers_for_tpu_and_gpu_at_qwen3_vocab(platform, backend):
             return verify_logits(tl, x, jax.random.key(0), rule=rule, impl="pallas",
                                  interpret=False, backend=backend, **kw)
 
-        exported = jax.export.export(jax.jit(f), platforms=[platform],
-                                     disabled_checks=checks)(*args)
-        assert marker in exported.mlir_module(), (rule, mode)
+        assert marker in export_for(jax.jit(f), platform, *args).mlir_module(), (rule, mode)
 
 
 def test_bad_arguments_raise():

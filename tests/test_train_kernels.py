@@ -138,17 +138,14 @@ def test_train_step_lowers_with_kernels(setup, tmp_path, platform, backend, kind
         tr = DrafterRun(cfg, mesh, tx, schedule, jnp.float32).trainer
     finally:
         mp.undo()
-    from specjax.export import lowering_target
+    from specjax.export import export_for
 
     # abstract shapes without the CPU mesh's shardings (one device: nothing to place)
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     state = jax.tree.map(spec, tr.abstract_state)
     batch = jax.ShapeDtypeStruct((1, 8, 17), np.int32)
     step = jax.jit(tr._drafter_step)
-    with lowering_target(platform):  # jax 0.12 lowers Triton only for a (named) GPU
-        exp = jax.export.export(step, platforms=[platform], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            state, batch, jax.tree.map(spec, tr.target_params))
+    exp = export_for(step, platform, state, batch, jax.tree.map(spec, tr.target_params))
     text = exp.mlir_module()
     needle = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
     # the target's 4 layers and the drafter forward, plus the drafter's backward kernels

@@ -216,6 +216,23 @@ def _count_spec(block, index_map, shape):
     return pl.BlockSpec(block, index_map), jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
+def _row_grid_maps(nQ, bs):
+    """Index maps of the grid (b, h, i, j) over row tile i and S tile j, with the tile
+    maxima tm scalar-prefetched (forward and dq): rows [bq, *] of tile i; the K/V tile j,
+    clamped to tile i's last needed one (`kv_tile_index`); the limits [bq, 1] of tile i."""
+
+    def row_map(b, h, i, j, tm):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j, tm):
+        return b, h, kv_tile_index(j, tm[b * nQ + i], bs), 0
+
+    def lim_map(b, h, i, j, tm):
+        return b, i, 0
+
+    return row_map, kv_map, lim_map
+
+
 def forward_tpu(qf, k, v, lim, tmax, *, plan: Plan, interpret=False, count_tiles=False):
     """Forward, grid (B, K, nQ, nS), tile maxima scalar-prefetched.
 
@@ -227,14 +244,7 @@ def forward_tpu(qf, k, v, lim, tmax, *, plan: Plan, interpret=False, count_tiles
     B, K, H, bq, bs, nQ, nS = plan.B, plan.K, plan.H, plan.bq, plan.bs, plan.nQ, plan.nS
     scale = plan.scale
 
-    def row_map(b, h, i, j, tm):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j, tm):
-        return b, h, kv_tile_index(j, tm[b * nQ + i], bs), 0
-
-    def lim_map(b, h, i, j, tm):
-        return b, i, 0
+    row_map, kv_map, lim_map = _row_grid_maps(nQ, bs)
 
     def kernel(tm_ref, q_ref, k_ref, v_ref, lim_ref, o_ref, lse_ref, *rest):
         cnt_ref, (m_sc, l_sc, acc_sc) = (rest[0], rest[1:]) if count_tiles else (None, rest)
@@ -304,14 +314,7 @@ def dq_tpu(qf, k, v, dof, lse, di, lim, tmax, *, plan: Plan, interpret=False,
     B, K, H, bq, bs, nQ, nS = plan.B, plan.K, plan.H, plan.bq, plan.bs, plan.nQ, plan.nS
     scale = plan.scale
 
-    def row_map(b, h, i, j, tm):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j, tm):
-        return b, h, kv_tile_index(j, tm[b * nQ + i], bs), 0
-
-    def lim_map(b, h, i, j, tm):
-        return b, i, 0
+    row_map, kv_map, lim_map = _row_grid_maps(nQ, bs)
 
     def kernel(tm_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, lim_ref, dq_ref, *rest):
         cnt_ref, (dq_sc,) = (rest[0], rest[1:]) if count_tiles else (None, rest)
