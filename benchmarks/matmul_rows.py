@@ -1,7 +1,9 @@
 """What a forward of a few rows costs on this backend: the target's weight matmuls alone
 (every layer's q/k/v/o/gate/up/down and the LM head, no attention), for M = 1, 2, 4,
-8, 16 rows, in f32 and with bf16 inputs and f32 accumulation (`specjax.drafters.common
-.linear`, which pads one row to two on CPU).
+8, 16 rows, in f32 and with bf16 inputs and f32 accumulation (`specjax.model.linear`,
+which pads one row to two on CPU). f32 comes twice: as `linear` computes it (on CPU,
+2..`CPU_WEIGHT_MAJOR_MAX_ROWS` rows weight-major, `w @ x.T` behind an optimization
+barrier) and as the plain `x @ w.T` product XLA picks otherwise.
 
     python benchmarks/matmul_rows.py                       # the demo target's shapes
     python benchmarks/matmul_rows.py --target DIR --rows 1 8 --repeats 20
@@ -64,7 +66,7 @@ def forward(x, layers, head):
     import jax
     import jax.numpy as jnp
 
-    from specjax.drafters.common import linear
+    from specjax.model import linear
 
     for q, k, v, o, g, u, d in layers:
         qq, kk, vv = linear(x, q), linear(x, k), linear(x, v)
@@ -85,32 +87,47 @@ def run(args) -> list[dict]:
     if min(args.rows) < 1 or args.repeats < 1:
         raise SpecjaxError("--rows and --repeats must be >= 1")
     cfg = ModelConfig.from_dir(args.target)
-    variants = {"f32": weights(cfg, jnp.float32), "bf16 inputs": weights(cfg, jnp.bfloat16)}
-    fn = jax.jit(forward)
+    from specjax import model as model_lib
+
+    f32, bf16 = weights(cfg, jnp.float32), weights(cfg, jnp.bfloat16)
+    # name -> (weights, CPU_WEIGHT_MAJOR_MAX_ROWS while tracing)
+    variants = {"f32": (f32, model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS), "f32 plain": (f32, 0),
+                "bf16 inputs": (bf16, model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS)}
     results = []
     print(f"{jax.default_backend()} backend, jax {jax.__version__}, target shapes of "
           f"{args.target} ({cfg.num_params / 1e6:.1f}M params, matmuls only)\n")
-    print("| rows | f32 ms (min) | bf16 inputs ms (min) | f32 / f32 at 1 row |")
-    print("|---|---|---|---|")
+    print("| rows | f32 ms (min) | f32 plain ms (min) | bf16 inputs ms (min) "
+          "| f32 / f32 at 1 row | f32 plain / f32 at 1 row |")
+    print("|---|---|---|---|---|---|")
     base = None
+    saved = model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS
     for M in args.rows:
         x = jnp.ones((M, cfg.hidden_size), jnp.float32)
         times = {name: [] for name in variants}
-        for layers, head in variants.values():
-            jax.block_until_ready(fn(x, layers, head))
+        compiled = {}
+        try:
+            for name, ((layers, head), limit) in variants.items():
+                model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS = limit  # read while tracing
+                fresh = lambda *a: forward(*a)  # noqa: E731 (jit caches traces per function)
+                compiled[name] = jax.jit(fresh).lower(x, layers, head).compile()
+        finally:
+            model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS = saved
+        for name, ((layers, head), _) in variants.items():
+            jax.block_until_ready(compiled[name](x, layers, head))
         for _ in range(args.repeats):
-            for name, (layers, head) in variants.items():
+            for name, ((layers, head), _) in variants.items():
                 t0 = time.perf_counter()
                 for _ in range(5):
-                    out = fn(x, layers, head)
+                    out = compiled[name](x, layers, head)
                 jax.block_until_ready(out)
                 times[name].append((time.perf_counter() - t0) / 5 * 1e3)
         row = {"rows": M, **{name: {"median_ms": statistics.median(t), "min_ms": min(t)}
                              for name, t in times.items()}}
         base = base or row["f32"]["median_ms"]
-        print(f"| {M} | {row['f32']['median_ms']:.2f} ({row['f32']['min_ms']:.2f}) | "
-              f"{row['bf16 inputs']['median_ms']:.2f} ({row['bf16 inputs']['min_ms']:.2f}) | "
-              f"{row['f32']['median_ms'] / base:.2f}x |", flush=True)
+        cells = " | ".join(f"{row[n]['median_ms']:.2f} ({row[n]['min_ms']:.2f})"
+                           for n in variants)
+        print(f"| {M} | {cells} | {row['f32']['median_ms'] / base:.2f}x | "
+              f"{row['f32 plain']['median_ms'] / base:.2f}x |", flush=True)
         results.append(row)
     return results
 

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="traced passes over the prompts")
+    ap.add_argument("--top", type=int, default=0,
+                    help="also list the N most expensive ops of each part (ms per step)")
     ap.add_argument("--json", help="write the figures to this JSON file")
     return ap
 
@@ -144,9 +146,23 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def trace_op_times(log_dir: str, names: dict[str, str]) -> tuple[dict, float]:
+def instruction_shapes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its result type and opcode (e.g. `f32[1,8,512] fusion`), to
+    read a --top list."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _NAME.match(line)
+        if m:
+            rhs = line.split("=", 1)[1].strip()
+            out[m.group(1)] = rhs.split("(", 1)[0][:80]
+    return out
+
+
+def trace_op_times(log_dir: str, names: dict[str, str],
+                   per_op: dict | None = None) -> tuple[dict, float]:
     """Summed op durations (ms) per scope from the perfetto trace in `log_dir`, and the
-    time (ms) of op events that matched no instruction."""
+    time (ms) of op events that matched no instruction. `per_op`, if given, collects the
+    summed duration of every matched op name."""
     files = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
         raise SpecjaxError(f"jax.profiler wrote no perfetto trace under {log_dir}")
@@ -161,6 +177,8 @@ def trace_op_times(log_dir: str, names: dict[str, str]) -> tuple[dict, float]:
         scope = names.get(e.get("name", ""))
         if scope is not None:
             per_scope[scope] += e["dur"] / 1e3
+            if per_op is not None:
+                per_op[e["name"]] = per_op.get(e["name"], 0.0) + e["dur"] / 1e3
         elif e.get("name", "").startswith(("wrapped_", "ynn_", "fusion", "copy", "dot",
                                            "scatter", "gather", "dynamic")):
             unmatched += e["dur"] / 1e3  # should stay ~0: a name the module lacks
@@ -211,7 +229,8 @@ def run(args) -> dict:
                 stats.add(engine.run([p], args.new_tokens, key))
         wall_ms = (time.perf_counter() - t0) * 1e3
         jax.profiler.stop_trace()
-        per_scope, unmatched = trace_op_times(log_dir, names)
+        per_op: dict[str, float] = {}
+        per_scope, unmatched = trace_op_times(log_dir, names, per_op)
     steps = stats.steps
     in_ops = sum(per_scope.values()) + unmatched
     rows = {s: per_scope.get(s, 0.0) / steps for s in
@@ -227,6 +246,16 @@ def run(args) -> dict:
     print("| part of the step | ms per step | share |\n|---|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v:.3f} | {100 * v / result['step_ms']:.1f}% |")
+    if args.top > 0:
+        shapes = instruction_shapes(engine.compiled.as_text())
+        for scope in (*SCOPES, "loop_bookkeeping", "outside_the_loop"):
+            ops = sorted((v, k) for k, v in per_op.items() if names.get(k) == scope)[::-1]
+            if not ops:
+                continue
+            print(f"\n{scope}: top {min(args.top, len(ops))} of {len(ops)} ops (ms per step)")
+            for v, k in ops[:args.top]:
+                print(f"  {v / steps:7.3f}  {k}  {shapes.get(k, '')}")
+        result["top_ops"] = {k: v / steps for k, v in per_op.items()}
     if args.json:
         from specjax.fileio import atomic_write
 

@@ -61,7 +61,10 @@ class LoopConfig:
     prefill_chunk: prompts wider than this many tokens are prefilled in chunks of it
       (a `lax.scan` over chunks, each writing its K/V before the next attends to them),
       so activation memory follows the chunk, not the prompt: a 32k-token prompt needs
-      scores for one chunk of tokens against one chunk of cache slots at a time.
+      scores for one chunk of tokens against one chunk of cache slots at a time. Chunks
+      wholly past every row's prompt are skipped (`lax.cond`), so a short prompt padded
+      to a wide Tp pays for its own chunks only. None: 256 on the CPU backend (where a
+      forward's cost grows with its rows), 512 elsewhere.
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
       applied where the cache is created.
@@ -75,11 +78,11 @@ class LoopConfig:
     kernels: str = "off"
     pallas_backend: str = "auto"
     pallas_interpret: bool | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     cache_sharding: Any = None
 
     def __post_init__(self):
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
@@ -212,12 +215,13 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         constrain = functools.partial(jax.lax.with_sharding_constraint,
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
-    if Tp <= cfg.prefill_chunk:
+    chunk = cfg.prefill_chunk or (256 if jax.default_backend() == "cpu" else 512)
+    if Tp <= chunk:
         out = model(prompts, positions, cache, capture=capture,
                     logits_at=(prompt_lengths - 1)[:, None])
         last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
     else:
-        last_logits, hidden, cache = _chunked_prefill(model, cfg.prefill_chunk, prompts,
+        last_logits, hidden, cache = _chunked_prefill(model, chunk, prompts,
                                                       prompt_lengths, cache, capture)
     key, k_first = jax.random.split(key)
     first, _ = sample_logits(k_first, last_logits, cfg.sampling)
@@ -242,7 +246,8 @@ def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
     Returns (logits f32[B,V] at each row's last prompt token, hidden [C,B,Tp,D] or None,
     cache). Padding past Tp (to a whole number of chunks) writes slots >= Tp, which the
     caller's rewind to the prompt lengths makes stale, as it does for the prompts' own
-    padding; writes past the capacity are dropped."""
+    padding; writes past the capacity are dropped. A chunk that starts past every row's
+    last prompt token is skipped: it writes nothing and its hidden states are zeros."""
     B, Tp = prompts.shape
     n = -(-Tp // chunk)
     padded = jnp.pad(prompts, ((0, 0), (0, n * chunk - Tp)))
@@ -250,7 +255,7 @@ def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
     last = prompt_lengths - 1  # [B]
     V = model.cfg.vocab_size
 
-    def body(carry, x):
+    def forward(carry, x):
         cache, logits = carry
         toks, c = x
         start = c * chunk
@@ -260,6 +265,14 @@ def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
         mine = (last >= start) & (last < start + chunk)
         logits = jnp.where(mine[:, None], out.logits[:, 0], logits)
         return (out.cache, logits), out.hidden
+
+    def body(carry, x):
+        shapes = jax.eval_shape(forward, carry, x)[1]
+
+        def skip(carry, x):
+            return carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        return jax.lax.cond(x[1] * chunk <= jnp.max(last), forward, skip, carry, x)
 
     (cache, logits), hidden = jax.lax.scan(
         body, (cache, jnp.zeros((B, V), jnp.float32)), xs)

@@ -100,6 +100,14 @@ def decoding_params(state, layer_loop: str = "auto"):
     return state
 
 
+# XLA:CPU only: products of up to this many rows (B*T) are taken weight-major (see `linear`).
+CPU_WEIGHT_MAJOR_MAX_ROWS = 128
+
+
+def _weight_major(rows: int) -> bool:
+    return 2 <= rows <= CPU_WEIGHT_MAJOR_MAX_ROWS and jax.default_backend() == "cpu"
+
+
 def linear(x, w, out_dtype=None):
     """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
     `out_dtype`).
@@ -109,11 +117,25 @@ def linear(x, w, out_dtype=None):
     accumulates in f32, the TPU convention. On CPU a single row (M = 1) is padded to
     two: XLA:CPU's bf16 path for one row is about 10x slower than for two (measured
     here, 2026-11-23); rows of a batch stay independent, so the padding changes nothing.
+
+    On CPU, 2 <= M <= `CPU_WEIGHT_MAJOR_MAX_ROWS` rows (a verification of G+1 tokens, a
+    drafter's update, a short prefill) are computed weight-major: `w @ x.T` -> [O, M]
+    behind an `optimization_barrier`, then transposed. XLA otherwise folds the transpose
+    back into the `[M, O]` product, whose small-M GEMM costs about 2.6x a one-row
+    product at M = 8; weight-major costs about 1.4x (f32, the demo target's shapes,
+    `python benchmarks/matmul_rows.py`). One row stays a matrix-vector product and other
+    backends keep the plain product: TPU and GPU have no such gap, and the barrier
+    would only stop fusion there.
     """
     out_dtype = out_dtype or x.dtype
-    if w.dtype == x.dtype:
-        return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
     lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    if w.dtype == x.dtype:
+        if not _weight_major(rows):
+            return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
+        y = jnp.einsum("OI,MI->OM", w, x.reshape(rows, x.shape[-1]),
+                       preferred_element_type=out_dtype)
+        return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
     pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
     if pad:

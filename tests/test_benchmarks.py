@@ -57,7 +57,7 @@ def test_profile_step_attributes_every_op(tiny_demo, tmp_path):
         [sys.executable, os.path.join(ROOT, "benchmarks", "profile_step.py"), "--target",
          str(tiny_demo / "target"), "--drafter", str(tiny_demo / "draft"), "--prompts",
          str(tiny_demo / "prompts.jsonl"), "--num-prompts", "2", "--new-tokens", "24",
-         "--runs", "1", "--json", str(out)],
+         "--runs", "1", "--top", "3", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -66,6 +66,29 @@ def test_profile_step_attributes_every_op(tiny_demo, tmp_path):
     assert parts["ops not matched to the module"] < 0.02 * r["step_ms"]
     assert parts["target_verify_forward"] > 0 and parts["drafter_propose"] > 0
     assert "| target_verify_forward |" in proc.stdout
+    # --top: the per-op times add up to the matched parts of the step.
+    assert "target_verify_forward: top 3 of" in proc.stdout
+    matched = sum(v for k, v in parts.items() if k not in (
+        "ops not matched to the module", "not in any op"))
+    assert sum(r["top_ops"].values()) == pytest.approx(matched, rel=1e-6)
+
+
+def test_matmul_rows_table(tiny_demo):
+    """benchmarks/matmul_rows.py: one table row per --rows value with the three variants
+    (figures depend on the machine; only the table is checked), and exit 2 on bad input."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    script = os.path.join(ROOT, "benchmarks", "matmul_rows.py")
+    proc = subprocess.run([sys.executable, script, "--target", str(tiny_demo / "target"),
+                           "--rows", "1", "4", "--repeats", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    assert "f32 plain ms" in lines[0]
+    assert [ln.split("|")[1].strip() for ln in lines[1:]] == ["1", "4"]
+    bad = subprocess.run([sys.executable, script, "--rows", "0"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
 def test_kernels_roofline_arithmetic():
