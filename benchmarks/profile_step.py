@@ -6,13 +6,14 @@ loop, with every XLA op attributed to the part of the step it belongs to.
         --json out/profile.json
 
 `specjax.generate.speculative_loop` labels its parts with `jax.named_scope`:
-drafter_propose, target_verify_forward, verify_rule, drafter_update. The script compiles
+drafter_propose, target_verify_forward, verify_rule, drafter_update, and outside the loop
+prefill and drafter_init (spread over the steps like the rest). The script compiles
 the loop (batch 1, EOS off, exactly --new-tokens per prompt), runs it once untimed, then
 traces --runs passes over the prompts. Each op event of the trace (an XLA:CPU thunk: a
 fusion, a YNNPACK dot, a copy) is matched by name to its HLO instruction in the compiled
 module, whose metadata names the scope; ops of the while-loop body outside those scopes
-are the loop's bookkeeping (emission, EOS and budget checks, cache rewinds), ops outside
-the loop are the prefill and drafter init. Figures are milliseconds per target step
+are the loop's bookkeeping (emission, EOS and budget checks, cache rewinds), other ops
+outside the loop are "outside_the_loop". Figures are milliseconds per target step
 (per verification), the mean over all steps of the traced runs; "not in any op" is the
 wall time of the runs minus the time inside ops (dispatch, thread wake-ups, host work).
 Progress goes to stderr, the table to stdout; bad input exits 2 with one line.
@@ -39,7 +40,8 @@ import jax  # noqa: E402
 
 from specjax.errors import SpecjaxError  # noqa: E402
 
-SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update")
+SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update",
+          "prefill", "drafter_init")
 
 
 def log(msg: str) -> None:

@@ -216,13 +216,14 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
     chunk = cfg.prefill_chunk or (256 if jax.default_backend() == "cpu" else 512)
-    if Tp <= chunk:
-        out = model(prompts, positions, cache, capture=capture,
-                    logits_at=(prompt_lengths - 1)[:, None])
-        last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
-    else:
-        last_logits, hidden, cache = _chunked_prefill(model, chunk, prompts,
-                                                      prompt_lengths, cache, capture)
+    with jax.named_scope("prefill"):  # benchmarks/profile_step.py reads the scope
+        if Tp <= chunk:
+            out = model(prompts, positions, cache, capture=capture,
+                        logits_at=(prompt_lengths - 1)[:, None])
+            last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
+        else:
+            last_logits, hidden, cache = _chunked_prefill(model, chunk, prompts,
+                                                          prompt_lengths, cache, capture)
     key, k_first = jax.random.split(key)
     first, _ = sample_logits(k_first, last_logits, cfg.sampling)
     tokens = jnp.zeros((B, capacity), jnp.int32).at[:, :Tp].set(prompts)
@@ -339,7 +340,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     drafter_attention = functools.partial(attention_kernel, cfg.drafter_attention())
     state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
     key, k_init = jax.random.split(state.key)
-    with drafter_attention():
+    with jax.named_scope("drafter_init"), drafter_attention():
         dstate = drafter.init(drafter_params, view, k_init)
     state = state.replace(drafter_state=dstate, key=key)
     B = prompts.shape[0]
