@@ -11,9 +11,10 @@ pairs feature t with token t+1 and predicts token t+2.
 Decoding state (`Eagle3State`): the drafter's one-layer KV cache [1,B,K,S,H], valid for
 positions 0..lengths-2 (built from TARGET features of committed tokens), and h_last
 [B,D], its output at position lengths-2, which predicts the first draft token. Each
-step drafts with G-1 one-token forwards (slots lengths-1 .. lengths+G-3, overwritten
-later) and, after verification, rebuilds the entries of the newly committed positions
-in one (G+1)-token forward from the verify pass's target features.
+step drafts with G-1 one-token forwards (positions lengths-1 .. lengths+G-3, their
+keys in a small buffer beside the read-only cache) and, after verification, writes the
+entries of the newly committed positions in one (G+1)-token forward from the verify
+pass's target features.
 """
 
 from __future__ import annotations
@@ -169,29 +170,45 @@ class Eagle3Drafter(common.LearnedDrafter):
         return Eagle3State(cache, _at(out, view.lengths - 2), memory)
 
     def propose(self, params, state, view, key):
+        """G draft tokens: the first from h_last, then G-1 one-token forwards. The draft
+        entries' keys and values go to a small [B,K,G-1,H] buffer beside the cache (the
+        cache itself is read only: copying its S slots in and out of the loop cost more
+        than the draft steps' attention on XLA:CPU); update() writes the committed
+        entries."""
         net = self.net(params)
         keys = jax.random.split(key, self.gamma)
         x, q = sample_logits(keys[0], self.logits(net, state.h_last, params), self.sampling)
+        B, n = x.shape[0], self.gamma - 1
+        pos0 = (view.lengths - 1)[:, None]  # the first draft entry's position
+        anchor = pos0 - 1  # the last committed entry: cache and memory slots <= it
+        committed = common.Limit(anchor)
+        c = self.cfg
+        empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
 
-        def step(carry, k):
-            cache, h, tok, pos = carry  # pos [B,1]: this entry's slot
+        def step(carry, xs):
+            dk, dv, h, tok = carry
+            k, j = xs
+            pos = pos0 + j
             emb = jnp.take(params["embed"], tok[:, None], axis=0)
             cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
             qh, kh, vh = net.project(emb, h[:, None], cos, sin)
-            cache = _write(cache, kh, vh, pos)
-            attn = common.attend(qh, [(cache.k[0], cache.v[0], _visible(cache, pos))])
+            dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype),
+                                                     j, axis=2)
+            dv = jax.lax.dynamic_update_slice_in_dim(dv, vh.swapaxes(1, 2).astype(dv.dtype),
+                                                     j, axis=2)
+            drafts = jnp.broadcast_to(jnp.arange(dk.shape[2]) <= j, (B, 1, dk.shape[2]))
+            attn = common.attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
+                                      (dk, dv, drafts)])
             out, _ = net.extra(net.finish(h[:, None], attn), pos, anchor, _kv(state.memory),
                                params["inv_freq"])
             nxt, probs = sample_logits(k, self.logits(net, out[:, 0], params), self.sampling)
-            return (cache, out[:, 0], nxt, pos + 1), (nxt, probs)
+            return (dk, dv, out[:, 0], nxt), (nxt, probs)
 
-        pos0 = (view.lengths - 1)[:, None]
-        anchor = pos0 - 1  # the last committed entry: memory slots <= it are visible
-        (cache, _, _, _), (xs, qs) = jax.lax.scan(step, (state.cache, state.h_last, x, pos0),
-                                                  keys[1:])
+        _, (xs, qs) = jax.lax.scan(step, (empty, empty, state.h_last, x),
+                                   (keys[1:], jnp.arange(n, dtype=jnp.int32)))
         draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
         q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
-        return draft, q_all, state.replace(cache=cache)
+        return draft, q_all, state
 
     def update(self, params, state, view, num_accepted):
         net = self.net(params)
