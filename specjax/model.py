@@ -121,7 +121,7 @@ def linear(x, w, out_dtype=None):
     On CPU, 2 <= M <= `CPU_WEIGHT_MAJOR_MAX_ROWS` rows (a verification of G+1 tokens, a
     drafter's update, a short prefill) are computed weight-major: `w @ x.T` -> [O, M]
     behind an `optimization_barrier`, then transposed. XLA otherwise folds the transpose
-    back into the `[M, O]` product, whose small-M GEMM costs about 2.6x a one-row
+    back into the `[M, O]` product, whose small-M GEMM costs about 2.1x a one-row
     product at M = 8; weight-major costs about 1.4x (f32, the demo target's shapes,
     `python benchmarks/matmul_rows.py`). One row stays a matrix-vector product and other
     backends keep the plain product: TPU and GPU have no such gap, and the barrier
