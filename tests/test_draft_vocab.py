@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.drafters import make_drafter
+from specjax.drafters.io import FORMAT
 from specjax.drafters.vocab import hot_ids, load_draft_vocab, main, save_draft_vocab
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
@@ -65,6 +66,35 @@ def test_file_roundtrip_and_bad_files(tmp_path):
         with pytest.raises(SpecjaxError, match="draft_vocab.json") as e:
             load_draft_vocab(str(tmp_path), 6)
         assert "\n" not in str(e.value)
+
+
+def test_cli_counts_token_streams(tmp_path, capsys):
+    """--tokens-npy: the hot ids of two streams' summed counts, by brute force; bad
+    streams are one-line errors that leave no draft_vocab.json behind."""
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"format": FORMAT, "kind": "eagle3",
+                                               "vocab_size": 10}))
+    rng = np.random.RandomState(0)
+    a, b = rng.randint(0, 10, 300).astype(np.uint16), rng.randint(0, 4, 50).astype(np.int32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    argv = [str(d), "--size", "4", "--tokens-npy", str(tmp_path / "a.npy"),
+            str(tmp_path / "b.npy")]
+    assert main(argv) == 0
+    both = np.concatenate([a, b]).tolist()
+    ranked = sorted(range(10), key=lambda i: (-both.count(i), i))
+    rec = json.loads((d / "draft_vocab.json").read_text())
+    assert rec["ids"] == sorted(ranked[:4]) and rec["counted_tokens"] == 350
+    (d / "draft_vocab.json").unlink()
+    np.save(tmp_path / "big.npy", np.array([3, 10]))
+    np.save(tmp_path / "flat.npy", np.zeros((2, 2), np.int32))
+    capsys.readouterr()
+    for bad, msg in (("big.npy", "outside"), ("flat.npy", "flat"), ("none.npy", "unreadable")):
+        assert main([str(d), "--size", "4", "--tokens-npy", str(tmp_path / bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and "\n" not in err
+        assert not (d / "draft_vocab.json").exists()
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):

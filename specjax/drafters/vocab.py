@@ -11,6 +11,10 @@ verification, and losslessness, do not change; only ids outside the set can neve
 drafted.
 
     python -m specjax.drafters.vocab checkpoints/demo/drafters/eagle3 --size 2048
+    python -m specjax.drafters.vocab DIR --tokens-npy runs/data/regen-demo/train.npy
+
+(the second counts a token stream instead, such as the target's regenerated
+continuations of `specjax.regenerate`: the ids the target itself writes)
 
 writes `<drafter dir>/draft_vocab.json`: {"size", "coverage" (the fraction of counted
 tokens inside the set), "counted_tokens", "source", "ids" (sorted target ids)}, which
@@ -84,6 +88,23 @@ def corpus_counts(tokenizer_dir: str, cache_dir: str, vocab_size: int) -> np.nda
     return np.bincount(load_tokens(paths["train"]), minlength=vocab_size)[:vocab_size]
 
 
+def stream_counts(paths: list[str], vocab_size: int) -> np.ndarray:
+    """i64[V] token counts of flat .npy token streams. Raises SpecjaxError for an
+    unreadable file or ids outside [0, vocab_size)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for path in paths:
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise SpecjaxError(f"--tokens-npy {path}: unreadable ({e})") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise SpecjaxError(f"--tokens-npy {path}: not a flat integer token stream")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+            raise SpecjaxError(f"--tokens-npy {path}: ids outside [0, {vocab_size})")
+        counts += np.bincount(np.asarray(arr, np.int64), minlength=vocab_size)
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Write a hot draft vocabulary (the most "
                                  "frequent training-split ids) into a drafter directory.")
@@ -93,6 +114,9 @@ def main(argv=None) -> int:
                     help="tokenizer directory (default: the drafter's target's)")
     ap.add_argument("--cache-dir", default="runs/token_cache",
                     help="where the tokenized corpus is cached")
+    ap.add_argument("--tokens-npy", nargs="+", default=None,
+                    help="count these flat .npy token streams instead of the corpus "
+                         "(e.g. specjax.regenerate's train.npy)")
     args = ap.parse_args(argv)
     try:
         from specjax.drafters.io import read_config
@@ -100,13 +124,18 @@ def main(argv=None) -> int:
         cfg = read_config(args.drafter)
         vocab = int(cfg["vocab_size"])
         tok = args.tokenizer or cfg.get("target", {}).get("path")
-        if not tok or not os.path.isdir(tok):
+        if args.tokens_npy:
+            hot_ids(np.zeros(vocab), args.size)
+            rec = save_draft_vocab(args.drafter, stream_counts(args.tokens_npy, vocab),
+                                   args.size, "token streams " + ", ".join(args.tokens_npy))
+        elif not tok or not os.path.isdir(tok):
             raise SpecjaxError(f"--tokenizer: no tokenizer directory (the drafter records "
                                f"{tok!r}); pass --tokenizer DIR")
-        hot_ids(np.zeros(vocab), args.size)  # checks --size before tokenizing anything
-        counts = corpus_counts(tok, args.cache_dir, vocab)
-        rec = save_draft_vocab(args.drafter, counts, args.size,
-                               f"training split of the stdlib corpus, tokenizer {tok}")
+        else:
+            hot_ids(np.zeros(vocab), args.size)  # checks --size before tokenizing anything
+            counts = corpus_counts(tok, args.cache_dir, vocab)
+            rec = save_draft_vocab(args.drafter, counts, args.size,
+                                   f"training split of the stdlib corpus, tokenizer {tok}")
     except SpecjaxError as e:
         print(f"specjax.drafters.vocab: error: {e}", file=sys.stderr)
         return 2

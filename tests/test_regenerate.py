@@ -1,0 +1,97 @@
+"""specjax.regenerate: prompts from training files only, continuations equal to an
+independent greedy reference (cache-free forwards, argmax), streams laid out as
+documented, resume after a kill, and clean errors."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import regenerate as rg
+from specjax.data import split_of
+from specjax.prompts import held_out_prompts
+
+
+def test_training_prompts_come_from_training_files_only():
+    a = rg.training_prompts(per_file=2, seed=0)
+    assert a == rg.training_prompts(per_file=2, seed=0)
+    assert len({p["id"] for p in a}) == len(a) > 1000
+    assert all(split_of(p["source"]) == "train" for p in a)
+    assert all(0 < len(p["prompt"]) <= 800 for p in a)
+    # A docstring longer than the cap trims its own def line away (as in specjax.prompts).
+    assert sum("def " in p["prompt"] for p in a) > 0.95 * len(a)
+    bundled = {p["source"] for p in held_out_prompts(50)}
+    assert not bundled & {p["source"] for p in a}
+    # The data set's own val split holds whole files.
+    by_split = {s: {p["source"] for p in a if p["split"] == s} for s in ("train", "val")}
+    assert by_split["val"] and not by_split["train"] & by_split["val"]
+
+
+def _greedy_reference(target_dir, prompt_ids, n, eos):
+    """Cache-free full forwards, argmax of the last position: no KV cache, no engine."""
+    from specjax.checkpoint import load_model
+
+    model = load_model(target_dir, dtype=jnp.float32)
+    ids, out = list(prompt_ids), []
+    for _ in range(n):
+        toks = jnp.asarray([ids], jnp.int32)
+        logits = model(toks, jnp.arange(len(ids), dtype=jnp.int32)[None], None).logits
+        nxt = int(np.argmax(np.asarray(logits[0, -1], np.float64)))
+        out.append(nxt)
+        ids.append(nxt)
+        if nxt == eos:
+            break
+    return out
+
+
+def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
+    target = str(tiny_demo / "target")
+    out = str(tmp_path / "regen")
+    m = rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+                      val_fraction=0.5)
+    recs = [json.loads(line) for line in open(os.path.join(out, rg.GENERATIONS))]
+    assert len(recs) == 5 and {r["split"] for r in recs} == {"train", "val"}
+    eos = m["eos_id"]
+    for r in recs[:2]:
+        assert r["output_ids"] == _greedy_reference(target, r["prompt_ids"], 6, eos)
+    # Streams: per record prompt + continuation + EOS, records in file order per split.
+    for split in ("train", "val"):
+        want = []
+        for r in (r for r in recs if r["split"] == split):
+            want += r["prompt_ids"] + r["output_ids"]
+            if r["output_ids"][-1:] != [eos]:
+                want.append(eos)
+        got = np.load(os.path.join(out, f"{split}.npy"))
+        assert got.dtype == np.uint16 and got.tolist() == want
+        assert m["splits"][split]["tokens"] == len(want)
+
+    # A kill mid-write leaves a torn last line: it is dropped and that prompt redone.
+    path = os.path.join(out, rg.GENERATIONS)
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "w") as f:
+        f.writelines(lines[:3])
+        f.write(lines[3][:20])
+    m2 = rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+                       val_fraction=0.5)
+    again = [json.loads(line) for line in open(path)]
+    assert sorted(again, key=lambda r: r["id"]) == sorted(recs, key=lambda r: r["id"])
+    assert m2["splits"] == m["splits"]
+
+    # Nothing left to do: no model is loaded at all.
+    monkeypatch.setattr("specjax.checkpoint.load_model", lambda *a, **k: 1 / 0)
+    rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+                  val_fraction=0.5)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+    (["--target", "/nonexistent"], "/nonexistent"),
+])
+def test_bad_input_exits_2(tmp_path, capsys, argv, msg):
+    out = tmp_path / "o"
+    assert rg.main(["--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
+    assert not out.exists()
