@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="learned drafters: auto = draft over the hot vocabulary in the "
                          "drafter directory's draft_vocab.json when there is one (a smaller "
                          "LM-head matmul per draft step; output unchanged), full = all ids")
+    ap.add_argument("--draft-stop", type=float, default=0.0,
+                    help="eagle3/hybrid drafters: stop drafting a step once every row's "
+                         "chain confidence (product of its drafts' top-1 draft "
+                         "probabilities) is below this; the rest of the G positions get a "
+                         "filler the target rejects unless it agrees (output unchanged). "
+                         "0: always draft G")
     ap.add_argument("--kernels", choices=("auto", "off", "reference", "pallas"),
                     default="auto",
                     help="verification: pallas = the fused Pallas kernel from the target's "
@@ -185,12 +191,16 @@ def make_drafter_from_args(args, target, sampling, dtype):
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.external import detect_layout, load_external
     from specjax.drafters.ngram import NgramDrafter
+    from specjax.errors import SpecjaxError
 
     name = args.drafter
     if name is None:
         found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
         name = os.path.join(DEMO_DIR, found[0]) if found else "ngram"
     V = target.cfg.vocab_size
+    if getattr(args, "draft_stop", 0.0) and not DrafterConfig.is_drafter_dir(name):
+        raise SpecjaxError(f"--draft-stop: only learned eagle3 and hybrid drafters stop "
+                           f"early, not --drafter {name}")
     if name == "none":
         return None, None, name
     if name == "ngram":
@@ -207,7 +217,8 @@ def make_drafter_from_args(args, target, sampling, dtype):
         drafter, dparams = load_learned_drafter(
             name, target, args.target, args.gamma, sampling, dtype,
             matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")),
-            draft_vocab=getattr(args, "draft_vocab", "auto"))
+            draft_vocab=getattr(args, "draft_vocab", "auto"),
+            stop_below=getattr(args, "draft_stop", 0.0))
         args.gamma = drafter.gamma
         return drafter, dparams, name
     args.gamma = args.gamma or DEFAULT_GAMMA
@@ -232,11 +243,12 @@ def drafter_matmul_dtype(name: str):
 
 
 def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
-                         draft_vocab="full"):
+                         draft_vocab="full", stop_below=0.0):
     """(drafter, params) from a drafter directory written by train.py, checked against the
     target: same shapes, and trained against these weights (the fingerprint recorded at
     export). draft_vocab: "auto" drafts over the directory's hot vocabulary
     (draft_vocab.json, `specjax.drafters.vocab`) when it has one, "full" over all ids.
+    stop_below: early stop of drafting (`specjax.drafters.make_drafter`).
     Raises SpecjaxError naming both directories otherwise."""
     from flax import nnx
 
@@ -265,7 +277,7 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
 
         hot = load_draft_vocab(path, target.cfg.vocab_size)
     return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling,
-                        matmul_dtype=matmul_dtype, draft_vocab=hot)
+                        matmul_dtype=matmul_dtype, draft_vocab=hot, stop_below=stop_below)
 
 
 def _format_table(summary: dict) -> str:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.base import LoopView
+from specjax.errors import SpecjaxError
 from specjax.generate import LoopConfig, _prefill
 from specjax.sampling import SamplingParams
 from specjax.train.objectives import Frozen
@@ -106,6 +107,54 @@ def test_decoding_path_equals_training_path(kind, context):
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
         dstate = update(dparams, dstate, after, n_acc)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_early_stop_drafts_a_prefix_then_fillers(kind):
+    """stop_below: the drafts and q of the full propose up to the forward after which
+    every row's chain confidence (product of top-1 q) fell below it, then the first draft
+    token as a filler with one-hot q; same keys, so the drafted prefix is identical."""
+    import dataclasses
+
+    G = 4
+    target, _ = models()
+    dcfg, net = net_for(kind, None)
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=G, sampling=T1)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, sampling=T1)
+    toks, lens = prompts()
+    key = jax.random.key(3)
+    state, view = _prefill(target, cfg, toks, lens, jnp.full((4,), 20, jnp.int32), key, G,
+                           drafter.capture)
+    dstate = drafter.init(dparams, view, key)
+    view = LoopView(state.tokens, state.lengths, state.cache, None,
+                    (state.lengths - 1)[:, None])
+    draft, q, _ = jax.jit(drafter.propose)(dparams, dstate, view, jax.random.key(5))
+    conf = np.cumprod(np.max(np.asarray(q, np.float64), axis=-1), axis=1).max(axis=0)  # [G]
+    assert conf[1] > conf[2], conf  # some row's chain loses confidence at draft 2
+    thr = float(conf[1] + conf[2]) / 2  # forwards 0 and 1 run, then all rows are below
+    stopped = dataclasses.replace(drafter, stop_below=thr)
+    d2, q2, _ = jax.jit(stopped.propose)(dparams, dstate, view, jax.random.key(5))
+    d2, q2 = np.asarray(d2), np.asarray(q2)
+    np.testing.assert_array_equal(d2[:, :3], np.asarray(draft)[:, :3])
+    np.testing.assert_allclose(q2[:, :3], np.asarray(q)[:, :3], atol=1e-6)
+    np.testing.assert_array_equal(d2[:, 3], d2[:, 0])
+    np.testing.assert_array_equal(q2[:, 3], np.eye(V)[d2[:, 0]])
+    # Above every confidence: nothing stops; at 1.01 only the first draft is real.
+    never = dataclasses.replace(drafter, stop_below=float(conf[-1]) / 2)
+    np.testing.assert_array_equal(jax.jit(never.propose)(dparams, dstate, view,
+                                                         jax.random.key(5))[0], draft)
+    first = dataclasses.replace(drafter, stop_below=1.0)
+    d3 = np.asarray(jax.jit(first.propose)(dparams, dstate, view, jax.random.key(5))[0])
+    assert (d3 == d3[:, :1]).all() and (d3[:, 0] == np.asarray(draft)[:, 0]).all()
+
+
+def test_early_stop_is_checked():
+    target, _ = models()
+    for kind, context, stop in (("eagle3", None, 1.5), ("block", "hidden", 0.5),
+                                ("kv", None, 0.5)):
+        dcfg, net = net_for(kind, context)
+        with pytest.raises(SpecjaxError, match="--draft-stop"):
+            make_drafter(dcfg, net, target, gamma=3, stop_below=stop)
 
 
 # ----------------------------------------------------------------------------- causality

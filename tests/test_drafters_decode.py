@@ -35,11 +35,11 @@ def drafter_net(kind, context, seed=0):
 
 
 def run_learned(kind, context, G, budgets, eos=(), verify="block", matmul_dtype=None,
-                draft_vocab=None):
+                draft_vocab=None, stop_below=0.0):
     target, _ = models()
     dcfg, net = drafter_net(kind, context)
     drafter, dparams = make_drafter(dcfg, net, target, gamma=G, matmul_dtype=matmul_dtype,
-                                    draft_vocab=draft_vocab)
+                                    draft_vocab=draft_vocab, stop_below=stop_below)
     g, p = nnx.split(target)
     cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos, verify=verify)
     toks, lens = prompts()
@@ -54,6 +54,14 @@ def test_greedy_equals_autoregressive(kind, context, G):
     assert rows(sp) == rows(run_ar(BUDGETS))
     lens = np.asarray(sp.lengths) - PROMPT_LENS
     assert lens.tolist() == BUDGETS
+
+
+@pytest.mark.parametrize("stop", [0.3, 1.0])
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_early_stop_greedy_equals_autoregressive(kind, stop):
+    """--draft-stop: fillers after the stop change nothing (EOS inside a block too)."""
+    sp = run_learned(kind, None, 5, BUDGETS, eos=(3,), stop_below=stop)
+    assert rows(sp) == rows(run_ar(BUDGETS, eos=(3,)))
 
 
 @pytest.mark.parametrize("kind,context", [("eagle3", None), ("block", "both")])

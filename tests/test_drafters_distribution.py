@@ -20,7 +20,7 @@ from specjax.generate import LoopConfig, speculative_loop
 
 
 @functools.cache
-def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None):
+def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None, stop: float = 0.0):
     target = _models()[0]
     dcfg = DrafterConfig.for_target(du.CFG, kind, gamma=gamma,
                                     mask_token_id=PAD if kind == "block" else None)
@@ -28,12 +28,13 @@ def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None):
     state = nnx.state(net, nnx.Param)
     nnx.update(net, jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 and x.shape[-1] != x.shape[-2]
                                  else x, state))
-    return make_drafter(dcfg, net, target, gamma=gamma, sampling=PLAIN, draft_vocab=hot)
+    return make_drafter(dcfg, net, target, gamma=gamma, sampling=PLAIN, draft_vocab=hot,
+                        stop_below=stop)
 
 
-def _tokens(kind, verify, gamma, hot=None):
+def _tokens(kind, verify, gamma, hot=None, stop=0.0):
     _, _, graphdef, params = _models()
-    drafter, dparams = _learned(kind, gamma, hot)
+    drafter, dparams = _learned(kind, gamma, hot, stop)
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=PLAIN,
                     verify=verify)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
@@ -69,3 +70,10 @@ def test_hot_draft_vocabulary_sampling_is_lossless(kind):
     """A hot draft vocabulary (4 of the 6 ids; q is 0 on the other two) leaves the output
     distribution exactly the target's: ids outside the set come from the residual."""
     _assert_lossless(*_tokens(kind, "block", 2, hot=(0, 2, 3, 5)), f"hot vocab {kind}")
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_early_stop_sampling_is_lossless(verify):
+    """--draft-stop: the fillers after an early stop (one-hot q) keep the output
+    distribution exactly the target's, for token and block verification."""
+    _assert_lossless(*_tokens("eagle3", verify, 3, stop=0.8), f"early stop {verify}")

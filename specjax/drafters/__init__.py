@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.config import DrafterConfig
+from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
 
 
@@ -35,7 +36,7 @@ def build_network(dcfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> 
 
 def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | None = None,
                  sampling: SamplingParams = SamplingParams(), matmul_dtype=None,
-                 draft_vocab=None):
+                 draft_vocab=None, stop_below: float = 0.0):
     """(drafter, params) for `speculative_loop`: the loop adapter of `net`'s kind, and
     params {"net": net's state, "embed", "head", "inv_freq"} taken from `target` (a
     `specjax.model.Transformer`; its arrays are shared, not copied).
@@ -50,18 +51,28 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
       vocabulary (`specjax.drafters.vocab`): the drafter's head is the target's head rows
       of those ids ([Vd, D]: each draft step's LM-head matmul shrinks by V/Vd) and q is 0
       outside them. Verification is unchanged, so the output is too.
+    stop_below: eagle3/hybrid only: end a step's drafting once every row's chain
+      confidence (product of its drafts' top-1 draft probabilities) is below this, in
+      [0, 1]; the rest of the G positions get a filler token with a one-hot q, which
+      verification rejects unless the target agrees (lossless). 0: always draft G.
 
-    Raises: SpecjaxError if `target` has other shapes than the drafter was built for.
+    Raises: SpecjaxError if `target` has other shapes than the drafter was built for, or
+    for a `stop_below` outside [0, 1] or given to another kind.
     """
     from specjax.drafters.block import BlockDrafter
     from specjax.drafters.eagle3 import Eagle3Drafter
     from specjax.drafters.kv import KVDrafter
 
     dcfg.check_target(target.cfg)
+    if not 0.0 <= stop_below <= 1.0:
+        raise SpecjaxError(f"--draft-stop {stop_below}: a confidence in [0, 1] (0: off)")
+    if stop_below > 0 and dcfg.kind not in ("eagle3", "hybrid"):
+        raise SpecjaxError(f"--draft-stop: only eagle3 and hybrid drafters stop early; this "
+                           f"drafter is {dcfg.kind}")
     graphdef, state = nnx.split(net)
     cls = {"eagle3": Eagle3Drafter, "hybrid": Eagle3Drafter, "kv": KVDrafter,
            "block": BlockDrafter}[dcfg.kind]
-    drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling)
+    drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling, stop_below)
     embed = target.embed[...]
     head = embed if target.lm_head is None else target.lm_head[...]
     if matmul_dtype is not None:

@@ -345,6 +345,10 @@ class LearnedDrafter:
     cfg: DrafterConfig
     gamma: int
     sampling: SamplingParams = SamplingParams()
+    # Early stop of sequential drafting (eagle3/hybrid): once every row's chain
+    # confidence (the product of its drafts' top-1 draft probabilities) is below this,
+    # the remaining draft positions get a filler token with a one-hot q (0: draft all G).
+    stop_below: float = 0.0
 
     @property
     def capture(self) -> tuple[int, ...]:

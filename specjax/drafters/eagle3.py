@@ -174,10 +174,19 @@ class Eagle3Drafter(common.LearnedDrafter):
         entries' keys and values go to a small [B,K,G-1,H] buffer beside the cache (the
         cache itself is read only: copying its S slots in and out of the loop cost more
         than the draft steps' attention on XLA:CPU); update() writes the committed
-        entries."""
+        entries.
+
+        With `stop_below` > 0 the forwards run in a `lax.while_loop` that ends once every
+        row's chain confidence (the product of its drafts' top-1 probabilities under the
+        draft distribution; at temperature 0 the softmax of the draft logits) is below
+        it, or after G-1 forwards. The positions left over get the first draft token as a
+        filler with q one-hot at it: a deterministic proposal, so token and block
+        verification stay exact (the filler is simply rejected unless the target agrees).
+        """
         net = self.net(params)
         keys = jax.random.split(key, self.gamma)
-        x, q = sample_logits(keys[0], self.logits(net, state.h_last, params), self.sampling)
+        lg0 = self.logits(net, state.h_last, params)
+        x, q = sample_logits(keys[0], lg0, self.sampling)
         B, n = x.shape[0], self.gamma - 1
         pos0 = (view.lengths - 1)[:, None]  # the first draft entry's position
         anchor = pos0 - 1  # the last committed entry: cache and memory slots <= it
@@ -185,9 +194,7 @@ class Eagle3Drafter(common.LearnedDrafter):
         c = self.cfg
         empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
 
-        def step(carry, xs):
-            dk, dv, h, tok = carry
-            k, j = xs
+        def forward(dk, dv, h, tok, k, j):
             pos = pos0 + j
             emb = jnp.take(params["embed"], tok[:, None], axis=0)
             cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
@@ -201,13 +208,39 @@ class Eagle3Drafter(common.LearnedDrafter):
                                       (dk, dv, drafts)])
             out, _ = net.extra(net.finish(h[:, None], attn), pos, anchor, _kv(state.memory),
                                params["inv_freq"])
-            nxt, probs = sample_logits(k, self.logits(net, out[:, 0], params), self.sampling)
-            return (dk, dv, out[:, 0], nxt), (nxt, probs)
+            lg = self.logits(net, out[:, 0], params)
+            nxt, probs = sample_logits(k, lg, self.sampling)
+            return dk, dv, out[:, 0], nxt, probs, lg
 
-        _, (xs, qs) = jax.lax.scan(step, (empty, empty, state.h_last, x),
-                                   (keys[1:], jnp.arange(n, dtype=jnp.int32)))
-        draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
-        q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
+        if self.stop_below <= 0 or n == 0:
+            def step(carry, xs):
+                dk, dv, h, nxt, probs, _ = forward(*carry, *xs)
+                return (dk, dv, h, nxt), (nxt, probs)
+
+            _, (xs, qs) = jax.lax.scan(step, (empty, empty, state.h_last, x),
+                                       (keys[1:], jnp.arange(n, dtype=jnp.int32)))
+            draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
+            q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
+            return draft, q_all, state
+
+        def cond(carry):
+            j, conf = carry[0], carry[5]
+            return (j < n) & jnp.any(conf >= self.stop_below)
+
+        def body(carry):
+            j, dk, dv, h, tok, conf, toks, qs = carry
+            dk, dv, h, nxt, probs, lg = forward(dk, dv, h, tok, keys[1:][j], j)
+            toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], j, axis=1)
+            qs = jax.lax.dynamic_update_slice_in_dim(qs, probs[:, None], j, axis=1)
+            return j + 1, dk, dv, h, nxt, conf * _top1(lg, probs, self.sampling), toks, qs
+
+        V = q.shape[-1]
+        init = (jnp.int32(0), empty, empty, state.h_last, x, _top1(lg0, q, self.sampling),
+                jnp.broadcast_to(x[:, None], (B, n)),
+                jnp.broadcast_to(jax.nn.one_hot(x, V, dtype=q.dtype)[:, None], (B, n, V)))
+        *_, toks, qs = jax.lax.while_loop(cond, body, init)
+        draft = jnp.concatenate([x[:, None], toks], axis=1)  # [B,G]
+        q_all = jnp.concatenate([q[:, None], qs], axis=1)  # [B,G,V]
         return draft, q_all, state
 
     def update(self, params, state, view, num_accepted):
@@ -219,6 +252,14 @@ class Eagle3Drafter(common.LearnedDrafter):
         out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
         last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
         return Eagle3State(cache, _index(out, last), memory)
+
+
+def _top1(logits, probs, sampling):
+    """f32[B]: the top-1 probability of a draft distribution (at temperature 0, of the
+    softmax of the logits, since q itself is one-hot there)."""
+    if sampling.greedy:
+        return jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+    return jnp.max(probs, axis=-1)
 
 
 def _take(x, idx):
