@@ -65,7 +65,7 @@ def write_plot(path: str, result: dict) -> None:
     colors = ["tab:blue" if systems[n]["temperature"] == 0 else "tab:orange" for n in names]
     hatches = ["//" if systems[n]["kind"] == "transformers" else "" for n in names]
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5),
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(17, 5.5),
                                    gridspec_kw={"width_ratios": [1.7, 1]})
     bars = ax1.bar(range(len(names)), med, yerr=err, capsize=4, color=colors,
                    edgecolor="black", linewidth=0.6)
@@ -82,19 +82,21 @@ def write_plot(path: str, result: dict) -> None:
                         Patch(facecolor="white", edgecolor="black", hatch="//",
                               label="transformers")], fontsize=8)
     longest = 1
-    for n, s in systems.items():
-        alpha = s.get("alpha")
-        if s["kind"] == "specjax" and alpha:
-            longest = max(longest, len(alpha))
-            ax2.plot(range(1, len(alpha) + 1), [math.nan if a is None else a for a in alpha],
-                     marker="o", label=f"{n} (G={len(alpha)})",
-                     linestyle="-" if s["temperature"] == 0 else "--")
+    series = [(n, s) for n, s in systems.items() if s["kind"] == "specjax" and s.get("alpha")]
+    palette, markers = plt.get_cmap("tab20"), "osD^vP*Xhp<>"
+    for i, (n, s) in enumerate(series):  # 20 colours x 12 markers: no two series alike
+        alpha = s["alpha"]
+        longest = max(longest, len(alpha))
+        ax2.plot(range(1, len(alpha) + 1), [math.nan if a is None else a for a in alpha],
+                 marker=markers[i % len(markers)], color=palette(i % 20),
+                 label=f"{n} (G={len(alpha)})",
+                 linestyle="-" if s["temperature"] == 0 else "--")
     ax2.set_xticks(range(1, longest + 1))
     ax2.set_xlabel("draft position k")
     ax2.set_ylabel("alpha_k (accepted | earlier accepted)")
     ax2.set_ylim(0, 1.05)
     ax2.set_title("acceptance by draft position")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     from specjax.fileio import save_figure
