@@ -56,6 +56,17 @@ def _candidates(lines: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def prompt_text(lines: list[str], i: int, body_start: int, context_lines: int,
+                max_chars: int) -> str:
+    """The prompt for the `def` at line i: at most `context_lines` lines before it through
+    its docstring (lines[:body_start]), trimmed from the front at line boundaries to
+    `max_chars` characters (a longer single line is kept whole)."""
+    text = "".join(lines[max(0, i - context_lines):body_start])
+    while len(text) > max_chars and "\n" in text:
+        text = text[text.index("\n") + 1:]
+    return text
+
+
 def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
                      max_chars: int = 1500, root: str | None = None) -> list[dict]:
     """[{"id", "prompt", "source"}] from validation files only (see the module docstring)."""
@@ -70,9 +81,7 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
         if not cands:
             continue
         i, body_start = rng.choice(cands)
-        text = "".join(lines[max(0, i - context_lines):body_start])
-        while len(text) > max_chars and "\n" in text:
-            text = text[text.index("\n") + 1:]
+        text = prompt_text(lines, i, body_start, context_lines, max_chars)
         out.append({"id": f"{rel}:{i + 1}", "prompt": text, "source": rel})
         if len(out) == n:
             break

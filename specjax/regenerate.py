@@ -29,7 +29,6 @@ produces for such prompts.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -41,16 +40,16 @@ import numpy as np
 from specjax.data import corpus_files, read_source, split_of, stdlib_root
 from specjax.errors import SpecjaxError
 from specjax.fileio import atomic_write
-from specjax.prompts import _candidates
+from specjax.prompts import _candidates, prompt_text
 
 GENERATIONS = "generations.jsonl"
 MANIFEST = "manifest.json"
 
 
 def own_split(relpath: str, val_fraction: float) -> str:
-    """'train' or 'val' of this data set for a corpus TRAIN file (salted path hash)."""
-    digest = hashlib.sha256(("regenerate:" + relpath).encode("utf-8")).digest()
-    return "val" if int.from_bytes(digest[:8], "big") < val_fraction * 2.0**64 else "train"
+    """'train' or 'val' of this data set for a corpus TRAIN file: `split_of` of the path
+    salted with "regenerate:", so it does not repeat the corpus split."""
+    return split_of("regenerate:" + relpath, val_fraction)
 
 
 def training_prompts(per_file: int = 4, seed: int = 0, context_lines: int = 30,
@@ -71,9 +70,7 @@ def training_prompts(per_file: int = 4, seed: int = 0, context_lines: int = 30,
         lines = read_source(root, rel).splitlines(keepends=True)
         cands = _candidates(lines)
         for i, body_start in sorted(rng.sample(cands, min(per_file, len(cands)))):
-            text = "".join(lines[max(0, i - context_lines):body_start])
-            while len(text) > max_chars and "\n" in text:
-                text = text[text.index("\n") + 1:]
+            text = prompt_text(lines, i, body_start, context_lines, max_chars)
             if text.strip():
                 out.append({"id": f"{rel}:{i + 1}", "prompt": text, "source": rel,
                             "split": own_split(rel, val_fraction)})

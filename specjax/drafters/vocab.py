@@ -124,18 +124,17 @@ def main(argv=None) -> int:
         cfg = read_config(args.drafter)
         vocab = int(cfg["vocab_size"])
         tok = args.tokenizer or cfg.get("target", {}).get("path")
-        if args.tokens_npy:
-            hot_ids(np.zeros(vocab), args.size)
-            rec = save_draft_vocab(args.drafter, stream_counts(args.tokens_npy, vocab),
-                                   args.size, "token streams " + ", ".join(args.tokens_npy))
-        elif not tok or not os.path.isdir(tok):
+        if not args.tokens_npy and (not tok or not os.path.isdir(tok)):
             raise SpecjaxError(f"--tokenizer: no tokenizer directory (the drafter records "
                                f"{tok!r}); pass --tokenizer DIR")
+        hot_ids(np.zeros(vocab), args.size)  # checks --size before counting anything
+        if args.tokens_npy:
+            counts = stream_counts(args.tokens_npy, vocab)
+            source = "token streams " + ", ".join(args.tokens_npy)
         else:
-            hot_ids(np.zeros(vocab), args.size)  # checks --size before tokenizing anything
             counts = corpus_counts(tok, args.cache_dir, vocab)
-            rec = save_draft_vocab(args.drafter, counts, args.size,
-                                   f"training split of the stdlib corpus, tokenizer {tok}")
+            source = f"training split of the stdlib corpus, tokenizer {tok}"
+        rec = save_draft_vocab(args.drafter, counts, args.size, source)
     except SpecjaxError as e:
         print(f"specjax.drafters.vocab: error: {e}", file=sys.stderr)
         return 2
