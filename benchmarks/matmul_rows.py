@@ -1,9 +1,10 @@
 """What a forward of a few rows costs on this backend: the target's weight matmuls alone
 (every layer's q/k/v/o/gate/up/down and the LM head, no attention), for M = 1, 2, 4,
 8, 16 rows, in f32 and with bf16 inputs and f32 accumulation (`specjax.model.linear`,
-which pads one row to two on CPU). f32 comes twice: as `linear` computes it (on CPU,
+which pads one row to two on CPU). f32 comes three times: as `linear` computes it (on CPU,
 2..`CPU_WEIGHT_MAJOR_MAX_ROWS` rows weight-major, `w @ x.T` behind an optimization
-barrier) and as the plain `x @ w.T` product XLA picks otherwise.
+barrier, 5-16 rows padded to a multiple of 8), the same without that padding, and as
+the plain `x @ w.T` product XLA picks otherwise.
 
     python benchmarks/matmul_rows.py                       # the demo target's shapes
     python benchmarks/matmul_rows.py --target DIR --rows 1 8 --repeats 20
@@ -90,32 +91,33 @@ def run(args) -> list[dict]:
     from specjax import model as model_lib
 
     f32, bf16 = weights(cfg, jnp.float32), weights(cfg, jnp.bfloat16)
-    # name -> (weights, CPU_WEIGHT_MAJOR_MAX_ROWS while tracing)
-    variants = {"f32": (f32, model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS), "f32 plain": (f32, 0),
-                "bf16 inputs": (bf16, model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS)}
+    # name -> (weights, CPU_WEIGHT_MAJOR_MAX_ROWS and CPU_WEIGHT_MAJOR_PAD_ROWS while tracing)
+    limit, pad = model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS, model_lib.CPU_WEIGHT_MAJOR_PAD_ROWS
+    variants = {"f32": (f32, limit, pad), "f32 unpadded": (f32, limit, (0, -1)),
+                "f32 plain": (f32, 0, pad), "bf16 inputs": (bf16, limit, pad)}
     results = []
     print(f"{jax.default_backend()} backend, jax {jax.__version__}, target shapes of "
           f"{args.target} ({cfg.num_params / 1e6:.1f}M params, matmuls only)\n")
-    print("| rows | f32 ms (min) | f32 plain ms (min) | bf16 inputs ms (min) "
-          "| f32 / f32 at 1 row | f32 plain / f32 at 1 row |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | f32 ms (min) | f32 unpadded ms (min) | f32 plain ms (min) "
+          "| bf16 inputs ms (min) | f32 / f32 at 1 row | f32 plain / f32 at 1 row |")
+    print("|---|---|---|---|---|---|---|")
     base = None
-    saved = model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS
     for M in args.rows:
         x = jnp.ones((M, cfg.hidden_size), jnp.float32)
         times = {name: [] for name in variants}
         compiled = {}
         try:
-            for name, ((layers, head), limit) in variants.items():
-                model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS = limit  # read while tracing
+            for name, ((layers, head), lim, pd) in variants.items():
+                # read while tracing
+                model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS, model_lib.CPU_WEIGHT_MAJOR_PAD_ROWS = lim, pd
                 fresh = lambda *a: forward(*a)  # noqa: E731 (jit caches traces per function)
                 compiled[name] = jax.jit(fresh).lower(x, layers, head).compile()
         finally:
-            model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS = saved
-        for name, ((layers, head), _) in variants.items():
+            model_lib.CPU_WEIGHT_MAJOR_MAX_ROWS, model_lib.CPU_WEIGHT_MAJOR_PAD_ROWS = limit, pad
+        for name, ((layers, head), _, _) in variants.items():
             jax.block_until_ready(compiled[name](x, layers, head))
         for _ in range(args.repeats):
-            for name, ((layers, head), _) in variants.items():
+            for name, ((layers, head), _, _) in variants.items():
                 t0 = time.perf_counter()
                 for _ in range(5):
                     out = compiled[name](x, layers, head)

@@ -108,6 +108,22 @@ def _weight_major(rows: int) -> bool:
     return 2 <= rows <= CPU_WEIGHT_MAJOR_MAX_ROWS and jax.default_backend() == "cpu"
 
 
+# XLA:CPU only: weight-major products of this many rows (inclusive range) are padded with
+# zero rows to a multiple of 8 (see `_weight_major_width`).
+CPU_WEIGHT_MAJOR_PAD_ROWS = (5, 16)
+
+
+def _weight_major_width(rows: int) -> int:
+    """Columns of the weight-major product for `rows` rows: 5-16 rows are padded to a
+    multiple of 8, since XLA:CPU's f32 GEMM takes 5-7 columns at more than 8 and 9-12 at
+    more than 16 (`python benchmarks/matmul_rows.py --rows 6 7 8 9 16`, columns "f32" and
+    "f32 unpadded"; on a loaded machine, 2026-11-25, ms per forward of the demo target's
+    matmuls, unpadded / padded: 6 rows 15.5 / 12.1, 7 rows 14.4 / 12.8, 9 rows 17.1 /
+    14.3, against 12.3 at 8 rows and 15.1 at 16)."""
+    lo, hi = CPU_WEIGHT_MAJOR_PAD_ROWS
+    return -(-rows // 8) * 8 if lo <= rows <= hi else rows
+
+
 def linear(x, w, out_dtype=None):
     """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
     `out_dtype`).
@@ -123,7 +139,8 @@ def linear(x, w, out_dtype=None):
     behind an `optimization_barrier`, then transposed. XLA otherwise folds the transpose
     back into the `[M, O]` product, whose small-M GEMM costs about 2.1x a one-row
     product at M = 8; weight-major costs about 1.4x (f32, the demo target's shapes,
-    `python benchmarks/matmul_rows.py`). One row stays a matrix-vector product and other
+    `python benchmarks/matmul_rows.py`); 5-16 rows are padded with zero rows to a
+    multiple of 8 first (`_weight_major_width`). One row stays a matrix-vector product and other
     backends keep the plain product: TPU and GPU have no such gap, and the barrier
     would only stop fusion there.
     """
@@ -133,9 +150,12 @@ def linear(x, w, out_dtype=None):
     if w.dtype == x.dtype:
         if not _weight_major(rows):
             return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
-        y = jnp.einsum("OI,MI->OM", w, x.reshape(rows, x.shape[-1]),
-                       preferred_element_type=out_dtype)
-        return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
+        flat = x.reshape(rows, x.shape[-1])
+        width = _weight_major_width(rows)
+        if width > rows:  # zero columns: each output row is still its own dot product
+            flat = jnp.pad(flat, ((0, width - rows), (0, 0)))
+        y = jnp.einsum("OI,MI->OM", w, flat, preferred_element_type=out_dtype)
+        return jax.lax.optimization_barrier(y).T[:rows].reshape(*lead, w.shape[0])
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
     pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
     if pad:

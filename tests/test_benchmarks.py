@@ -74,7 +74,7 @@ def test_profile_step_attributes_every_op(tiny_demo, tmp_path):
 
 
 def test_matmul_rows_table(tiny_demo):
-    """benchmarks/matmul_rows.py: one table row per --rows value with the three variants
+    """benchmarks/matmul_rows.py: one table row per --rows value with the four variants
     (figures depend on the machine; only the table is checked), and exit 2 on bad input."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
@@ -84,7 +84,7 @@ def test_matmul_rows_table(tiny_demo):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
-    assert "f32 plain ms" in lines[0]
+    assert "f32 plain ms" in lines[0] and "f32 unpadded ms" in lines[0]
     assert [ln.split("|")[1].strip() for ln in lines[1:]] == ["1", "4"]
     bad = subprocess.run([sys.executable, script, "--rows", "0"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)

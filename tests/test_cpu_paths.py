@@ -18,11 +18,13 @@ def _uses_barrier(fn, *args) -> bool:
     return "optimization_barrier" in str(jax.make_jaxpr(fn)(*args))
 
 
-@pytest.mark.parametrize("lead", [(1, 1), (1, 2), (2, 4), (1, 8), (4, 32), (3, 43)])
+@pytest.mark.parametrize("lead", [(1, 1), (1, 2), (2, 4), (1, 6), (1, 8), (3, 3), (4, 32),
+                                  (3, 43)])
 def test_linear_f32_against_float64(lead):
     """f32 `linear` for 1..129 rows (B*T) against float64 numpy, value and gradient; the
     weight-major form (an optimization barrier in the jaxpr) is taken for 2..128 rows only,
-    on the CPU backend these tests run on."""
+    on the CPU backend these tests run on, with 5-16 rows (6 and 9 here) padded to a
+    multiple of 8 first."""
     rng = np.random.RandomState(sum(lead))
     x = rng.standard_normal((*lead, 96)).astype(np.float32)
     w = rng.standard_normal((40, 96)).astype(np.float32)
@@ -51,6 +53,24 @@ def test_linear_weight_major_limit_is_a_switch(monkeypatch):
     monkeypatch.setattr(model_lib, "CPU_WEIGHT_MAJOR_MAX_ROWS", 0)
     assert not _uses_barrier(model_lib.linear, x, w)
     np.testing.assert_allclose(np.asarray(model_lib.linear(x, w)), np.asarray(on),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_linear_weight_major_padding(monkeypatch):
+    """5-16 rows are padded to a multiple of 8 (`_weight_major_width`); the zero rows
+    change no real row beyond rounding, and CPU_WEIGHT_MAJOR_PAD_ROWS switches it off
+    (benchmarks/matmul_rows.py's "f32 unpadded")."""
+    assert [model_lib._weight_major_width(r) for r in (2, 4, 5, 7, 8, 9, 16, 17, 40)] == \
+        [2, 4, 8, 8, 8, 16, 16, 17, 40]
+    x = jnp.asarray(np.random.RandomState(2).standard_normal((1, 7, 64)), jnp.float32)
+    w = jnp.asarray(np.random.RandomState(3).standard_normal((32, 64)), jnp.float32)
+    assert "pad" in str(jax.make_jaxpr(model_lib.linear)(x, w))
+    padded = model_lib.linear(x, w)
+    monkeypatch.setattr(model_lib, "CPU_WEIGHT_MAJOR_PAD_ROWS", (0, -1))
+    assert model_lib._weight_major_width(7) == 7
+    fresh = lambda x, w: model_lib.linear(x, w)  # noqa: E731 (make_jaxpr caches per function)
+    assert "pad" not in str(jax.make_jaxpr(fresh)(x, w))
+    np.testing.assert_allclose(np.asarray(model_lib.linear(x, w)), np.asarray(padded),
                                rtol=1e-5, atol=1e-5)
 
 
