@@ -22,19 +22,17 @@ import json
 import os
 import sys
 
+from specjax import cli
+
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
 # The default drafter: the first of these under DEMO_DIR that exists.
 DEMO_DRAFTERS = ("drafters/eagle3", "drafters/block", "draft")
 DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        self.exit(2, f"decode.py: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(description="Lossless speculative decoding with specjax.")
+    ap = cli.ArgumentParser(prog="decode.py",
+                            description="Lossless speculative decoding with specjax.")
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the bundled demo)")
     ap.add_argument("--drafter", default=None,

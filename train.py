@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        self.exit(2, f"train.py: error: {message} (see --help)\n")
+from specjax import cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(description="Train a specjax model (see configs/*.yaml).")
+    ap = cli.ArgumentParser(prog="train.py",
+                            description="Train a specjax model (see configs/*.yaml).")
     ap.add_argument("--config", required=True, help="YAML config file (configs/*.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     metavar="KEY=VALUE",

@@ -80,6 +80,7 @@ from benchmarks._systems import (  # noqa: E402
     measure,
     system_record,
 )
+from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
 DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo")
@@ -95,14 +96,11 @@ def log(msg: str) -> None:
     print(f"[compare] {msg}", file=sys.stderr, flush=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        self.exit(2, f"compare.py: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(description="specjax (AR, draft LM, n-gram; T=0 and T=1; batch sweep) "
-                              "against transformers generate on one target model.")
+    ap = cli.ArgumentParser(
+        prog="compare.py",
+        description="specjax (AR, draft LM, n-gram; T=0 and T=1; batch sweep) "
+                    "against transformers generate on one target model.")
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the demo target)")
     ap.add_argument("--draft", default=os.path.join(DEMO_DIR, "draft"),

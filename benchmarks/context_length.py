@@ -23,7 +23,6 @@ text, but the cost is what is measured here (as decode.py --allow-long-context).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,9 +31,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from specjax import cli  # noqa: E402
+
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="checkpoints/demo/target")
     ap.add_argument("--capacities", type=int, nargs="*", default=[160, 1024, 4096])
     ap.add_argument("--contexts", type=int, nargs="*",

@@ -33,7 +33,6 @@ CPU figures do not predict accelerator speedups (DESIGN.md section 9).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -60,6 +59,7 @@ from benchmarks._common import (  # noqa: E402
     summary,
     usable_cores,
 )
+from specjax import cli  # noqa: E402
 from specjax.checkpoint import save_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
@@ -81,7 +81,7 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per system")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length")

@@ -13,7 +13,6 @@ autoregressive ones; a size equal to V is the full vocabulary.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,9 +20,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from specjax import cli  # noqa: E402
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "checkpoints/demo/target"))
     ap.add_argument("--drafter", default=os.path.join(ROOT, "checkpoints/demo/drafters/eagle3"))
     ap.add_argument("--prompts", type=int, default=24, help="first N bundled prompts")

@@ -53,13 +53,14 @@ H200 989 TFLOP/s (no sparsity).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
+
+from specjax import cli  # noqa: E402
 
 BANDWIDTH = {"TPU v5e": 819e9, "H100": 3.35e12, "H200": 4.8e12}  # bytes/s
 QWEN3_8B = {"V": 151_936, "N": 32, "K": 8, "H": 128, "L": 36}
@@ -426,7 +427,7 @@ def _table(title, head, rows, markdown):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure", action="store_true",
                     help="also time the verification and packed-attention paths on this "
                          "backend")

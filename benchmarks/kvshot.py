@@ -13,7 +13,6 @@ next `train` goes on from there. Progress goes to runs/study/NAME.log.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
+
+from specjax import cli  # noqa: E402
 
 CONFIG_DIR = os.path.join(ROOT, "configs", "study")
 RUN_ROOT = os.path.join(ROOT, "runs", "study")
@@ -79,7 +80,7 @@ def train_matrix(names: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train every unfinished run of the matrix")
     t.add_argument("--only", nargs="+", choices=RUNS, help="these runs only (in RUNS order)")

@@ -18,7 +18,6 @@ left alone. Plots: docs/kvshot/alpha.png, docs/kvshot/training.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
 
 from benchmarks.kvshot import RUN_ROOT, RUNS, finished  # noqa: E402
+from specjax import cli  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "kvshot.md")
 OUT_DIR = os.path.join(ROOT, "docs", "kvshot")
@@ -370,7 +370,7 @@ def render_doc(results: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure", action="store_true",
                     help="run decode.py, profile_step.py and the probes (quiet machine)")
     ap.add_argument("--only", nargs="+", choices=RUNS, help="measure these runs only")

@@ -30,11 +30,12 @@ os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # measure ONE CPU device
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
+from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "checkpoints", "demo", "target"),
                     help="HF directory whose config.json gives the shapes")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])

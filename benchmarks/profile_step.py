@@ -38,6 +38,7 @@ sys.path.append(ROOT)  # uninstalled checkout
 
 import jax  # noqa: E402
 
+from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
 SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update",
@@ -51,7 +52,7 @@ def log(msg: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import decode
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
     ap.add_argument("--drafter", default=None,
                     help="drafter directory, draft LM directory or ngram (default: decode.py's)")

@@ -66,6 +66,7 @@ from tqdm import tqdm  # noqa: E402
 
 import decode  # noqa: E402
 from benchmarks._common import usable_cores  # noqa: E402
+from specjax import cli  # noqa: E402
 from specjax.engine import Engine, Stats  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
@@ -388,7 +389,7 @@ def render(result: dict) -> str:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
     ap.add_argument("--drafter", default=None,
                     help="none, ngram or a drafter directory (default: decode.py's, the "

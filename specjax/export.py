@@ -28,6 +28,8 @@ import json
 import os
 import sys
 
+from specjax import cli
+
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 PLATFORMS = ("tpu", "cuda", "cpu")
@@ -35,8 +37,8 @@ TRITON_CHECK = "__gpu$xla.gpu.triton"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m specjax.export",
-                                 description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="python -m specjax.export",
+                            description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True,
                     help="the target's HF config.json (or its directory)")
     ap.add_argument("--drafter", default="ngram",

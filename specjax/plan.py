@@ -244,12 +244,12 @@ def _drafter_config(arg: str, cfg, gamma: int):
 
 
 def main(argv=None) -> int:
-    import argparse
     import sys
 
+    from specjax import cli
     from specjax.errors import SpecjaxError
 
-    ap = argparse.ArgumentParser(
+    ap = cli.ArgumentParser(
         prog="python -m specjax.plan",
         description="Per-device memory of decoding and of training, from configs alone.")
     ap.add_argument("--config", required=True, help="the target's HF config.json (or its dir)")

@@ -15,12 +15,12 @@ How a prompt is chosen (deterministic for a given standard library and seed):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
 
+from specjax import cli
 from specjax.data import corpus_files, read_source, split_of, stdlib_root
 
 _DEF = re.compile(r"^(\s*)(async\s+)?def\s+\w+\s*\(")
@@ -89,7 +89,8 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Write held-out code-completion prompts (JSONL).")
+    ap = cli.ArgumentParser(prog="python -m specjax.prompts",
+                            description="Write held-out code-completion prompts (JSONL).")
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,6 @@ produces for such prompts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -37,6 +36,7 @@ import time
 
 import numpy as np
 
+from specjax import cli
 from specjax.data import corpus_files, read_source, split_of, stdlib_root
 from specjax.errors import SpecjaxError
 from specjax.fileio import atomic_write
@@ -203,13 +203,11 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
 
 
 def main(argv=None) -> int:
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):
-            self.exit(2, f"specjax.regenerate: error: {message} (see --help)\n")
-
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = _Parser(description="The target's greedy continuations of training-file prompts, "
-                             "as token streams for drafter training.")
+    ap = cli.ArgumentParser(
+        prog="specjax.regenerate",
+        description="The target's greedy continuations of training-file prompts, "
+                    "as token streams for drafter training.")
     ap.add_argument("--target", default=os.path.join(here, "checkpoints", "demo", "target"))
     ap.add_argument("--out", required=True, help="output directory (resumes if present)")
     ap.add_argument("--prompts-per-file", type=int, default=4)

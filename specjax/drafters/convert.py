@@ -25,7 +25,6 @@ depth 0 or L for DFlash, and other than 3 capture depths for EAGLE-3.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
+from specjax import cli
 from specjax.config import ModelConfig
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
@@ -177,7 +177,8 @@ def export_dir(src: str, dst: str, layout: str, target_dir: str | None = None,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="python -m specjax.drafters.convert",
+                            description=__doc__.splitlines()[0])
     ap.add_argument("--to", required=True, choices=LAYOUTS, help="the layout to write")
     ap.add_argument("src", help="a drafter directory written by train.py")
     ap.add_argument("dst", help="the directory to write (must not exist)")

@@ -23,13 +23,13 @@ decode.py uses by default (`--draft-vocab auto`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import numpy as np
 
+from specjax import cli
 from specjax.errors import SpecjaxError
 
 VOCAB_NAME = "draft_vocab.json"
@@ -106,8 +106,9 @@ def stream_counts(paths: list[str], vocab_size: int) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Write a hot draft vocabulary (the most "
-                                 "frequent training-split ids) into a drafter directory.")
+    ap = cli.ArgumentParser(prog="python -m specjax.drafters.vocab",
+                            description="Write a hot draft vocabulary (the most "
+                                        "frequent training-split ids) into a drafter directory.")
     ap.add_argument("drafter", help="a drafter directory written by train.py")
     ap.add_argument("--size", type=int, default=2048, help="hot ids to keep (default 2048)")
     ap.add_argument("--tokenizer", default=None,

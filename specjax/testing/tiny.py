@@ -10,13 +10,13 @@ random, so the text is gibberish: this exercises the engine, not a language mode
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sysconfig
 
 from flax import nnx
 
+from specjax import cli
 from specjax.checkpoint import save_model
 from specjax.config import ModelConfig
 from specjax.model import Transformer
@@ -62,7 +62,8 @@ def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="python -m specjax.testing.tiny",
+                            description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
     ap.add_argument("--vocab-size", type=int, default=512)
     args = ap.parse_args()

@@ -12,10 +12,10 @@ Bad input exits 2 with one line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from specjax import cli
 from specjax.errors import SpecjaxError
 
 
@@ -91,7 +91,8 @@ def plot(paths, out: str, labels=None, offsets=None, title: str | None = None) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog="python -m specjax.train.plot",
+                            description=__doc__.splitlines()[0])
     ap.add_argument("metrics", nargs="+", help="metrics.jsonl files")
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--labels", nargs="+", help="one label per file")
