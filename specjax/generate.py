@@ -29,6 +29,7 @@ from flax import nnx, struct
 from specjax.drafters.base import Drafter, LoopView
 from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
+from specjax.model import default_prefill_chunk
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
@@ -63,10 +64,8 @@ class LoopConfig:
       so activation memory follows the chunk, not the prompt: a 32k-token prompt needs
       scores for one chunk of tokens against one chunk of cache slots at a time. Chunks
       wholly past every row's prompt are skipped (`lax.cond`), so a short prompt padded
-      to a wide Tp pays for its own chunks only. None: 64 on the CPU backend (where a
-      forward's cost grows with its rows, so padding past a prompt's end costs: the 50
-      bundled prompts prefill about 14% faster than in chunks of 256, 2026-11-25), 512
-      elsewhere.
+      to a wide Tp pays for its own chunks only. None: `specjax.model.default_prefill_chunk()`
+      (64 on the CPU backend, 512 elsewhere).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
       applied where the cache is created.
@@ -217,7 +216,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         constrain = functools.partial(jax.lax.with_sharding_constraint,
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
-    chunk = cfg.prefill_chunk or (64 if jax.default_backend() == "cpu" else 512)
+    chunk = cfg.prefill_chunk or default_prefill_chunk()
     with jax.named_scope("prefill"):  # benchmarks/profile_step.py reads the scope
         if Tp <= chunk:
             out = model(prompts, positions, cache, capture=capture,

@@ -100,6 +100,15 @@ def decoding_params(state, layer_loop: str = "auto"):
     return state
 
 
+def default_prefill_chunk() -> int:
+    """Tokens per chunk of a long prefill (and of a learned drafter's pass over the
+    prompt) when `LoopConfig.prefill_chunk` is None: 64 on the CPU backend, where a
+    forward's cost grows with its rows, so padding past a prompt's end costs (2026-11-25:
+    the speculative prefill of the 50 bundled prompts took 9% less time than in chunks of
+    256), and 512 elsewhere."""
+    return 64 if jax.default_backend() == "cpu" else 512
+
+
 # XLA:CPU only: products of up to this many rows (B*T) are taken weight-major (see `linear`).
 CPU_WEIGHT_MAJOR_MAX_ROWS = 128
 

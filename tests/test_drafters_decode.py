@@ -207,3 +207,53 @@ def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
         got = speculative_loop(g, p, drafter, dparams, cfg, toks, lens, budgets,
                                jax.random.key(0))
     assert rows(got) == rows(run_ar(BUDGETS))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_chunked_drafter_init_equals_one_pass(kind):
+    """eagle3/hybrid init over 16-wide prompts of 3 and 6 tokens, 4 positions at a time:
+    chunks 0 and 1 run, chunks 2 and 3 start past both rows' last entry and write
+    nothing; h_last and the entries 0..lengths-2 equal the one-pass init's."""
+    from specjax.generate import _prefill
+
+    target, _ = models()
+    dcfg, net = drafter_net(kind, None)
+    drafter, dparams = make_drafter(dcfg, net, target, gamma=3)
+    lengths = jnp.asarray([3, 6], jnp.int32)
+    width = 16
+    toks = jnp.asarray(np.random.RandomState(5).randint(2, target.cfg.vocab_size,
+                                                        size=(2, width)), jnp.int32)
+    cfg = LoopConfig(max_length=width + 8, prompt_width=width, prefill_chunk=width)
+    g, p = nnx.split(target)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def init(chunk, p, dparams):
+        state, view = _prefill(nnx.merge(g, p), cfg, toks, lengths,
+                               jnp.full((2,), 4, jnp.int32), jax.random.key(0), 3,
+                               drafter.capture)
+        return drafter.init(dparams, view, jax.random.key(1), chunk=chunk)
+
+    one, four = init(width, p, dparams), init(4, p, dparams)
+    np.testing.assert_allclose(np.asarray(four.h_last), np.asarray(one.h_last), rtol=2e-5,
+                               atol=2e-5)
+    for a, b in [(four.cache.k, one.cache.k), (four.cache.v, one.cache.v)]:
+        a, b = np.asarray(a), np.asarray(b)  # [1,B,K,S,H]
+        assert np.all(a[:, :, :, 8:] == 0), "a chunk past every row ran"
+        for row, n in enumerate(np.asarray(lengths)):
+            np.testing.assert_allclose(a[:, row, :, :n], b[:, row, :, :n], rtol=2e-5,
+                                       atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_chunked_drafter_init_keeps_greedy_output(kind, monkeypatch):
+    """The loop with the drafter's init in chunks of 4 over the 9-wide prompts (3 chunks,
+    ragged prompt lengths 2..9): greedy output is still autoregressive decoding's."""
+    from specjax.drafters import eagle3
+
+    monkeypatch.setattr(eagle3, "default_prefill_chunk", lambda: 4)
+    jax.clear_caches()  # speculative_loop's jit must retrace with the patched chunk
+    try:
+        sp = run_learned(kind, None, 3, BUDGETS)
+    finally:
+        jax.clear_caches()
+    assert rows(sp) == rows(run_ar(BUDGETS))

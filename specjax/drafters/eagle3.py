@@ -28,7 +28,7 @@ from flax import nnx, struct
 from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.model import rms_norm
+from specjax.model import default_prefill_chunk, rms_norm
 from specjax.sampling import sample_logits
 
 
@@ -157,7 +157,15 @@ class Eagle3Drafter(common.LearnedDrafter):
 
     # ------------------------------------------------------------------ protocol
 
-    def init(self, params, view, key):
+    def init(self, params, view, key, chunk: int | None = None):
+        """The drafter's entries for the prompt (positions 0..lengths-2) and h_last.
+
+        A prompt width T above `chunk` (None: `specjax.model.default_prefill_chunk()`)
+        is processed `chunk` positions at a time in a `lax.scan`, each chunk writing its
+        entries before the next attends to them, and chunks past every row's last entry
+        are skipped (`lax.cond`), as the target's prefill does: a short prompt padded to a
+        wide T pays for its own chunks only. The skipped slots stay empty; nothing reads
+        a slot before update() writes it."""
         net = self.net(params)
         T = view.positions.shape[1]
         cache = self.empty_cache(1, view, net.dtype)
@@ -166,8 +174,43 @@ class Eagle3Drafter(common.LearnedDrafter):
             memory = self.empty_cache(self.cfg.num_memories, view, net.dtype)
             memory = self._memory(net, params, memory, view, view.positions)
         nxt = jax.lax.dynamic_slice_in_dim(view.tokens, 1, T, axis=1)
-        out, cache = self._entries(net, params, cache, memory, view.hidden, view.positions, nxt)
-        return Eagle3State(cache, _at(out, view.lengths - 2), memory)
+        chunk = chunk or default_prefill_chunk()
+        if T <= chunk:
+            out, cache = self._entries(net, params, cache, memory, view.hidden,
+                                       view.positions, nxt)
+            return Eagle3State(cache, _at(out, view.lengths - 2), memory)
+        return self._chunked_init(net, params, cache, memory, view, nxt, chunk)
+
+    def _chunked_init(self, net, params, cache, memory, view, nxt, chunk):
+        _, B, T, D = view.hidden.shape
+        n = -(-T // chunk)
+        pad = n * chunk - T
+
+        def split(x, axis):  # [..., T, ...] -> [n, ..., chunk, ...] (zero padded)
+            x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+            x = x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1:])
+            return jnp.moveaxis(x, axis, 0)
+
+        pos = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk))
+        xs = (split(view.hidden, 2), pos.reshape(B, n, chunk).swapaxes(0, 1), split(nxt, 1),
+              jnp.arange(n, dtype=jnp.int32))
+        last = jnp.clip(view.lengths - 2, 0, T - 1)  # [B] the entry whose output is h_last
+
+        def forward(carry, x):
+            cache, h = carry
+            hidden, positions, tokens, c = x
+            out, cache = self._entries(net, params, cache, memory, hidden, positions, tokens)
+            mine = (last >= c * chunk) & (last < (c + 1) * chunk)
+            h = jnp.where(mine[:, None], _at(out, last - c * chunk), h)
+            return cache, h
+
+        def body(carry, x):
+            return jax.lax.cond(x[3] * chunk <= jnp.max(last), forward,
+                                lambda carry, x: carry, carry, x), None
+
+        h0 = jnp.zeros((B, D), net.dtype)
+        (cache, h_last), _ = jax.lax.scan(body, (cache, h0), xs)
+        return Eagle3State(cache, h_last, memory)
 
     def propose(self, params, state, view, key):
         """G draft tokens: the first from h_last, then G-1 one-token forwards. The draft
