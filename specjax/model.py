@@ -126,9 +126,9 @@ def _weight_major_width(rows: int) -> int:
     """Columns of the weight-major product for `rows` rows: 5-16 rows are padded to a
     multiple of 8, since XLA:CPU's f32 GEMM takes 5-7 columns at more than 8 and 9-12 at
     more than 16 (`python benchmarks/matmul_rows.py --rows 6 7 8 9 16`, columns "f32" and
-    "f32 unpadded"; on a loaded machine, 2026-11-25, ms per forward of the demo target's
-    matmuls, unpadded / padded: 6 rows 15.5 / 12.1, 7 rows 14.4 / 12.8, 9 rows 17.1 /
-    14.3, against 12.3 at 8 rows and 15.1 at 16)."""
+    "f32 unpadded"; quiet machine, 2026-11-25, ms per forward of the demo target's
+    matmuls, unpadded / padded: 6 rows 7.81 / 6.87, 7 rows 8.01 / 7.16, 9 rows 10.53 /
+    9.47, 12 rows 11.59 / 10.07, against 6.73 at 8 rows)."""
     lo, hi = CPU_WEIGHT_MAJOR_PAD_ROWS
     return -(-rows // 8) * 8 if lo <= rows <= hi else rows
 
