@@ -105,7 +105,7 @@ def default_prefill_chunk() -> int:
     prompt) when `LoopConfig.prefill_chunk` is None: 64 on the CPU backend, where a
     forward's cost grows with its rows, so padding past a prompt's end costs (2026-11-25:
     the speculative prefill of the 50 bundled prompts took 9% less time than in chunks of
-    256), and 512 elsewhere."""
+    256, the autoregressive one the same), and 512 elsewhere."""
     return 64 if jax.default_backend() == "cpu" else 512
 
 
