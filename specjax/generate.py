@@ -29,7 +29,7 @@ from flax import nnx, struct
 from specjax.drafters.base import Drafter, LoopView
 from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
-from specjax.model import default_prefill_chunk
+from specjax.model import default_prefill_chunk, scan_prompt_chunks, split_chunks
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
@@ -251,15 +251,12 @@ def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
     padding; writes past the capacity are dropped. A chunk that starts past every row's
     last prompt token is skipped: it writes nothing and its hidden states are zeros."""
     B, Tp = prompts.shape
-    n = -(-Tp // chunk)
-    padded = jnp.pad(prompts, ((0, 0), (0, n * chunk - Tp)))
-    xs = (padded.reshape(B, n, chunk).swapaxes(0, 1), jnp.arange(n, dtype=jnp.int32))
     last = prompt_lengths - 1  # [B]
     V = model.cfg.vocab_size
 
-    def forward(carry, x):
+    def forward(carry, cx):
         cache, logits = carry
-        toks, c = x
+        c, toks = cx
         start = c * chunk
         pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         at = jnp.clip(last - start, 0, chunk - 1)[:, None]
@@ -268,18 +265,11 @@ def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
         logits = jnp.where(mine[:, None], out.logits[:, 0], logits)
         return (out.cache, logits), out.hidden
 
-    def body(carry, x):
-        shapes = jax.eval_shape(forward, carry, x)[1]
-
-        def skip(carry, x):
-            return carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-        return jax.lax.cond(x[1] * chunk <= jnp.max(last), forward, skip, carry, x)
-
-    (cache, logits), hidden = jax.lax.scan(
-        body, (cache, jnp.zeros((B, V), jnp.float32)), xs)
+    (cache, logits), hidden = scan_prompt_chunks(
+        forward, (cache, jnp.zeros((B, V), jnp.float32)), split_chunks(prompts, 1, chunk),
+        chunk, last)
     if hidden is not None:  # [n, C, B, chunk, D] -> [C, B, Tp, D]
-        C, D = hidden.shape[1], hidden.shape[-1]
+        n, C, D = hidden.shape[0], hidden.shape[1], hidden.shape[-1]
         hidden = hidden.transpose(1, 2, 0, 3, 4).reshape(C, B, n * chunk, D)[:, :, :Tp]
     return logits, hidden, cache
 

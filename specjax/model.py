@@ -109,6 +109,33 @@ def default_prefill_chunk() -> int:
     return 64 if jax.default_backend() == "cpu" else 512
 
 
+def split_chunks(x, axis: int, chunk: int):
+    """x [..., T, ...] -> [n, ..., chunk, ...]: axis `axis` zero padded to n = ceil(T /
+    chunk) chunks, the chunk index moved to the front (the xs of `scan_prompt_chunks`)."""
+    n = -(-x.shape[axis] // chunk)
+    x = jnp.pad(x, [(0, n * chunk - x.shape[axis] if a == axis else 0) for a in range(x.ndim)])
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1:]), axis, 0)
+
+
+def scan_prompt_chunks(forward, carry, xs, chunk: int, last):
+    """`lax.scan` of forward(carry, (c, x)) -> (carry, out) over the chunks c = 0..n-1 of
+    a prompt (x: xs at c), skipping chunk c (`lax.cond`) when it starts past every row's
+    `last` position (c * chunk > max(last), i32[B]): the carry passes through and the
+    chunk's outputs are zeros. The chunked prefill and a learned drafter's pass over the
+    prompt both run this way, so a short prompt padded to a wide T pays for its own chunks
+    only. Returns (carry, outs stacked over chunks)."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+
+    def skip(carry, cx):
+        shapes = jax.eval_shape(forward, carry, cx)[1]
+        return carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry, cx):
+        return jax.lax.cond(cx[0] * chunk <= jnp.max(last), forward, skip, carry, cx)
+
+    return jax.lax.scan(body, carry, (jnp.arange(n, dtype=jnp.int32), xs))
+
+
 # XLA:CPU only: products of up to this many rows (B*T) are taken weight-major (see `linear`).
 CPU_WEIGHT_MAJOR_MAX_ROWS = 128
 

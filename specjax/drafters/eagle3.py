@@ -28,7 +28,7 @@ from flax import nnx, struct
 from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.model import default_prefill_chunk, rms_norm
+from specjax.model import default_prefill_chunk, rms_norm, scan_prompt_chunks, split_chunks
 from specjax.sampling import sample_logits
 
 
@@ -184,32 +184,21 @@ class Eagle3Drafter(common.LearnedDrafter):
     def _chunked_init(self, net, params, cache, memory, view, nxt, chunk):
         _, B, T, D = view.hidden.shape
         n = -(-T // chunk)
-        pad = n * chunk - T
-
-        def split(x, axis):  # [..., T, ...] -> [n, ..., chunk, ...] (zero padded)
-            x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
-            x = x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1:])
-            return jnp.moveaxis(x, axis, 0)
-
         pos = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk))
-        xs = (split(view.hidden, 2), pos.reshape(B, n, chunk).swapaxes(0, 1), split(nxt, 1),
-              jnp.arange(n, dtype=jnp.int32))
+        xs = (split_chunks(view.hidden, 2, chunk), split_chunks(pos, 1, chunk),
+              split_chunks(nxt, 1, chunk))
         last = jnp.clip(view.lengths - 2, 0, T - 1)  # [B] the entry whose output is h_last
 
-        def forward(carry, x):
+        def forward(carry, cx):
             cache, h = carry
-            hidden, positions, tokens, c = x
+            c, (hidden, positions, tokens) = cx
             out, cache = self._entries(net, params, cache, memory, hidden, positions, tokens)
             mine = (last >= c * chunk) & (last < (c + 1) * chunk)
             h = jnp.where(mine[:, None], _at(out, last - c * chunk), h)
-            return cache, h
+            return (cache, h), None
 
-        def body(carry, x):
-            return jax.lax.cond(x[3] * chunk <= jnp.max(last), forward,
-                                lambda carry, x: carry, carry, x), None
-
-        h0 = jnp.zeros((B, D), net.dtype)
-        (cache, h_last), _ = jax.lax.scan(body, (cache, h0), xs)
+        (cache, h_last), _ = scan_prompt_chunks(
+            forward, (cache, jnp.zeros((B, D), net.dtype)), xs, chunk, last)
         return Eagle3State(cache, h_last, memory)
 
     def propose(self, params, state, view, key):
