@@ -77,8 +77,9 @@ def training_prompts(per_file: int = 4, seed: int = 0, context_lines: int = 30,
     return out
 
 
-def _done_ids(path: str) -> set[str]:
-    """Ids already in generations.jsonl; a torn last line (a kill mid-write) is dropped."""
+def _done_ids(path: str, truncate: bool = True) -> set[str]:
+    """Ids already in generations.jsonl; a torn last line (a kill mid-write) is dropped,
+    and with `truncate` cut from the file so that appending resumes cleanly."""
     done = set()
     if not os.path.exists(path):
         return done
@@ -90,7 +91,7 @@ def _done_ids(path: str) -> set[str]:
                 good += len(line)
             except (ValueError, KeyError):
                 break
-    if good != os.path.getsize(path):
+    if truncate and good != os.path.getsize(path):
         with open(path, "r+b") as f:
             f.truncate(good)
     return done
@@ -122,10 +123,15 @@ def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
 
 def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 0,
                max_chars: int = 800, max_new_tokens: int = 128, batch_size: int = 32,
-               limit: int | None = None, val_fraction: float = 0.05) -> dict:
+               limit: int | None = None, val_fraction: float = 0.05,
+               skip_seen: tuple[str, ...] = ()) -> dict:
     """Generates and writes the data set (module docstring); returns the manifest.
 
-    Raises: SpecjaxError for a target without a tokenizer or EOS id, or bad settings.
+    `skip_seen`: earlier output directories whose prompt ids (def sites) are left out, so
+    a set made with another seed or a larger `per_file` holds only new prompts.
+
+    Raises: SpecjaxError for a target without a tokenizer or EOS id, bad settings, or a
+    `skip_seen` directory without generations.jsonl.
     """
     import jax
     import jax.numpy as jnp
@@ -149,7 +155,18 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         raise SpecjaxError(f"{target_dir}: the config names no eos_token_id")
     eos_id = cfg.eos_token_ids[0]
 
+    seen = set()
+    for d in skip_seen:
+        path = os.path.join(d, GENERATIONS)
+        if not os.path.isfile(path):
+            raise SpecjaxError(f"--skip-seen {d}: no {GENERATIONS} there")
+        if os.path.abspath(d) == os.path.abspath(out_dir):
+            raise SpecjaxError(f"--skip-seen {d} is the output directory")
+        seen |= _done_ids(path, truncate=False)  # another run's file: read only
     prompts = training_prompts(per_file, seed, max_chars=max_chars, val_fraction=val_fraction)
+    prompts = [p for p in prompts if p["id"] not in seen]
+    if not prompts:
+        raise SpecjaxError("no prompts left after --skip-seen")
     rng = random.Random(seed)
     rng.shuffle(prompts)  # a prefix (--limit) samples every part of the corpus
     if limit is not None:
@@ -196,7 +213,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     manifest = {"target": os.path.abspath(target_dir), "seed": seed,
                 "prompts_per_file": per_file, "max_chars": max_chars,
                 "max_new_tokens": max_new_tokens, "limit": limit,
-                "val_fraction": val_fraction, "eos_id": eos_id, "splits": counts}
+                "val_fraction": val_fraction, "eos_id": eos_id,
+                "skip_seen": [os.path.abspath(d) for d in skip_seen], "splits": counts}
     atomic_write(os.path.join(out_dir, MANIFEST),
                  lambda f: f.write(json.dumps(manifest, indent=1).encode("utf-8")))
     return manifest
@@ -216,11 +234,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-seen", nargs="+", default=[], metavar="DIR",
+                    help="earlier output directories whose prompts are left out")
     args = ap.parse_args(argv)
     try:
         m = regenerate(args.target, args.out, per_file=args.prompts_per_file, seed=args.seed,
                        max_chars=args.max_chars, max_new_tokens=args.max_new_tokens,
-                       batch_size=args.batch_size, limit=args.limit)
+                       batch_size=args.batch_size, limit=args.limit,
+                       skip_seen=tuple(args.skip_seen))
     except SpecjaxError as e:
         print(f"specjax.regenerate: error: {e}", file=sys.stderr)
         return 2

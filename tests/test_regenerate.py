@@ -85,9 +85,37 @@ def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
                   val_fraction=0.5)
 
 
+def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
+    """--skip-seen: a set made with another seed and more sites per file holds exactly the
+    def sites the earlier set lacks; the earlier set's file is read, never rewritten (a
+    torn last line there stays)."""
+    target = str(tiny_demo / "target")
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    rg.regenerate(target, first, per_file=1, limit=6, batch_size=8, max_new_tokens=2)
+    path = os.path.join(first, rg.GENERATIONS)
+    recs = [json.loads(line) for line in open(path)]
+    with open(path, "a") as f:
+        f.write('{"id": "torn')
+    before = open(path).read()
+    seen, files = {r["id"] for r in recs}, {r["source"] for r in recs}
+    # The second set draws from the same six files only, so that it must drop some ids.
+    every = rg.training_prompts
+    monkeypatch.setattr(rg, "training_prompts", lambda *a, **k: [
+        p for p in every(*a, **k) if p["source"] in files])
+    candidates = {p["id"] for p in rg.training_prompts(3, 1)}
+    assert seen & candidates and candidates - seen
+    m = rg.regenerate(target, second, per_file=3, seed=1, batch_size=8, max_new_tokens=2,
+                      skip_seen=(first,))
+    got = [json.loads(line)["id"] for line in open(os.path.join(second, rg.GENERATIONS))]
+    assert sorted(got) == sorted(candidates - seen)
+    assert m["skip_seen"] == [os.path.abspath(first)]
+    assert open(path).read() == before
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
     (["--target", "/nonexistent"], "/nonexistent"),
+    (["--skip-seen", "/nonexistent"], "--skip-seen /nonexistent: no generations.jsonl"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, argv, msg):
     out = tmp_path / "o"
