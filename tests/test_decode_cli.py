@@ -229,8 +229,10 @@ def test_allow_long_context_runs_past_max_position_embeddings(tiny_demo, tmp_pat
     assert code == 0, err
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("drafter", ["draft", "ngram", "learned"])
+@pytest.mark.parametrize("drafter,temperature", [  # the default run: each drafter at one T
+    ("draft", 0.0), pytest.param("draft", 1.0, marks=pytest.mark.slow),
+    pytest.param("ngram", 0.0, marks=pytest.mark.slow), ("ngram", 1.0),
+    ("learned", 0.0), ("learned", 1.0)])
 def test_kernels_pallas_equals_reference(tiny_demo, learned_drafter, tmp_path, capsys,
                                          drafter, temperature):
     """--kernels pallas (the verification kernel, interpret mode on CPU) and --kernels

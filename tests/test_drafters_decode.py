@@ -161,7 +161,8 @@ def run_trained(kind, context, budgets, eos=()):
                             jnp.asarray(budgets, jnp.int32), jax.random.key(0))
 
 
-@pytest.mark.parametrize("kind,context", [("eagle3", None), ("block", "hidden")])
+@pytest.mark.parametrize("kind,context", [pytest.param("eagle3", None, marks=pytest.mark.slow),
+                                          ("block", "hidden")])
 def test_trained_drafter_is_accepted_and_stops_at_eos_inside_a_block(kind, context):
     _, _, before, after = trained(kind, context)
     assert after > before + 0.5, (before, after)  # the objective trains the drafter

@@ -396,6 +396,7 @@ def _wait_for(proc, cond, timeout=120.0):
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_to_the_same_parameters(corpus, tmp_path):
     """train.py SIGKILLed mid-step, while a checkpoint is being written and while the
     export is being written, then restarted each time: the exported weights equal an

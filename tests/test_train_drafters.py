@@ -101,8 +101,12 @@ def runs(setup, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- sharding
 
-@pytest.mark.parametrize("mesh", [(2, 2, 2), (8, 1, 1)], ids=["2x2x2", "8x1x1"])
-@pytest.mark.parametrize("kind", ["eagle3", "block"])
+@pytest.mark.parametrize("kind,mesh", [  # the default run: each kind on one of the meshes
+    pytest.param("eagle3", (2, 2, 2), id="eagle3-2x2x2"),
+    pytest.param("eagle3", (8, 1, 1), id="eagle3-8x1x1", marks=pytest.mark.slow),
+    pytest.param("block", (2, 2, 2), id="block-2x2x2", marks=pytest.mark.slow),
+    pytest.param("block", (8, 1, 1), id="block-8x1x1"),
+])
 def test_losses_match_single_device(runs, kind, mesh):
     ref, got = runs(kind, (1, 1, 1)), runs(kind, mesh)
     assert sorted(ref.losses) == list(range(1, STEPS + 1))
@@ -151,6 +155,7 @@ def test_param_axes_one_rule_per_rank():
 
 # ----------------------------------------------------------------------------- resume
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(runs, setup, tmp_path):
     """block: the step key draws the anchors, so this also checks the RNG is restored."""
     ref = runs("block", (2, 2, 2))
@@ -179,6 +184,7 @@ def test_resume_is_bit_exact(runs, setup, tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # the lm objective's twin in test_train.py runs by default
 def test_sigterm_checkpoints_and_exits_0(setup, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "--run-dir",

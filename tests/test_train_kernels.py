@@ -59,7 +59,7 @@ def spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "block"])  # kv: the same Limit path as eagle3
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("block", marks=pytest.mark.slow)])  # kv: as eagle3
 def test_drafter_losses_with_kernel_equal_reference(setup, tmp_path, spy, kind):  # noqa: F811
     ref = train(_cfg(setup, tmp_path / "ref", kind, "reference"), progress=False)
     assert not spy
@@ -71,6 +71,7 @@ def test_drafter_losses_with_kernel_equal_reference(setup, tmp_path, spy, kind):
     assert {"target", "drafter"} <= set(spy)  # the target's layers and the drafter's context
 
 
+@pytest.mark.slow
 def test_drafter_kernel_on_a_mesh_equals_one_device(setup, tmp_path, spy):  # noqa: F811
     one = train(_cfg(setup, tmp_path / "one", "eagle3", "pallas"), progress=False)
     mesh = train(_cfg(setup, tmp_path / "mesh", "eagle3", "pallas", (2, 2, 2)),
