@@ -19,11 +19,55 @@ import numpy as np
 from specjax.errors import SpecjaxError
 
 
+class ConcatStream:
+    """Several 1-D token arrays read as their concatenation, without copying them (each may
+    be a read-only memmap of a file larger than memory): what `PackedStream` needs of an
+    array (`ndim`, `dtype`, `len`, and reads at integer index arrays). Rows cut from it are
+    exactly those cut from `np.concatenate(parts)`, including rows that span two parts.
+
+    Args:
+      parts: non-empty sequence of int[n_i] arrays of one dtype.
+    Raises: ValueError for no parts, a part that is not 1-D, or mixed dtypes.
+    """
+
+    ndim = 1
+
+    def __init__(self, parts):
+        parts = list(parts)
+        if not parts:
+            raise ValueError("ConcatStream needs at least one array")
+        if any(p.ndim != 1 for p in parts):
+            raise ValueError(f"parts must be 1-D, got shapes {[p.shape for p in parts]}")
+        if len({p.dtype for p in parts}) != 1:
+            raise ValueError(f"parts must share a dtype, got {[str(p.dtype) for p in parts]}")
+        self.parts, self.dtype = parts, parts[0].dtype
+        self.starts = np.cumsum([0] + [len(p) for p in parts])  # i64[P + 1]
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __getitem__(self, index):
+        index = np.asarray(index, np.int64)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"index out of range for a stream of {len(self)} tokens")
+        part = np.searchsorted(self.starts, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for k in np.unique(part):
+            mask = part == k
+            out[mask] = self.parts[k][index[mask] - self.starts[k]]
+        return out
+
+
 class PackedStream:
     """Fixed-length training sequences from a flat token stream, in a deterministic order.
 
     Args:
-      tokens: int[n] flat token stream (u16 or i32; a read-only memmap is fine).
+      tokens: int[n] flat token stream (u16 or i32; a read-only memmap, or a
+        `ConcatStream` of several, is fine).
       seq_len: T, the tokens per training input; each row holds T + 1 tokens.
       seed: non-negative int that picks the permutation of every epoch.
     Raises: SpecjaxError if the stream is shorter than T + 1 tokens.

@@ -11,6 +11,7 @@ What it writes into `--out`:
   train.npy, val.npy  flat u16 token streams (i32 for vocabularies over 65,536): per
                       prompt, its ids, then the continuation, then EOS (unless the
                       continuation already ended with it). Use them as `data.tokens_npy`
+                      (a list of several sets' train.npy reads them as one stream)
                       and `data.val_tokens_npy` of a drafter config.
   manifest.json       the target, the settings, and per-split counts.
 

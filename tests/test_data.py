@@ -25,6 +25,7 @@ from specjax.data import (
     train_tokenizer,
 )
 from specjax.errors import SpecjaxError
+from specjax.packing import ConcatStream
 
 VOCAB = 512
 VAL = 0.2  # a larger held-out share than the default, so the small root has val files
@@ -275,6 +276,32 @@ def test_shard_partitions_the_global_batch(procs):
     parts = [PackedStream.shard(rows, p, procs) for p in range(procs)]
     assert all(len(p) == 8 // procs for p in parts)
     np.testing.assert_array_equal(np.concatenate(parts), rows)
+
+
+def test_concat_stream_reads_as_the_concatenation(tmp_path):
+    """Rows of a ConcatStream of memmapped files (one shorter than a row, so that rows
+    span up to three parts) equal those of np.concatenate of the same arrays."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 60000, n).astype(np.uint16) for n in (50, 7, 300, 1)]
+    parts = []
+    for i, a in enumerate(arrays):
+        np.save(tmp_path / f"{i}.npy", a)
+        parts.append(load_tokens(str(tmp_path / f"{i}.npy")))
+    whole = np.concatenate(arrays)
+    cs = ConcatStream(parts)
+    assert len(cs) == cs.shape[0] == whole.size and cs.dtype == np.uint16
+    idx = rng.integers(0, whole.size, (5, 9))
+    np.testing.assert_array_equal(cs[idx], whole[idx])
+    a, b = PackedStream(cs, 10, seed=4), PackedStream(whole, 10, seed=4)
+    assert a.num_sequences == b.num_sequences == 35
+    for pos in (0, 30, 70):
+        np.testing.assert_array_equal(a.batch(pos, 8)[0], b.batch(pos, 8)[0])
+    with pytest.raises(IndexError):
+        cs[np.array([whole.size])]
+    with pytest.raises(ValueError, match="at least one"):
+        ConcatStream([])
+    with pytest.raises(ValueError, match="share a dtype"):
+        ConcatStream([arrays[0], arrays[1].astype(np.int32)])
 
 
 def test_packed_stream_errors():

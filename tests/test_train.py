@@ -197,6 +197,8 @@ def _cli(args, capsys):
     (["--set", "mesh.data=2", "--set", "mesh.fsdp=2", "--set", "train.grad_accum=4"],
      "not divisible by data*fsdp=4"),
     (["--set", "data.tokens_npy=/nonexistent/t.npy"], "data.tokens_npy /nonexistent/t.npy"),
+    (["--set", "data.tokens_npy=[/nonexistent/t.npy]"], "data.tokens_npy /nonexistent/t.npy"),
+    (["--set", "data.tokens_npy=[]"], "data.tokens_npy is an empty list"),
     (["--set", "data.tokens_npy=null", "--set", "data.val_tokens_npy=null",
       "--set", "data.corpus=stdlib", "--set", "data.corpus_root=/nonexistent"], "data.corpus_root /nonexistent"),
     (["--set", "objective=rl"], "objective='rl' is not implemented"),
@@ -210,6 +212,30 @@ def test_bad_config_exits_2_with_one_line(corpus, tmp_path, capsys, extra, needl
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
     assert needle in err, err
+
+
+def test_a_list_of_token_files_trains_on_their_concatenation(corpus, tmp_path):
+    """data.tokens_npy as a list (u16 and i32 files): the rows are those of the single
+    concatenated file, so the first training losses are the same."""
+    from specjax.train.inputs import prepare_data
+
+    tokens = np.load(corpus["tokens"])
+    cut = [0, 1000, 1005, 4000, tokens.size]
+    paths = []
+    for i in range(4):
+        paths.append(str(tmp_path / f"part{i}.npy"))
+        np.save(paths[-1], tokens[cut[i]:cut[i + 1]].astype(np.int32 if i == 2 else np.uint16))
+    listed = tiny_cfg(corpus, tmp_path / "a", (8, 1, 1), f"data.tokens_npy=[{','.join(paths)}]",
+                      "train.steps=3")
+    whole = tiny_cfg(corpus, tmp_path / "b", (8, 1, 1), "train.steps=3")
+    assert listed.data.tokens_npy == tuple(paths) and whole.data.tokens_npy == (
+        corpus["tokens"],)
+    a, b = prepare_data(listed).train, prepare_data(whole).train
+    for pos in (0, 16, 5 * b.num_sequences + 3):
+        np.testing.assert_array_equal(a.batch(pos, 8)[0], b.batch(pos, 8)[0])
+    la, lb = train(listed, progress=False).losses, train(whole, progress=False).losses
+    np.testing.assert_allclose([la[s] for s in (1, 2, 3)], [lb[s] for s in (1, 2, 3)],
+                               rtol=1e-6)
 
 
 def test_unknown_key_in_yaml_file_via_subprocess(tmp_path):

@@ -56,7 +56,9 @@ class DataConfig:
       corpus: "stdlib" (the Python standard library: a BPE of `model.vocab_size`
         tokens is trained and the corpus tokenized into `cache_dir`), or None.
       corpus_root: directory of .py files for `corpus` (None: the running stdlib).
-      tokens_npy: a flat token stream (.npy, int) to train on, instead of `corpus`.
+      tokens_npy: flat token streams (.npy, int) to train on, instead of `corpus`: one
+        path, or a list read as the streams' concatenation in that order (a row may
+        span two files, as in `np.concatenate`; nothing is copied).
       val_tokens_npy: optional validation stream for `tokens_npy` (None: no val loss).
       tokenizer_dir: HF tokenizer saved with the export; with `corpus`, an existing
         tokenizer to use instead of training one.
@@ -69,7 +71,7 @@ class DataConfig:
 
     corpus: str | None = None
     corpus_root: str | None = None
-    tokens_npy: str | None = None
+    tokens_npy: tuple[str, ...] | None = None
     val_tokens_npy: str | None = None
     tokenizer_dir: str | None = None
     cache_dir: str | None = None
@@ -78,6 +80,8 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.tokens_npy is not None and not self.tokens_npy:
+            raise SpecjaxError("data.tokens_npy is an empty list; name at least one .npy")
         if (self.corpus is None) == (self.tokens_npy is None):
             raise SpecjaxError("data: set exactly one of data.corpus (stdlib) and "
                                "data.tokens_npy (a .npy token stream)")
@@ -405,6 +409,8 @@ def _coerce(tp, value, key: str):
             return tuple((str(k), float(v)) for k, v in value.items())  # e.g. rope_scaling
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]  # eos_token_ids: 0
+        if isinstance(value, str) and args[0] is str:
+            value = [value]  # data.tokens_npy: one path
         if not isinstance(value, (list, tuple)):
             raise SpecjaxError(f"config key {key} must be a list, got {value!r}")
         return tuple(_coerce(args[0], v, key) for v in value)

@@ -7,8 +7,10 @@ Two sources (TrainConfig.data):
   corpus: stdlib    a byte-level BPE of model.vocab_size tokens is trained on the
                     train files (or `tokenizer_dir` is used), then the corpus is
                     tokenized; both are cached under `cache_dir` (specjax.data).
-  tokens_npy: PATH  a flat token stream (.npy, any integer dtype), with an optional
-                    `val_tokens_npy` and `tokenizer_dir` (tests, custom corpora).
+  tokens_npy: PATH  a flat token stream (.npy, any integer dtype), or a list of them
+                    read as their concatenation (`specjax.packing.ConcatStream`), with an
+                    optional `val_tokens_npy` and `tokenizer_dir` (tests, custom
+                    corpora, regenerated data sets).
 With several processes, process 0 builds the caches first and the others follow.
 
 A drafter run (objective ttt / block) reads the vocabulary from its target instead of
@@ -25,7 +27,7 @@ import os
 import numpy as np
 
 from specjax.errors import SpecjaxError
-from specjax.packing import PackedStream
+from specjax.packing import ConcatStream, PackedStream
 from specjax.train.config import TrainConfig
 
 
@@ -172,7 +174,13 @@ def prepare_data(cfg: TrainConfig, vocab_size: int | None = None) -> RunData:
             raise SpecjaxError(f"data.tokenizer_dir {tok_dir} does not exist; pass a directory "
                                "written by save_pretrained")
         tokenizer = _load_tokenizer(tok_dir, V)
-    train = PackedStream(_load_stream(train_path, train_key, V), d.seq_len, d.seed)
+    if isinstance(train_path, str):  # the corpus cache
+        train_path = (train_path,)
+    parts = [_load_stream(p, train_key, V) for p in train_path]
+    if len({p.dtype for p in parts}) > 1:  # e.g. u16 and i32 files: one dtype for the reads
+        parts = [p.astype(np.int32) for p in parts]
+    train = PackedStream(parts[0] if len(parts) == 1 else ConcatStream(parts), d.seq_len,
+                         d.seed)
     val = None
     if val_path is not None:
         val = PackedStream(_load_stream(val_path, val_key, V), d.seq_len, d.seed)
