@@ -23,11 +23,14 @@ class ConcatStream:
     """Several 1-D token arrays read as their concatenation, without copying them (each may
     be a read-only memmap of a file larger than memory): what `PackedStream` needs of an
     array (`ndim`, `dtype`, `len`, and reads at integer index arrays). Rows cut from it are
-    exactly those cut from `np.concatenate(parts)`, including rows that span two parts.
+    exactly those cut from `np.concatenate(parts)`, including rows that span two parts; parts
+    of different dtypes (a u16 file beside an i32 one) are read as their common dtype
+    (`np.result_type`, as `np.concatenate` gives), cast per read, so none is loaded whole.
 
     Args:
-      parts: non-empty sequence of int[n_i] arrays of one dtype.
-    Raises: ValueError for no parts, a part that is not 1-D, or mixed dtypes.
+      parts: non-empty sequence of int[n_i] arrays.
+    Raises: ValueError for no parts, a part that is not 1-D, or parts with no common
+      integer dtype (u64 beside a signed dtype).
     """
 
     ndim = 1
@@ -38,9 +41,9 @@ class ConcatStream:
             raise ValueError("ConcatStream needs at least one array")
         if any(p.ndim != 1 for p in parts):
             raise ValueError(f"parts must be 1-D, got shapes {[p.shape for p in parts]}")
-        if len({p.dtype for p in parts}) != 1:
-            raise ValueError(f"parts must share a dtype, got {[str(p.dtype) for p in parts]}")
-        self.parts, self.dtype = parts, parts[0].dtype
+        self.parts, self.dtype = parts, np.result_type(*parts)
+        if not np.issubdtype(self.dtype, np.integer):  # u64 with a signed part: float64
+            raise ValueError(f"parts have no common integer dtype: {[str(p.dtype) for p in parts]}")
         self.starts = np.cumsum([0] + [len(p) for p in parts])  # i64[P + 1]
 
     def __len__(self) -> int:

@@ -300,8 +300,16 @@ def test_concat_stream_reads_as_the_concatenation(tmp_path):
         cs[np.array([whole.size])]
     with pytest.raises(ValueError, match="at least one"):
         ConcatStream([])
-    with pytest.raises(ValueError, match="share a dtype"):
-        ConcatStream([arrays[0], arrays[1].astype(np.int32)])
+    # a u16 part beside an i32 one: read as i32, the parts left as they are (memmaps)
+    mixed = parts[:2] + [arrays[2].astype(np.int32) + 70000] + parts[3:]
+    whole = np.concatenate([np.asarray(m) for m in mixed])
+    cm = ConcatStream(mixed)
+    assert cm.dtype == whole.dtype == np.int32 and isinstance(cm.parts[0], np.memmap)
+    idx = np.arange(whole.size)
+    np.testing.assert_array_equal(cm[idx], whole)
+    assert cm[idx].dtype == np.int32
+    with pytest.raises(ValueError, match="common integer"):
+        ConcatStream([arrays[0].astype(np.uint64), arrays[1].astype(np.int64)])
 
 
 def test_packed_stream_errors():

@@ -177,8 +177,6 @@ def prepare_data(cfg: TrainConfig, vocab_size: int | None = None) -> RunData:
     if isinstance(train_path, str):  # the corpus cache
         train_path = (train_path,)
     parts = [_load_stream(p, train_key, V) for p in train_path]
-    if len({p.dtype for p in parts}) > 1:  # e.g. u16 and i32 files: one dtype for the reads
-        parts = [p.astype(np.int32) for p in parts]
     train = PackedStream(parts[0] if len(parts) == 1 else ConcatStream(parts), d.seq_len,
                          d.seed)
     val = None
