@@ -2,11 +2,14 @@
 
     python benchmarks/draft_vocab.py [--drafter DIR] [--prompts 24] [--gamma 7]
         [--sizes 8192 2048 1024] [--matmul-dtype float32|bfloat16] [--json FILE]
+        [--tokens-npy runs/data/regen-demo/train.npy ...] [--prompts-file FILE]
 
 One process, one compiled Engine per vocabulary size plus autoregressive decoding, run
 interleaved prompt by prompt (batch 1, 128 new tokens, EOS on, greedy) so that every
 engine sees the same machine state; the hot set of size Vd is the Vd most frequent ids of
-the training split (counted once, cached in --cache-dir). Prints tokens/s, the speedup
+the training split (counted once, cached in --cache-dir), or of the --tokens-npy streams
+(as `python -m specjax.drafters.vocab --tokens-npy` counts them for the shipped
+draft_vocab.json). Prints tokens/s, the speedup
 over autoregressive decoding in the same run, tau, and whether the outputs equal the
 autoregressive ones; a size equal to V is the full vocabulary.
 """
@@ -21,13 +24,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from specjax import cli  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "checkpoints/demo/target"))
     ap.add_argument("--drafter", default=os.path.join(ROOT, "checkpoints/demo/drafters/eagle3"))
-    ap.add_argument("--prompts", type=int, default=24, help="first N bundled prompts")
+    ap.add_argument("--prompts", type=int, default=24, help="first N prompts")
+    ap.add_argument("--prompts-file", default=os.path.join(ROOT, "checkpoints/demo/prompts.jsonl"),
+                    help="JSONL with a \"prompt\" per line (default: the bundled prompts)")
+    ap.add_argument("--tokens-npy", nargs="+", default=None,
+                    help="count these flat .npy token streams instead of the stdlib corpus")
     ap.add_argument("--gamma", type=int, default=None, help="default: the drafter's G")
     ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 2048, 1024])
     ap.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -35,6 +43,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, "runs/token_cache"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except SpecjaxError as e:
+        print(f"draft_vocab.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    for flag, path in (("--target", args.target), ("--drafter", args.drafter),
+                       ("--prompts-file", args.prompts_file)):
+        if not os.path.exists(path):
+            raise SpecjaxError(f"{flag} {path} does not exist")
+    if any(size < 1 for size in args.sizes):
+        raise SpecjaxError(f"--sizes {args.sizes}: every size must be >= 1")
 
     import jax
     import jax.numpy as jnp
@@ -44,7 +66,7 @@ def main(argv=None) -> int:
     import decode
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters import make_drafter
-    from specjax.drafters.vocab import corpus_counts, hot_ids
+    from specjax.drafters.vocab import corpus_counts, hot_ids, stream_counts
     from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.sampling import SamplingParams
 
@@ -52,9 +74,13 @@ def main(argv=None) -> int:
     target = load_model(args.target, dtype=jnp.float32, matmul_dtype=mm)
     V = target.cfg.vocab_size
     tok = load_tokenizer(args.target)
-    with open(os.path.join(ROOT, "checkpoints/demo/prompts.jsonl")) as f:
+    with open(args.prompts_file) as f:
         prompts = [tok.encode(json.loads(line)["prompt"]) for line in f][:args.prompts]
-    counts = corpus_counts(os.path.join(ROOT, "checkpoints/demo/tokenizer"), args.cache_dir, V)
+    if args.tokens_npy:
+        counts = stream_counts(args.tokens_npy, V)
+    else:
+        counts = corpus_counts(os.path.join(ROOT, "checkpoints/demo/tokenizer"), args.cache_dir,
+                               V)
     drafter, full = decode.load_learned_drafter(
         args.drafter, target, args.target, args.gamma, SamplingParams(), jnp.float32,
         matmul_dtype=jnp.bfloat16, draft_vocab="full")

@@ -139,3 +139,36 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
         assert json.loads(s.read_text())["ar_identical"] is True
         outs[mode] = o.read_text()
     assert outs["auto"] == outs["full"]
+
+
+def test_benchmark_script_table(tiny_demo, tmp_path, capsys):
+    """benchmarks/draft_vocab.py on the tiny demo (random eagle3, counts from a token
+    stream): one row per size, outputs identical to AR, and exit 2 on bad input."""
+    from flax import nnx
+
+    from benchmarks import draft_vocab as bench
+    from specjax.checkpoint import load_model
+    from specjax.drafters import DrafterConfig, build_network
+    from specjax.drafters.io import save_drafter
+
+    tgt = str(tiny_demo / "target")
+    target = load_model(tgt)
+    V = target.cfg.vocab_size
+    dcfg = DrafterConfig.for_target(target.cfg, "eagle3", gamma=3)
+    d = tmp_path / "drafter"
+    save_drafter(str(d), dcfg, nnx.state(build_network(dcfg, rngs=nnx.Rngs(0)), nnx.Param),
+                 tgt, jnp.float32)
+    np.save(tmp_path / "s.npy", np.random.default_rng(0).integers(0, V, 5000).astype(np.uint16))
+    base = ["--target", tgt, "--drafter", str(d), "--prompts-file",
+            str(tiny_demo / "prompts.jsonl"), "--prompts", "2", "--max-new-tokens", "8"]
+    out = tmp_path / "r.json"
+    assert bench.main(base + ["--sizes", str(V), "40", "--tokens-npy", str(tmp_path / "s.npy"),
+                              "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert f"| {V} | 100.0% |" in table and "| 40 |" in table
+    rows_ = json.loads(out.read_text())["rows"]
+    assert [r["size"] for r in rows_] == [V, 40]
+    assert all(r["identical_to_ar"] is True for r in rows_)
+    assert bench.main(base + ["--prompts-file", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prompts-file" in err and "does not exist" in err and "\n" not in err

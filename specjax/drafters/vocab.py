@@ -35,12 +35,17 @@ from specjax.errors import SpecjaxError
 VOCAB_NAME = "draft_vocab.json"
 
 
+def check_size(size: int, vocab_size: int) -> None:
+    """Raises SpecjaxError unless 1 <= size <= vocab_size."""
+    if not 1 <= size <= vocab_size:
+        raise SpecjaxError(f"--size {size}: a draft vocabulary needs 1..{vocab_size} ids")
+
+
 def hot_ids(counts: np.ndarray, size: int) -> np.ndarray:
     """i32[size]: the `size` most frequent ids of `counts` (i64[V]; ties: lower id first),
     sorted ascending. Raises SpecjaxError unless 1 <= size <= V."""
     counts = np.asarray(counts)
-    if not 1 <= size <= counts.shape[0]:
-        raise SpecjaxError(f"--size {size}: a draft vocabulary needs 1..{counts.shape[0]} ids")
+    check_size(size, counts.shape[0])
     order = np.argsort(-counts, kind="stable")  # stable: equal counts keep id order
     return np.sort(order[:size]).astype(np.int32)
 
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
         if not args.tokens_npy and (not tok or not os.path.isdir(tok)):
             raise SpecjaxError(f"--tokenizer: no tokenizer directory (the drafter records "
                                f"{tok!r}); pass --tokenizer DIR")
-        hot_ids(np.zeros(vocab), args.size)  # checks --size before counting anything
+        check_size(args.size, vocab)  # before counting anything
         if args.tokens_npy:
             counts = stream_counts(args.tokens_npy, vocab)
             source = "token streams " + ", ".join(args.tokens_npy)
