@@ -9,7 +9,9 @@ compiler settings that make the suite fast (also inherited by the subprocesses i
 - jax's persistent compilation cache in `.jax_cache/` (gitignored): programs that the
   suite compiles more than once, and every program on a second run, load instead of
   compiling (the same file warm: 37 s). The cache key holds the program, the jax version
-  and XLA_FLAGS, so a stale entry is never used. SPECJAX_TEST_NO_CACHE=1 turns it off.
+  and XLA_FLAGS, so a stale entry is never used; a half-written entry read by the other
+  xdist worker fails to decompress and is compiled instead (jax warns). It grows by about
+  90 MB per changed set of programs: delete it freely. SPECJAX_TEST_NO_CACHE=1 turns it off.
 """
 
 import os
