@@ -44,24 +44,15 @@ def setup(tmp_path_factory):
 
     from specjax.checkpoint import save_model
     from specjax.model import Transformer
-    from specjax.testing.tiny import stdlib_texts, tiny_config
-    from specjax.tokenizer import train_bpe
+    from specjax.testing.tiny import tiny_config, write_token_corpus
 
     d = tmp_path_factory.mktemp("mp_data")
-    texts = stdlib_texts(12)
-    tok = train_bpe(texts, 300)
-    ids = []
-    for text in texts:
-        ids += tok.encode(text[:6000], add_special_tokens=False) + [tok.eos_token_id]
-    ids = np.asarray(ids, np.uint16)
-    np.save(d / "tokens.npy", ids[: len(ids) * 9 // 10])
-    np.save(d / "val.npy", ids[len(ids) * 9 // 10:])
+    tok, paths = write_token_corpus(str(d))
     target = Transformer(tiny_config(320, hidden_size=32, num_layers=4, num_heads=4,
                                      num_kv_heads=2, head_dim=8, intermediate_size=64),
                          rngs=nnx.Rngs(7))
     save_model(target, str(d / "target"), tokenizer=tok)
-    return {"tokens": str(d / "tokens.npy"), "val": str(d / "val.npy"),
-            "target": str(d / "target")}
+    return {**paths, "target": str(d / "target")}
 
 
 def lm_sets(setup, *extra):

@@ -34,21 +34,12 @@ STEPS = 5
 def corpus(tmp_path_factory):
     """{"tokens", "val", "tokenizer"}: a BPE of 300 tokens and the token streams of
     a few standard-library files (EOS after each)."""
-    from specjax.testing.tiny import stdlib_texts
-    from specjax.tokenizer import train_bpe
+    from specjax.testing.tiny import write_token_corpus
 
     d = tmp_path_factory.mktemp("corpus")
-    texts = stdlib_texts(12)
-    tok = train_bpe(texts, 300)
+    tok, paths = write_token_corpus(str(d))
     tok.save_pretrained(str(d / "tok"))
-    ids = []
-    for text in texts:
-        ids += tok.encode(text[:6000], add_special_tokens=False) + [tok.eos_token_id]
-    ids = np.asarray(ids, np.uint16)
-    np.save(d / "tokens.npy", ids[: len(ids) * 9 // 10])
-    np.save(d / "val.npy", ids[len(ids) * 9 // 10:])
-    return {"tokens": str(d / "tokens.npy"), "val": str(d / "val.npy"),
-            "tokenizer": str(d / "tok")}
+    return {**paths, "tokenizer": str(d / "tok")}
 
 
 def tiny_args(corpus, mesh=(1, 1, 1), *extra):

@@ -43,27 +43,18 @@ def setup(tmp_path_factory):
 
     from specjax.checkpoint import save_model
     from specjax.model import Transformer
-    from specjax.testing.tiny import stdlib_texts, tiny_config
-    from specjax.tokenizer import train_bpe
+    from specjax.testing.tiny import tiny_config, write_token_corpus
 
     d = tmp_path_factory.mktemp("drafter_data")
-    texts = stdlib_texts(12)
-    tok = train_bpe(texts, 300)
+    tok, paths = write_token_corpus(str(d))
     tok.save_pretrained(str(d / "tok"))
-    ids = []
-    for text in texts:
-        ids += tok.encode(text[:6000], add_special_tokens=False) + [tok.eos_token_id]
-    ids = np.asarray(ids, np.uint16)
-    np.save(d / "tokens.npy", ids[: len(ids) * 9 // 10])
-    np.save(d / "val.npy", ids[len(ids) * 9 // 10:])
     shapes = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=64)
     target = Transformer(tiny_config(320, **shapes), rngs=nnx.Rngs(7))
     save_model(target, str(d / "target"), tokenizer=tok)
     small = Transformer(tiny_config(256, **shapes), rngs=nnx.Rngs(7))
     save_model(small, str(d / "small_target"))
-    return {"tokens": str(d / "tokens.npy"), "val": str(d / "val.npy"),
-            "tokenizer": str(d / "tok"), "target": str(d / "target"),
+    return {**paths, "tokenizer": str(d / "tok"), "target": str(d / "target"),
             "small_target": str(d / "small_target")}
 
 

@@ -43,6 +43,29 @@ def stdlib_texts(limit: int = 40) -> list[str]:
     return out
 
 
+def write_token_corpus(out_dir: str, num_files: int = 12, vocab_size: int = 300,
+                       chars_per_file: int = 6000):
+    """A byte-level BPE of `vocab_size` tokens trained on the first `num_files`
+    standard-library modules, and their token streams (the first `chars_per_file`
+    characters of each, EOS after each; u16) split 9:1 into `out_dir`/tokens.npy and
+    `out_dir`/val.npy. Returns (tokenizer, {"tokens": path, "val": path})."""
+    import numpy as np
+
+    from specjax.tokenizer import train_bpe
+
+    texts = stdlib_texts(num_files)
+    tok = train_bpe(texts, vocab_size)
+    ids = []
+    for text in texts:
+        ids += tok.encode(text[:chars_per_file], add_special_tokens=False) + [tok.eos_token_id]
+    ids = np.asarray(ids, np.uint16)
+    paths = {"tokens": os.path.join(out_dir, "tokens.npy"),
+             "val": os.path.join(out_dir, "val.npy")}
+    np.save(paths["tokens"], ids[: len(ids) * 9 // 10])
+    np.save(paths["val"], ids[len(ids) * 9 // 10:])
+    return tok, paths
+
+
 def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
     """Writes target/, draft/ and prompts.jsonl under `out_dir`."""
     from specjax.tokenizer import train_bpe
