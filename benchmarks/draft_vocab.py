@@ -51,10 +51,9 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    for flag, path in (("--target", args.target), ("--drafter", args.drafter),
-                       ("--prompts-file", args.prompts_file)):
-        if not os.path.exists(path):
-            raise SpecjaxError(f"{flag} {path} does not exist")
+    # a missing --target or --drafter: load_model / the drafter loader raise SpecjaxError
+    if not os.path.isfile(args.prompts_file):
+        raise SpecjaxError(f"--prompts-file {args.prompts_file} does not exist")
     if any(size < 1 for size in args.sizes):
         raise SpecjaxError(f"--sizes {args.sizes}: every size must be >= 1")
 
@@ -76,14 +75,14 @@ def _run(args) -> int:
     tok = load_tokenizer(args.target)
     with open(args.prompts_file) as f:
         prompts = [tok.encode(json.loads(line)["prompt"]) for line in f][:args.prompts]
-    if args.tokens_npy:
+    drafter, full = decode.load_learned_drafter(
+        args.drafter, target, args.target, args.gamma, SamplingParams(), jnp.float32,
+        matmul_dtype=jnp.bfloat16, draft_vocab="full")
+    if args.tokens_npy:  # after the drafter: a bad directory fails before any counting
         counts = stream_counts(args.tokens_npy, V)
     else:
         counts = corpus_counts(os.path.join(ROOT, "checkpoints/demo/tokenizer"), args.cache_dir,
                                V)
-    drafter, full = decode.load_learned_drafter(
-        args.drafter, target, args.target, args.gamma, SamplingParams(), jnp.float32,
-        matmul_dtype=jnp.bfloat16, draft_vocab="full")
     longest = max(map(len, prompts))
     common = dict(max_length=longest + args.max_new_tokens, eos_token_ids=(0,),
                   prompt_width=prompt_width_for(longest, longest + args.max_new_tokens))

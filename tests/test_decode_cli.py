@@ -173,17 +173,10 @@ def test_no_pytorch_advisory_without_torch(tiny_demo, tmp_path):
 @pytest.fixture(scope="module")
 def learned_drafter(tiny_demo, tmp_path_factory):
     """A random-init eagle3 drafter (G=3) exported for the tiny demo target."""
-    from flax import nnx
-
-    from specjax.config import ModelConfig
-    from specjax.drafters import DrafterConfig, build_network
-    from specjax.drafters.io import save_drafter
+    from specjax.testing.tiny import save_random_drafter
 
     d = tmp_path_factory.mktemp("drafter") / "eagle3"
-    cfg = ModelConfig.from_dir(str(tiny_demo / "target"))
-    dcfg = DrafterConfig.for_target(cfg, "eagle3", gamma=3)
-    net = build_network(dcfg, rngs=nnx.Rngs(0))
-    save_drafter(str(d), dcfg, nnx.state(net, nnx.Param), str(tiny_demo / "target"))
+    save_random_drafter(str(tiny_demo / "target"), str(d))
     return d
 
 

@@ -15,6 +15,7 @@ from specjax.drafters.io import FORMAT
 from specjax.drafters.vocab import hot_ids, load_draft_vocab, main, save_draft_vocab
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
+from specjax.testing.tiny import save_random_drafter
 from tests.test_drafters_decode import drafter_net, run_learned
 from tests.test_speculative_greedy import BUDGETS, models, rows, run_ar
 
@@ -109,17 +110,9 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
     --draft-vocab full and as autoregressive decoding."""
     import decode
     from specjax.checkpoint import load_model
-    from specjax.drafters import DrafterConfig, build_network
-    from specjax.drafters.io import save_drafter
 
     tgt = str(tiny_demo / "target")
-    target = load_model(tgt)
-    dcfg = DrafterConfig.for_target(target.cfg, "eagle3", gamma=3)
-    from flax import nnx
-
-    net = build_network(dcfg, rngs=nnx.Rngs(0))
-    d = tmp_path / "drafter"
-    save_drafter(str(d), dcfg, nnx.state(net, nnx.Param), tgt, jnp.float32)
+    target, d = load_model(tgt), save_random_drafter(tgt, str(tmp_path / "drafter"))
     save_draft_vocab(str(d), np.arange(target.cfg.vocab_size)[::-1], 50, "test")
     outs = {}
     for mode, hot in (("auto", True), ("full", False)):
@@ -144,20 +137,12 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
 def test_benchmark_script_table(tiny_demo, tmp_path, capsys):
     """benchmarks/draft_vocab.py on the tiny demo (random eagle3, counts from a token
     stream): one row per size, outputs identical to AR, and exit 2 on bad input."""
-    from flax import nnx
-
     from benchmarks import draft_vocab as bench
-    from specjax.checkpoint import load_model
-    from specjax.drafters import DrafterConfig, build_network
-    from specjax.drafters.io import save_drafter
+    from specjax.config import ModelConfig
 
     tgt = str(tiny_demo / "target")
-    target = load_model(tgt)
-    V = target.cfg.vocab_size
-    dcfg = DrafterConfig.for_target(target.cfg, "eagle3", gamma=3)
-    d = tmp_path / "drafter"
-    save_drafter(str(d), dcfg, nnx.state(build_network(dcfg, rngs=nnx.Rngs(0)), nnx.Param),
-                 tgt, jnp.float32)
+    d = save_random_drafter(tgt, str(tmp_path / "drafter"))
+    V = ModelConfig.from_dir(tgt).vocab_size
     np.save(tmp_path / "s.npy", np.random.default_rng(0).integers(0, V, 5000).astype(np.uint16))
     base = ["--target", tgt, "--drafter", str(d), "--prompts-file",
             str(tiny_demo / "prompts.jsonl"), "--prompts", "2", "--max-new-tokens", "8"]

@@ -66,6 +66,19 @@ def write_token_corpus(out_dir: str, num_files: int = 12, vocab_size: int = 300,
     return tok, paths
 
 
+def save_random_drafter(target_dir: str, out_dir: str, kind: str = "eagle3",
+                        gamma: int = 3) -> str:
+    """Writes a random-init drafter of `kind` (G `gamma`) for the target at `target_dir`
+    to the drafter directory `out_dir` (as train.py exports one) and returns `out_dir`."""
+    from specjax.drafters import DrafterConfig, build_network
+    from specjax.drafters.io import save_drafter
+
+    dcfg = DrafterConfig.for_target(ModelConfig.from_dir(target_dir), kind, gamma=gamma)
+    net = build_network(dcfg, rngs=nnx.Rngs(0))
+    save_drafter(out_dir, dcfg, nnx.state(net, nnx.Param), target_dir)
+    return out_dir
+
+
 def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
     """Writes target/, draft/ and prompts.jsonl under `out_dir`."""
     from specjax.tokenizer import train_bpe
