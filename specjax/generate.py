@@ -29,7 +29,7 @@ from flax import nnx, struct
 from specjax.drafters.base import Drafter, LoopView
 from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
-from specjax.model import default_prefill_chunk, scan_prompt_chunks, split_chunks
+from specjax.model import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
@@ -59,13 +59,19 @@ class LoopConfig:
     pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
-    prefill_chunk: prompts wider than this many tokens are prefilled in chunks of it
-      (a `lax.scan` over chunks, each writing its K/V before the next attends to them),
-      so activation memory follows the chunk, not the prompt: a 32k-token prompt needs
-      scores for one chunk of tokens against one chunk of cache slots at a time. Chunks
-      wholly past every row's prompt are skipped (`lax.cond`), so a short prompt padded
-      to a wide Tp pays for its own chunks only. None: `specjax.model.default_prefill_chunk()`
-      (64 on the CPU backend, 512 elsewhere).
+    prefill_chunk: prompts wider than this many tokens are prefilled in pieces of at
+      most this many (`specjax.model.scan_prompt_pieces`: whole chunks in a `lax.scan`,
+      then the rest as one piece of the smallest size in `prefill_pieces` that covers
+      it), each writing its K/V before the next attends to them, so activation memory
+      follows the chunk, not the prompt: a 32k-token prompt needs scores for one chunk
+      of tokens against one chunk of cache slots at a time. Pieces wholly past every
+      row's prompt are skipped, so a short prompt padded to a wide Tp pays for its own
+      pieces only. None: `specjax.model.default_prefill_chunk()` (256 on the CPU
+      backend, 512 elsewhere).
+    prefill_min_chunk: the smallest piece: the sizes are prefill_chunk and its exact
+      halves down to the smallest >= this (`specjax.model.prefill_pieces`). None:
+      `specjax.model.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
+      elsewhere the chunk itself, whole chunks only).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
       applied where the cache is created.
@@ -80,13 +86,20 @@ class LoopConfig:
     pallas_backend: str = "auto"
     pallas_interpret: bool | None = None
     prefill_chunk: int | None = None
+    prefill_min_chunk: int | None = None
     cache_sharding: Any = None
 
     def __post_init__(self):
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
+        for name in ("prefill_chunk", "prefill_min_chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
+
+    def prefill_sizes(self) -> tuple[int, ...]:
+        """The prefill's static piece sizes, largest first (`specjax.model.prefill_pieces`)."""
+        return prefill_pieces(self.prefill_chunk, self.prefill_min_chunk)
 
     def fused_verify(self) -> Callable | None:
         """fn(target_logits [B,G+1,V], draft i32[B,G], q f32[B,G,V], key) -> Verdict
@@ -216,14 +229,14 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         constrain = functools.partial(jax.lax.with_sharding_constraint,
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
-    chunk = cfg.prefill_chunk or default_prefill_chunk()
+    sizes = cfg.prefill_sizes()
     with jax.named_scope("prefill"):  # benchmarks/profile_step.py reads the scope
-        if Tp <= chunk:
+        if Tp <= sizes[0]:
             out = model(prompts, positions, cache, capture=capture,
                         logits_at=(prompt_lengths - 1)[:, None])
             last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
         else:
-            last_logits, hidden, cache = _chunked_prefill(model, chunk, prompts,
+            last_logits, hidden, cache = _chunked_prefill(model, sizes, prompts,
                                                           prompt_lengths, cache, capture)
     key, k_first = jax.random.split(key)
     first, _ = sample_logits(k_first, last_logits, cfg.sampling)
@@ -242,36 +255,43 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
     return state, view
 
 
-def _chunked_prefill(model, chunk, prompts, prompt_lengths, cache, capture):
-    """The prefill forward over Tp > chunk prompt tokens, `chunk` tokens at a time.
+def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
+    """The prefill forward over Tp > sizes[0] prompt tokens, in the pieces of
+    `specjax.model.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
+    piece of the smallest size in `sizes` that covers it).
 
     Returns (logits f32[B,V] at each row's last prompt token, hidden [C,B,Tp,D] or None,
-    cache). Padding past Tp (to a whole number of chunks) writes slots >= Tp, which the
+    cache). A piece's padding past the longest prompt writes slots past it, which the
     caller's rewind to the prompt lengths makes stale, as it does for the prompts' own
-    padding; writes past the capacity are dropped. A chunk that starts past every row's
-    last prompt token is skipped: it writes nothing and its hidden states are zeros."""
+    padding; writes past the capacity are dropped. Positions past the pieces that ran
+    (past the longest prompt, rounded up to a piece) are not processed: they write
+    nothing and their hidden states are zeros."""
     B, Tp = prompts.shape
     last = prompt_lengths - 1  # [B]
     V = model.cfg.vocab_size
+    width = padded_width(Tp, sizes)
+    padded = pad_rows(prompts, 1, width)
 
-    def forward(carry, cx):
-        cache, logits = carry
-        c, toks = cx
-        start = c * chunk
-        pos = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        at = jnp.clip(last - start, 0, chunk - 1)[:, None]
-        out = model(toks, pos, cache, capture=capture, logits_at=at)
-        mine = (last >= start) & (last < start + chunk)
+    def run(toks, start, size, cache):
+        pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, size))
+        at = jnp.clip(last - start, 0, size - 1)[:, None]
+        return model(toks, pos, cache, capture=capture, logits_at=at)
+
+    def forward(carry, start, size):
+        cache, logits, hidden = carry
+        out = run(jax.lax.dynamic_slice_in_dim(padded, start, size, 1), start, size, cache)
+        mine = (last >= start) & (last < start + size)
         logits = jnp.where(mine[:, None], out.logits[:, 0], logits)
-        return (out.cache, logits), out.hidden
+        if hidden is not None:  # [C, B, width, D]
+            hidden = jax.lax.dynamic_update_slice_in_dim(hidden, out.hidden, start, 2)
+        return out.cache, logits, hidden
 
-    (cache, logits), hidden = scan_prompt_chunks(
-        forward, (cache, jnp.zeros((B, V), jnp.float32)), split_chunks(prompts, 1, chunk),
-        chunk, last)
-    if hidden is not None:  # [n, C, B, chunk, D] -> [C, B, Tp, D]
-        n, C, D = hidden.shape[0], hidden.shape[1], hidden.shape[-1]
-        hidden = hidden.transpose(1, 2, 0, 3, 4).reshape(C, B, n * chunk, D)[:, :, :Tp]
-    return logits, hidden, cache
+    one = jax.eval_shape(lambda: run(prompts[:, :1], 0, 1, cache).hidden)
+    hidden = None if one is None else jnp.zeros(one.shape[:2] + (width,) + one.shape[3:],
+                                                one.dtype)
+    cache, logits, hidden = scan_prompt_pieces(
+        forward, (cache, jnp.zeros((B, V), jnp.float32), hidden), Tp, sizes, last)
+    return logits, None if hidden is None else hidden[:, :, :Tp], cache
 
 
 def _result(s: LoopState) -> LoopResult:

@@ -74,13 +74,14 @@ def test_linear_weight_major_padding(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
-def _run_prefill(chunk, width, lengths, capture=(0, 2)):
+def _run_prefill(chunk, width, lengths, capture=(0, 2), min_chunk=None):
     target, _ = models()
     V = target.cfg.vocab_size
     rs = np.random.RandomState(5)
     prompts = jnp.asarray(rs.randint(2, V, size=(len(lengths), width)), jnp.int32)
     lens = jnp.asarray(lengths, jnp.int32)
-    cfg = LoopConfig(max_length=width + 8, prompt_width=width, prefill_chunk=chunk)
+    cfg = LoopConfig(max_length=width + 8, prompt_width=width, prefill_chunk=chunk,
+                     prefill_min_chunk=min_chunk)
     g, p = nnx.split(target)
 
     @jax.jit
@@ -113,7 +114,70 @@ def test_chunked_prefill_skips_chunks_past_every_prompt():
         assert np.all(np.asarray(hid4)[:, b, 8:] == 0)
 
 
+@pytest.mark.parametrize("lengths,end", [
+    ([3, 11], 12),  # one whole chunk of 8, then a piece of 4 for positions 8..10
+    ([3, 5], 8),  # no whole chunk; the rest (5) needs a piece of 8
+    ([2, 1], 2),  # a piece of 2
+    ([16, 4], 16),  # two whole chunks, nothing left
+])
+def test_prefill_pieces_cover_the_longest_prompt(lengths, end):
+    """Width 16 in pieces of (8, 4, 2): whole chunks of 8 while they fit, then the rest as
+    one piece of the smallest size that covers it. Slots up to `end` (worked out by hand
+    above) are written, none after; first tokens and the prompts' hidden states equal the
+    one-pass prefill's."""
+    tok1, _, hid1 = _run_prefill(16, 16, lengths)
+    tokp, kp, hidp = _run_prefill(8, 16, lengths, min_chunk=2)
+    kp = np.asarray(kp)  # [L, B, K, S, H]
+    assert np.all(kp[:, :, :, end:] == 0), "a piece past the longest prompt ran"
+    assert np.all(np.any(kp[:, :, :, :end] != 0, axis=(0, 2, 4))), "a needed piece was skipped"
+    np.testing.assert_array_equal(np.asarray(tokp)[:, :17], np.asarray(tok1)[:, :17])
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(hidp)[:, b, :n], np.asarray(hid1)[:, b, :n],
+                                   rtol=2e-5, atol=2e-5)
+        assert np.all(np.asarray(hidp)[:, b, end:] == 0)
+
+
+@pytest.mark.parametrize("sizes", [(8,), (8, 4, 2, 1), (6, 3), (4, 2)])
+@pytest.mark.parametrize("T", [5, 8, 13])
+def test_scan_prompt_pieces_covers_each_position_once(sizes, T):
+    """For every longest prompt N = 1..T: the pieces run in order, cover 0..N-1 exactly
+    once, and their padding past N is less than the smallest size that could cover the
+    rest (a whole chunk's worth of padding only with one size)."""
+    from specjax.model import padded_width, scan_prompt_pieces
+
+    width = padded_width(T, sizes)
+
+    @jax.jit
+    def cover(last):
+        def forward(carry, start, size):
+            count, order, n = carry
+            hit = (jnp.arange(width) >= start) & (jnp.arange(width) < start + size)
+            return count + hit, jnp.where(hit, n, order), n + 1
+
+        zero = jnp.zeros(width, jnp.int32)
+        return scan_prompt_pieces(forward, (zero, zero - 1, jnp.int32(0)), T, sizes, last)
+
+    for N in range(1, T + 1):
+        count, order, _ = (np.asarray(x) for x in cover(jnp.asarray([0, N - 1], jnp.int32)))
+        covered = int(count.sum())
+        assert count.max() == 1 and np.all(count[:covered] == 1), (N, count)
+        assert covered >= N
+        assert np.all(np.diff(order[:covered]) >= 0), "pieces out of order"
+        rest = N % sizes[0] or sizes[0]
+        smallest_cover = min([s for s in sizes if s >= rest])
+        assert covered - N < smallest_cover, (N, covered)
+
+
 def test_prefill_chunk_default_is_per_backend():
     assert LoopConfig(max_length=8, prompt_width=4).prefill_chunk is None
-    with pytest.raises(ValueError, match="prefill_chunk"):
-        LoopConfig(max_length=8, prompt_width=4, prefill_chunk=0)
+    for name in ("prefill_chunk", "prefill_min_chunk"):
+        with pytest.raises(ValueError, match=name):
+            LoopConfig(max_length=8, prompt_width=4, **{name: 0})
+    assert LoopConfig(max_length=8, prompt_width=4).prefill_sizes() == (256, 128, 64)
+    assert LoopConfig(max_length=8, prompt_width=4, prefill_chunk=64,
+                      prefill_min_chunk=64).prefill_sizes() == (64,)
+    from specjax.model import prefill_pieces
+
+    assert prefill_pieces(24, 5) == (24, 12, 6)
+    assert prefill_pieces(4, 32) == (4,)
+    assert prefill_pieces(256, 32) == (256, 128, 64, 32)

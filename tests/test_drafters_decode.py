@@ -187,8 +187,8 @@ def test_trained_drafter_is_accepted_and_stops_at_eos_inside_a_block(kind, conte
 @pytest.mark.parametrize("kind,context", [(None, None), ("eagle3", None), ("kv", None),
                                           ("block", "both")])
 def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
-    """Prompts prefilled 4 tokens at a time (3 chunks of the 9-wide prompts) and the
-    target attending to its cache 8 slots at a time (specjax.attention): the greedy
+    """Prompts prefilled in pieces of (4, 2, 1) (two whole chunks of the 9-wide prompts,
+    then a piece of 1) and the target attending to its cache 8 slots at a time (specjax.attention): the greedy
     output is still autoregressive decoding's, for AR and for drafters that read the
     prefill's hidden states or the target cache."""
     from specjax.generate import autoregressive_loop
@@ -197,7 +197,8 @@ def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
     chunked = nnx.merge(*nnx.split(target))
     chunked.attention_chunk = 8
     g, p = nnx.split(chunked)
-    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, prefill_chunk=4)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, prefill_chunk=4,
+                     prefill_min_chunk=1)
     toks, lens = prompts()
     budgets = jnp.asarray(BUDGETS, jnp.int32)
     if kind is None:
@@ -210,11 +211,14 @@ def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
     assert rows(got) == rows(run_ar(BUDGETS))
 
 
+@pytest.mark.parametrize("sizes,end", [((4,), 8), ((4, 2, 1), 6)])
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
-def test_chunked_drafter_init_equals_one_pass(kind):
-    """eagle3/hybrid init over 16-wide prompts of 3 and 6 tokens, 4 positions at a time:
-    chunks 0 and 1 run, chunks 2 and 3 start past both rows' last entry and write
-    nothing; h_last and the entries 0..lengths-2 equal the one-pass init's."""
+def test_chunked_drafter_init_equals_one_pass(kind, sizes, end):
+    """eagle3/hybrid init over 16-wide prompts of 3 and 6 tokens (after the prefill's
+    first token, last entries 2 and 5): in chunks of 4, chunks 0 and 1 run and chunks 2
+    and 3 write nothing; in pieces of (4, 2, 1), chunk 0 and a piece of 2 for entries 4
+    and 5 run. Slots from `end` on stay empty; h_last and the entries 0..lengths-2 equal
+    the one-pass init's."""
     from specjax.generate import _prefill
 
     target, _ = models()
@@ -228,18 +232,18 @@ def test_chunked_drafter_init_equals_one_pass(kind):
     g, p = nnx.split(target)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def init(chunk, p, dparams):
+    def init(sizes, p, dparams):
         state, view = _prefill(nnx.merge(g, p), cfg, toks, lengths,
                                jnp.full((2,), 4, jnp.int32), jax.random.key(0), 3,
                                drafter.capture)
-        return drafter.init(dparams, view, jax.random.key(1), chunk=chunk)
+        return drafter.init(dparams, view, jax.random.key(1), sizes=sizes)
 
-    one, four = init(width, p, dparams), init(4, p, dparams)
+    one, four = init((width,), p, dparams), init(sizes, p, dparams)
     np.testing.assert_allclose(np.asarray(four.h_last), np.asarray(one.h_last), rtol=2e-5,
                                atol=2e-5)
     for a, b in [(four.cache.k, one.cache.k), (four.cache.v, one.cache.v)]:
         a, b = np.asarray(a), np.asarray(b)  # [1,B,K,S,H]
-        assert np.all(a[:, :, :, 8:] == 0), "a chunk past every row ran"
+        assert np.all(a[:, :, :, end:] == 0), "a piece past every row ran"
         for row, n in enumerate(np.asarray(lengths)):
             np.testing.assert_allclose(a[:, row, :, :n], b[:, row, :, :n], rtol=2e-5,
                                        atol=2e-5)
@@ -247,11 +251,11 @@ def test_chunked_drafter_init_equals_one_pass(kind):
 
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
 def test_chunked_drafter_init_keeps_greedy_output(kind, monkeypatch):
-    """The loop with the drafter's init in chunks of 4 over the 9-wide prompts (3 chunks,
-    ragged prompt lengths 2..9): greedy output is still autoregressive decoding's."""
+    """The loop with the drafter's init in pieces of (4, 2, 1) over the 9-wide prompts
+    (ragged prompt lengths 2..9): greedy output is still autoregressive decoding's."""
     from specjax.drafters import eagle3
 
-    monkeypatch.setattr(eagle3, "default_prefill_chunk", lambda: 4)
+    monkeypatch.setattr(eagle3, "prefill_pieces", lambda: (4, 2, 1))
     jax.clear_caches()  # speculative_loop's jit must retrace with the patched chunk
     try:
         sp = run_learned(kind, None, 3, BUDGETS)

@@ -28,7 +28,7 @@ from flax import nnx, struct
 from specjax.drafters import common
 from specjax.drafters.config import DrafterConfig
 from specjax.kv_cache import KVCache
-from specjax.model import default_prefill_chunk, rms_norm, scan_prompt_chunks, split_chunks
+from specjax.model import pad_rows, padded_width, prefill_pieces, rms_norm, scan_prompt_pieces
 from specjax.sampling import sample_logits
 
 
@@ -157,15 +157,17 @@ class Eagle3Drafter(common.LearnedDrafter):
 
     # ------------------------------------------------------------------ protocol
 
-    def init(self, params, view, key, chunk: int | None = None):
+    def init(self, params, view, key, sizes: tuple[int, ...] | None = None):
         """The drafter's entries for the prompt (positions 0..lengths-2) and h_last.
 
-        A prompt width T above `chunk` (None: `specjax.model.default_prefill_chunk()`)
-        is processed `chunk` positions at a time in a `lax.scan`, each chunk writing its
-        entries before the next attends to them, and chunks past every row's last entry
-        are skipped (`lax.cond`), as the target's prefill does: a short prompt padded to a
-        wide T pays for its own chunks only. The skipped slots stay empty; nothing reads
-        a slot before update() writes it."""
+        A prompt width T above sizes[0] (None: the backend's default,
+        `specjax.model.prefill_pieces()`) is processed in the pieces of
+        `specjax.model.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
+        `lax.scan`, each writing its entries before the next attends to them, then the
+        rest as one piece of the smallest size that covers it; pieces past every row's
+        last entry are skipped, so a short prompt padded to a wide T pays for its own
+        pieces only. The skipped slots stay empty; nothing reads a slot before update()
+        writes it."""
         net = self.net(params)
         T = view.positions.shape[1]
         cache = self.empty_cache(1, view, net.dtype)
@@ -174,31 +176,30 @@ class Eagle3Drafter(common.LearnedDrafter):
             memory = self.empty_cache(self.cfg.num_memories, view, net.dtype)
             memory = self._memory(net, params, memory, view, view.positions)
         nxt = jax.lax.dynamic_slice_in_dim(view.tokens, 1, T, axis=1)
-        chunk = chunk or default_prefill_chunk()
-        if T <= chunk:
+        sizes = sizes or prefill_pieces()
+        if T <= sizes[0]:
             out, cache = self._entries(net, params, cache, memory, view.hidden,
                                        view.positions, nxt)
             return Eagle3State(cache, _at(out, view.lengths - 2), memory)
-        return self._chunked_init(net, params, cache, memory, view, nxt, chunk)
+        return self._chunked_init(net, params, cache, memory, view, nxt, sizes)
 
-    def _chunked_init(self, net, params, cache, memory, view, nxt, chunk):
+    def _chunked_init(self, net, params, cache, memory, view, nxt, sizes):
         _, B, T, D = view.hidden.shape
-        n = -(-T // chunk)
-        pos = jnp.broadcast_to(jnp.arange(n * chunk, dtype=jnp.int32), (B, n * chunk))
-        xs = (split_chunks(view.hidden, 2, chunk), split_chunks(pos, 1, chunk),
-              split_chunks(nxt, 1, chunk))
+        width = padded_width(T, sizes)
+        hidden, nxt = pad_rows(view.hidden, 2, width), pad_rows(nxt, 1, width)
         last = jnp.clip(view.lengths - 2, 0, T - 1)  # [B] the entry whose output is h_last
 
-        def forward(carry, cx):
+        def forward(carry, start, size):
             cache, h = carry
-            c, (hidden, positions, tokens) = cx
-            out, cache = self._entries(net, params, cache, memory, hidden, positions, tokens)
-            mine = (last >= c * chunk) & (last < (c + 1) * chunk)
-            h = jnp.where(mine[:, None], _at(out, last - c * chunk), h)
-            return (cache, h), None
+            positions = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, size))
+            out, cache = self._entries(
+                net, params, cache, memory, jax.lax.dynamic_slice_in_dim(hidden, start, size, 2),
+                positions, jax.lax.dynamic_slice_in_dim(nxt, start, size, 1))
+            mine = (last >= start) & (last < start + size)
+            return cache, jnp.where(mine[:, None], _at(out, last - start), h)
 
-        (cache, h_last), _ = scan_prompt_chunks(
-            forward, (cache, jnp.zeros((B, D), net.dtype)), xs, chunk, last)
+        cache, h_last = scan_prompt_pieces(
+            forward, (cache, jnp.zeros((B, D), net.dtype)), T, sizes, last)
         return Eagle3State(cache, h_last, memory)
 
     def propose(self, params, state, view, key):
