@@ -133,6 +133,8 @@ class Engine:
       mesh: None (one device) or a (data, fsdp, model) mesh (`specjax.sharding.decode_mesh`):
         the target's and the drafter's weights and the KV cache are sharded over `model`,
         rows over `data` x `fsdp` (`batch_size` must split evenly).
+      prefill_chunk, prefill_min_chunk: the prefill's largest and smallest pieces (see
+        `LoopConfig`); None: the backend's defaults.
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
     divide.
@@ -142,7 +144,8 @@ class Engine:
                  sampling: SamplingParams = SamplingParams(), verify="block",
                  max_length: int, prompt_width: int, batch_size: int = 1,
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
-                 kernels: str = "auto", mesh=None):
+                 kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
+                 prefill_min_chunk: int | None = None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
@@ -167,7 +170,8 @@ class Engine:
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
                               verify=verify, kernels=resolve_kernels(kernels),
-                              cache_sharding=cache_sharding)
+                              cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
+                              prefill_min_chunk=prefill_min_chunk)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0

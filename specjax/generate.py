@@ -251,7 +251,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
         steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
     )
-    view = LoopView(tokens, lengths, state.cache, hidden, positions)
+    view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes)
     return state, view
 
 

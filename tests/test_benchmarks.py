@@ -169,3 +169,28 @@ def test_context_length_quick(tmp_path):
         (64, 0), (64, 256), (512, 0), (512, 256)}
     assert [r["context"] for r in result["context"]] == [32, 512]
     assert png.stat().st_size > 0
+
+
+def test_prefill_settings_table(tiny_demo, tmp_path, capsys):
+    """benchmarks/prefill.py on the tiny demo with a random eagle3: one row per setting and
+    new-token count, the pieces each setting runs, every output equal to the first
+    setting's autoregressive one; exit 2 with one line on a bad setting."""
+    from benchmarks import prefill as bench
+    from specjax.testing.tiny import save_random_drafter
+
+    tgt = str(tiny_demo / "target")
+    d = save_random_drafter(tgt, str(tmp_path / "drafter"))
+    out = tmp_path / "r.json"
+    base = ["--target", tgt, "--drafter", d, "--prompts-file", str(tiny_demo / "prompts.jsonl"),
+            "--prompts", "2"]
+    assert bench.main(base + ["--settings", "8:8", "16:4", "--new-tokens", "1", "6",
+                              "--json", str(out)]) == 0
+    rows_ = json.loads(out.read_text())["rows"]
+    assert [(r["setting"], r["new_tokens"]) for r in rows_] == [
+        ("8:8", 1), ("16:4", 1), ("8:8", 6), ("16:4", 6)]
+    assert [r["sizes"] for r in rows_[:2]] == [[8], [16, 8, 4]]
+    assert all(r["identical"] is True for r in rows_)
+    assert "| 16:4 | 16, 8, 4 | 6 |" in capsys.readouterr().out
+    assert bench.main(base + ["--settings", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--settings" in err and "\n" not in err

@@ -35,13 +35,14 @@ def drafter_net(kind, context, seed=0):
 
 
 def run_learned(kind, context, G, budgets, eos=(), verify="block", matmul_dtype=None,
-                draft_vocab=None, stop_below=0.0):
+                draft_vocab=None, stop_below=0.0, prefill=(None, None)):
     target, _ = models()
     dcfg, net = drafter_net(kind, context)
     drafter, dparams = make_drafter(dcfg, net, target, gamma=G, matmul_dtype=matmul_dtype,
                                     draft_vocab=draft_vocab, stop_below=stop_below)
     g, p = nnx.split(target)
-    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos, verify=verify)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, eos_token_ids=eos, verify=verify,
+                     prefill_chunk=prefill[0], prefill_min_chunk=prefill[1])
     toks, lens = prompts()
     return speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
                             jnp.asarray(budgets, jnp.int32), jax.random.key(0))
@@ -236,7 +237,7 @@ def test_chunked_drafter_init_equals_one_pass(kind, sizes, end):
         state, view = _prefill(nnx.merge(g, p), cfg, toks, lengths,
                                jnp.full((2,), 4, jnp.int32), jax.random.key(0), 3,
                                drafter.capture)
-        return drafter.init(dparams, view, jax.random.key(1), sizes=sizes)
+        return drafter.init(dparams, view.replace(prefill_sizes=sizes), jax.random.key(1))
 
     one, four = init((width,), p, dparams), init(sizes, p, dparams)
     np.testing.assert_allclose(np.asarray(four.h_last), np.asarray(one.h_last), rtol=2e-5,
@@ -250,15 +251,9 @@ def test_chunked_drafter_init_equals_one_pass(kind, sizes, end):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
-def test_chunked_drafter_init_keeps_greedy_output(kind, monkeypatch):
-    """The loop with the drafter's init in pieces of (4, 2, 1) over the 9-wide prompts
-    (ragged prompt lengths 2..9): greedy output is still autoregressive decoding's."""
-    from specjax.drafters import eagle3
-
-    monkeypatch.setattr(eagle3, "prefill_pieces", lambda: (4, 2, 1))
-    jax.clear_caches()  # speculative_loop's jit must retrace with the patched chunk
-    try:
-        sp = run_learned(kind, None, 3, BUDGETS)
-    finally:
-        jax.clear_caches()
+def test_chunked_drafter_init_keeps_greedy_output(kind):
+    """The loop with prefill pieces of (4, 2, 1) over the 9-wide prompts (ragged prompt
+    lengths 2..9): the drafter's init takes the same pieces (`LoopView.prefill_sizes`),
+    and the greedy output is still autoregressive decoding's."""
+    sp = run_learned(kind, None, 3, BUDGETS, prefill=(4, 1))
     assert rows(sp) == rows(run_ar(BUDGETS))

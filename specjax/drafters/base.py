@@ -17,15 +17,17 @@ read `view.hidden` and `view.target_cache` in place.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
+from flax import struct
 
 from specjax.kv_cache import KVCache
 from specjax.sampling import SamplingParams
 
 
-class LoopView(NamedTuple):
+@struct.dataclass
+class LoopView:
     """What a drafter may read from the loop.
 
     tokens: i32[B,S'] committed tokens (prompt + output); row b's tokens 0..lengths-1
@@ -36,6 +38,9 @@ class LoopView(NamedTuple):
       tokens of the latest target forward (prefill: the prompt; verify: the G+1 fed
       tokens), or None when `capture` is empty.
     positions: i32[B,T] positions of those tokens.
+    prefill_sizes: the static piece sizes of the loop's prefill
+      (`LoopConfig.prefill_sizes()`, not a pytree leaf), for a drafter's own pass over
+      the prompt in `init`; () outside the prefill.
     """
 
     tokens: jax.Array
@@ -43,6 +48,7 @@ class LoopView(NamedTuple):
     target_cache: KVCache
     hidden: jax.Array | None
     positions: jax.Array
+    prefill_sizes: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
 
 class Drafter(Protocol):

@@ -157,11 +157,12 @@ class Eagle3Drafter(common.LearnedDrafter):
 
     # ------------------------------------------------------------------ protocol
 
-    def init(self, params, view, key, sizes: tuple[int, ...] | None = None):
+    def init(self, params, view, key):
         """The drafter's entries for the prompt (positions 0..lengths-2) and h_last.
 
-        A prompt width T above sizes[0] (None: the backend's default,
-        `specjax.model.prefill_pieces()`) is processed in the pieces of
+        A prompt width T above sizes[0], sizes = `view.prefill_sizes` (the loop's
+        `LoopConfig.prefill_sizes()`; if empty, the backend's default
+        `specjax.model.prefill_pieces()`), is processed in the pieces of
         `specjax.model.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
         `lax.scan`, each writing its entries before the next attends to them, then the
         rest as one piece of the smallest size that covers it; pieces past every row's
@@ -176,7 +177,7 @@ class Eagle3Drafter(common.LearnedDrafter):
             memory = self.empty_cache(self.cfg.num_memories, view, net.dtype)
             memory = self._memory(net, params, memory, view, view.positions)
         nxt = jax.lax.dynamic_slice_in_dim(view.tokens, 1, T, axis=1)
-        sizes = sizes or prefill_pieces()
+        sizes = view.prefill_sizes or prefill_pieces()
         if T <= sizes[0]:
             out, cache = self._entries(net, params, cache, memory, view.hidden,
                                        view.positions, nxt)
