@@ -28,6 +28,11 @@ DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints
 # The default drafter: the first of these under DEMO_DIR that exists.
 DEMO_DRAFTERS = ("drafters/eagle3", "drafters/block", "draft")
 DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
+# jax's persistent compilation cache when neither --compile-cache nor
+# JAX_COMPILATION_CACHE_DIR names one
+DEFAULT_COMPILE_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+    "specjax", "jax")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +105,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with a drafter, also run autoregressive decoding (interleaved) and "
                          "report the speedup (default: on)")
     ap.add_argument("--show", type=int, default=3, help="completions to print")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR|none",
+                    help="jax's persistent compilation cache: a later run with the same "
+                         "shapes loads the compiled loops instead of compiling them "
+                         "(default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                         "~/.cache/specjax/jax; none: off)")
     return ap
+
+
+def enable_compile_cache(arg: str | None) -> str | None:
+    """Points jax's persistent compilation cache at `arg` ("none": off; None: the
+    directory jax already has from JAX_COMPILATION_CACHE_DIR, else DEFAULT_COMPILE_CACHE,
+    or off where JAX_ENABLE_COMPILATION_CACHE=false) and returns the directory used, or
+    None. Call before the first compilation: jax
+    reads the setting once per process. Programs that compile in under a second are not
+    cached (jax's `jax_persistent_cache_min_compile_time_secs`); the cache key holds the
+    program, the jax and XLA versions and XLA_FLAGS, so a stale entry is never loaded."""
+    import jax
+
+    if arg == "none" or (arg is None and not jax.config.jax_enable_compilation_cache):
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    path = arg or current or DEFAULT_COMPILE_CACHE
+    if path != current:
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def validate_flags(args) -> None:
@@ -355,6 +385,7 @@ def run(args) -> int:
     from specjax.sampling import SamplingParams
 
     validate_flags(args)
+    enable_compile_cache(args.compile_cache)
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"

@@ -11,7 +11,8 @@ compiler settings that make the suite fast (also inherited by the subprocesses i
   compiling (the same file warm: 37 s). The cache key holds the program, the jax version
   and XLA_FLAGS, so a stale entry is never used; a half-written entry read by the other
   xdist worker fails to decompress and is compiled instead (jax warns). It grows by about
-  90 MB per changed set of programs: delete it freely. SPECJAX_TEST_NO_CACHE=1 turns it off.
+  90 MB per changed set of programs: delete it freely. SPECJAX_TEST_NO_CACHE=1 turns it off
+(decode.py's default cache in ~/.cache/specjax/jax too).
 """
 
 import os
@@ -22,7 +23,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         filter(None, (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0")))
-if not os.environ.get("SPECJAX_TEST_NO_CACHE"):
+if os.environ.get("SPECJAX_TEST_NO_CACHE"):  # decode.py would use ~/.cache/specjax/jax
+    os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+else:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -149,6 +149,33 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_compile_cache_is_written_then_loaded(tiny_demo, tmp_path):
+    """--compile-cache DIR: the first run writes the compiled loops there, a second run
+    loads them (no new entries) and prints the same completions; "none" writes nothing,
+    not even to the JAX_COMPILATION_CACHE_DIR of the environment."""
+    cache, env_cache = tmp_path / "cache", tmp_path / "env_cache"
+    env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_COMPILATION_CACHE_DIR=str(env_cache))
+
+    def decode_run(i, *flags):
+        args = base_args(tiny_demo, tmp_path, "--drafter", "ngram", *flags)
+        args[args.index("--output") + 1] = tmp_path / f"o{i}.jsonl"
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"),
+                               *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return (tmp_path / f"o{i}.jsonl").read_text()
+
+    first = decode_run(1, "--compile-cache", cache)
+    entries = sorted(os.listdir(cache))
+    assert any("speculative_loop" in e for e in entries), entries
+    assert any("autoregressive_loop" in e for e in entries), entries
+    assert decode_run(2, "--compile-cache", cache) == first
+    assert sorted(os.listdir(cache)) == entries
+    assert decode_run(3, "--compile-cache", "none") == first
+    assert not env_cache.exists() or not os.listdir(env_cache)
+
+
 def test_bad_flag_value_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         decode.main(["--gamma", "three"])
