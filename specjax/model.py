@@ -105,9 +105,10 @@ def default_prefill_chunk() -> int:
     when `LoopConfig.prefill_chunk` is None: 256 on the CPU backend, 512 elsewhere.
 
     On XLA:CPU a forward's cost grows with its rows, but less than in proportion (the
-    demo target, one row of a batch, min of 10 calls, 2026-11-26: 16 rows 12.4 ms, 32
-    rows 16.7, 64 rows 27.2, 128 rows 46.9, 256 rows 77.3), so a prompt is best covered
-    by few large pieces with little padding past its end; see `prefill_pieces`."""
+    demo target's jitted forward into a 600-slot cache, one row of a batch, min of 10
+    calls, 2026-11-26: 16 rows 12.4 ms, 32 rows 16.7, 64 rows 27.2, 128 rows 46.9, 256
+    rows 77.3), so a prompt is best covered by few large pieces with little padding past
+    its end; see `prefill_pieces`."""
     return 256 if jax.default_backend() == "cpu" else 512
 
 
@@ -117,10 +118,12 @@ def default_prefill_min_chunk(chunk: int) -> int:
     after its whole chunks of 256 runs as one piece of 64, 128 or 256 rows; `chunk`
     elsewhere, where pieces are not measured: whole chunks only.
 
-    The 50 bundled prompts (253 tokens on average), by the figures in
-    `default_prefill_chunk`: 93.6 ms of target forwards per prompt, against 123.8 in whole
+    Estimated from the figures in `default_prefill_chunk` for the 50 bundled prompts (253
+    tokens on average): 93.6 ms of target forwards per prompt, against 123.8 in whole
     chunks of 64 (the default before 2026-11-26) and 91.9 with a smallest piece of 32,
-    which is not worth one more compiled forward (each costs 1-2 s of compile time)."""
+    not worth one more compiled forward (1-2 s of compile time each). Measured with
+    `benchmarks/prefill.py` (README, "Prefill in pieces"): the first token 8% sooner on
+    those prompts, 27% on prompts of 1.7k tokens."""
     return 64 if jax.default_backend() == "cpu" else chunk
 
 
@@ -131,8 +134,8 @@ def prefill_pieces(chunk: int | None = None, min_chunk: int | None = None) -> tu
     `default_prefill_chunk()` and `default_prefill_min_chunk(chunk)`.
 
     Raises ValueError for sizes < 1."""
-    chunk = chunk or default_prefill_chunk()
-    min_chunk = min_chunk or default_prefill_min_chunk(chunk)
+    chunk = default_prefill_chunk() if chunk is None else chunk
+    min_chunk = default_prefill_min_chunk(chunk) if min_chunk is None else min_chunk
     if chunk < 1 or min_chunk < 1:
         raise ValueError(f"prefill chunk sizes must be >= 1, got {chunk} and {min_chunk}")
     sizes = [chunk]
