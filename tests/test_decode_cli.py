@@ -152,18 +152,20 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
 def test_compile_cache_is_written_then_loaded(tiny_demo, tmp_path):
     """--compile-cache DIR: the first run writes the compiled loops there, a second run
     loads them (no new entries) and prints the same completions; "none" writes nothing,
-    not even to the JAX_COMPILATION_CACHE_DIR of the environment."""
+    not even to the JAX_COMPILATION_CACHE_DIR of the environment; a default directory
+    that cannot be created turns the cache off without a warning."""
     cache, env_cache = tmp_path / "cache", tmp_path / "env_cache"
     env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_COMPILATION_CACHE_DIR=str(env_cache))
 
-    def decode_run(i, *flags):
+    def decode_run(i, *flags, env=env):
         args = base_args(tiny_demo, tmp_path, "--drafter", "ngram", *flags)
         args[args.index("--output") + 1] = tmp_path / f"o{i}.jsonl"
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"),
                                *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "compilation cache" not in proc.stderr, proc.stderr[-2000:]
         return (tmp_path / f"o{i}.jsonl").read_text()
 
     first = decode_run(1, "--compile-cache", cache)
@@ -174,6 +176,22 @@ def test_compile_cache_is_written_then_loaded(tiny_demo, tmp_path):
     assert sorted(os.listdir(cache)) == entries
     assert decode_run(3, "--compile-cache", "none") == first
     assert not env_cache.exists() or not os.listdir(env_cache)
+    # the default directory under an unwritable XDG_CACHE_HOME: the cache is off, quietly
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    bare = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    assert decode_run(4, env=dict(bare, XDG_CACHE_HOME=str(blocker))) == first
+
+
+def test_compile_cache_not_writable(tmp_path, capsys):
+    """An explicit --compile-cache that cannot be created: one line, exit 2, no output
+    file (checked before any model loads)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run(["--compile-cache", blocker / "sub", "--prompt", "x", "--output",
+                        tmp_path / "o.jsonl"], capsys)
+    assert code == 2 and "--compile-cache" in err and err.count("\n") == 1
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_bad_flag_value_is_one_line(capsys):
