@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts (decode_speed.py, compare.py).
+"""Helpers shared by the benchmark scripts (decode_speed.py, compare.py, profile_step.py,
+draft_vocab.py, prefill.py).
 
 jax, torch and transformers are imported inside the functions: a benchmark script sets
 its environment (JAX_NUM_CPU_DEVICES, HF offline flags) before the first jax import.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import types
 
 
 def summary(values: list[float]) -> dict:
@@ -69,3 +71,14 @@ def environment(threads: list[int]) -> dict:
     except ImportError:
         pass
     return env
+
+
+def prompt_ids(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
+               ) -> list[list[int]]:
+    """The first `n` prompts of the JSONL `path` as token ids, read and checked as
+    decode.py reads --prompts (`decode.read_prompts`: "prompt" text or "input_ids";
+    SpecjaxError on bad lines)."""
+    import decode
+
+    ns = types.SimpleNamespace(prompt=None, prompts=path, target=target_dir)
+    return [ids for _, ids in decode.read_prompts(ns, tokenizer, vocab_size)[:n]]

@@ -57,7 +57,6 @@ import argparse
 import json
 import os
 import sys
-import types
 
 # The benchmark measures ONE CPU device; a simulated multi-device setting (tests set
 # JAX_NUM_CPU_DEVICES=8) would split the host's threads. Set before jax is imported.
@@ -70,7 +69,12 @@ sys.path.append(ROOT)  # uninstalled checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks._common import environment, load_transformers, usable_cores  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    environment,
+    load_transformers,
+    prompt_ids,
+    usable_cores,
+)
 from benchmarks._report import render_tables, write_plot  # noqa: E402
 from benchmarks._systems import (  # noqa: E402
     SpecjaxSystem,
@@ -202,15 +206,6 @@ def validate(args) -> None:
             raise SpecjaxError(f"{flag} {path}: {parent} is not writable")
 
 
-def read_prompts(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
-                 ) -> list[list[int]]:
-    """The first `n` prompts of `path` as token ids (decode.py's reader and checks)."""
-    import decode
-
-    ns = types.SimpleNamespace(prompt=None, prompts=path, target=target_dir)
-    return [ids for _, ids in decode.read_prompts(ns, tokenizer, vocab_size)[:n]]
-
-
 def run(args) -> dict:
     import decode
     from specjax.checkpoint import load_model, load_tokenizer
@@ -230,7 +225,7 @@ def run(args) -> dict:
     draft = load_model(args.draft, dtype=jnp.float32)
     V = target.cfg.vocab_size
     tokenizer = load_tokenizer(args.target)
-    prompts = read_prompts(args.prompts, tokenizer, V, args.num_prompts, args.target)
+    prompts = prompt_ids(args.prompts, tokenizer, V, args.num_prompts, args.target)
     n = len(prompts)
     longest = max(len(p) for p in prompts)
     max_length = longest + N_new

@@ -23,6 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
@@ -73,8 +74,8 @@ def _run(args) -> int:
     target = load_model(args.target, dtype=jnp.float32, matmul_dtype=mm)
     V = target.cfg.vocab_size
     tok = load_tokenizer(args.target)
-    with open(args.prompts_file) as f:
-        prompts = [tok.encode(json.loads(line)["prompt"]) for line in f][:args.prompts]
+    prompts = prompt_ids(args.prompts_file, tok, target.cfg.vocab_size, args.prompts,
+                         args.target)
     drafter, full = decode.load_learned_drafter(
         args.drafter, target, args.target, args.gamma, SamplingParams(), jnp.float32,
         matmul_dtype=jnp.bfloat16, draft_vocab="full")

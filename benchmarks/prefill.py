@@ -25,6 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
@@ -79,8 +80,8 @@ def _run(args) -> int:
 
     target = load_model(args.target)
     tok = load_tokenizer(args.target)
-    with open(args.prompts_file) as f:
-        prompts = [tok.encode(json.loads(line)["prompt"]) for line in f][:args.prompts]
+    prompts = prompt_ids(args.prompts_file, tok, target.cfg.vocab_size, args.prompts,
+                         args.target)
     dargs = decode.build_parser().parse_args(
         ["--target", args.target] + ([] if args.drafter is None else ["--drafter", args.drafter]))
     drafter, dparams, name = decode.make_drafter_from_args(dargs, target, SamplingParams(), None)

@@ -38,6 +38,7 @@ sys.path.append(ROOT)  # uninstalled checkout
 
 import jax  # noqa: E402
 
+from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
@@ -198,12 +199,10 @@ def run(args) -> dict:
 
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
-    ns = argparse.Namespace(prompt=None, prompts=args.prompts, target=args.target)
     target = load_model(args.target, dtype=jnp.float32,
                         matmul_dtype=decode.flag_dtype(args.matmul_dtype))
-    prompts = [ids for _, ids in decode.read_prompts(ns, load_tokenizer(args.target),
-                                                     target.cfg.vocab_size)]
-    prompts = prompts[:args.num_prompts]
+    prompts = prompt_ids(args.prompts, load_tokenizer(args.target), target.cfg.vocab_size,
+                         args.num_prompts, args.target)
     sampling = SamplingParams()
     d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target,
                                 drafter_dtype=args.drafter_dtype,
