@@ -125,20 +125,30 @@ def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
 def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 0,
                max_chars: int = 800, max_new_tokens: int = 128, batch_size: int = 32,
                limit: int | None = None, val_fraction: float = 0.05,
-               skip_seen: tuple[str, ...] = ()) -> dict:
+               skip_seen: tuple[str, ...] = (), dtype: str = "auto",
+               time_limit_s: float | None = None, root: str | None = None) -> dict:
     """Generates and writes the data set (module docstring); returns the manifest.
 
     `skip_seen`: earlier output directories whose prompt ids (def sites) are left out, so
     a set made with another seed or a larger `per_file` holds only new prompts.
+    `dtype`: the target's dtype while generating, "float32", "bfloat16", or "auto"
+    (float32 on CPU, bfloat16 elsewhere). For continuations that equal what `decode.py`
+    writes on CPU from another backend, pass "float32" and set
+    JAX_DEFAULT_MATMUL_PRECISION=highest (GPUs otherwise multiply f32 in TF32).
+    `root`: the corpus directory (default: this interpreter's standard library; another
+    Python's library gives other files, and its own hash split of them).
+    `time_limit_s`: start no batch after this many seconds from the start of generation
+    (compilation excluded; the first batch always runs), then write the streams of what
+    is done; a later call resumes. Batches hold prompts of similar lengths and run in a
+    seeded random order, so a stopped run is a sample of every length.
 
     Raises: SpecjaxError for a target without a tokenizer or EOS id, bad settings, or a
     `skip_seen` directory without generations.jsonl.
     """
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.checkpoint import load_model, load_tokenizer, parse_dtype
     from specjax.config import ModelConfig
     from specjax.engine import Engine, prompt_width_for
 
@@ -146,6 +156,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
                     ("--batch-size", batch_size), ("--max-chars", max_chars)):
         if v < 1:
             raise SpecjaxError(f"{name}={v} must be >= 1")
+    if time_limit_s is not None and time_limit_s <= 0:
+        raise SpecjaxError(f"--time-limit={time_limit_s} must be > 0")
     if limit is not None and limit < 1:
         raise SpecjaxError(f"--limit={limit} must be >= 1")
     cfg = ModelConfig.from_dir(target_dir)
@@ -164,7 +176,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         if os.path.abspath(d) == os.path.abspath(out_dir):
             raise SpecjaxError(f"--skip-seen {d} is the output directory")
         seen |= _done_ids(path, truncate=False)  # another run's file: read only
-    prompts = training_prompts(per_file, seed, max_chars=max_chars, val_fraction=val_fraction)
+    prompts = training_prompts(per_file, seed, max_chars=max_chars, val_fraction=val_fraction,
+                               root=root)
     prompts = [p for p in prompts if p["id"] not in seen]
     if not prompts:
         raise SpecjaxError("no prompts left after --skip-seen")
@@ -189,18 +202,26 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     print(f"regenerate: {len(prompts)} prompts ({len(done)} done before), "
           f"batch {batch_size}, {max_new_tokens} new tokens each", file=sys.stderr)
     if todo:
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        target = load_model(target_dir, dtype=dtype)
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        target = load_model(target_dir, dtype=parse_dtype(dtype))
         engine = Engine(target, max_length=max_length,
                         prompt_width=prompt_width_for(longest, max_length),
                         batch_size=batch_size, eos_token_ids=cfg.eos_token_ids)
         engine.compile()
         key = jax.random.key(seed)
         t0, new = time.perf_counter(), 0
+        batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+        random.Random(seed + 1).shuffle(batches)
         with open(gen_path, "a") as f, tqdm(total=len(todo), desc="regenerate", unit="prompt",
                                             file=sys.stderr, disable=None) as bar:
-            for i in range(0, len(todo), batch_size):
-                batch = todo[i:i + batch_size]
+            for n, batch in enumerate(batches):
+                if (n and time_limit_s is not None
+                        and time.perf_counter() - t0 > time_limit_s):
+                    print(f"regenerate: --time-limit {time_limit_s:g} s reached after "
+                          f"{n} of {len(batches)} batches; run again to resume",
+                          file=sys.stderr)
+                    break
                 out = engine.run([p["prompt_ids"] for p in batch], max_new_tokens, key)
                 for p, ids in zip(batch, out.outputs, strict=True):
                     f.write(json.dumps({"id": p["id"], "source": p["source"],
@@ -214,7 +235,9 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     manifest = {"target": os.path.abspath(target_dir), "seed": seed,
                 "prompts_per_file": per_file, "max_chars": max_chars,
                 "max_new_tokens": max_new_tokens, "limit": limit,
-                "val_fraction": val_fraction, "eos_id": eos_id,
+                "val_fraction": val_fraction, "eos_id": eos_id, "dtype": dtype,
+                "backend": jax.default_backend(),
+                "root": os.path.abspath(root or stdlib_root()),
                 "skip_seen": [os.path.abspath(d) for d in skip_seen], "splits": counts}
     atomic_write(os.path.join(out_dir, MANIFEST),
                  lambda f: f.write(json.dumps(manifest, indent=1).encode("utf-8")))
@@ -235,6 +258,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the target's dtype while generating (auto: float32 on CPU, "
+                         "bfloat16 on TPU/GPU)")
+    ap.add_argument("--root", default=None, metavar="DIR",
+                    help="corpus directory (default: this Python's standard library)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="stop after this many seconds of generation (resumable)")
     ap.add_argument("--skip-seen", nargs="+", default=[], metavar="DIR",
                     help="earlier output directories whose prompts are left out")
     args = ap.parse_args(argv)
@@ -242,7 +272,8 @@ def main(argv=None) -> int:
         m = regenerate(args.target, args.out, per_file=args.prompts_per_file, seed=args.seed,
                        max_chars=args.max_chars, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, limit=args.limit,
-                       skip_seen=tuple(args.skip_seen))
+                       skip_seen=tuple(args.skip_seen), dtype=args.dtype,
+                       time_limit_s=args.time_limit, root=args.root)
     except SpecjaxError as e:
         print(f"specjax.regenerate: error: {e}", file=sys.stderr)
         return 2

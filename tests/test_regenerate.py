@@ -112,8 +112,30 @@ def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
     assert open(path).read() == before
 
 
+def test_time_limit_stops_between_batches_and_resumes(tiny_demo, tmp_path):
+    """--time-limit: the first batch always runs, no batch starts past the limit, the
+    streams hold what is done, and a second call completes the same set of prompts."""
+    target = str(tiny_demo / "target")
+    out, full = str(tmp_path / "cut"), str(tmp_path / "full")
+    kw = dict(per_file=1, limit=5, batch_size=2, max_new_tokens=3, val_fraction=0.5)
+    m = rg.regenerate(target, out, time_limit_s=1e-9, **kw)
+    recs = [json.loads(line) for line in open(os.path.join(out, rg.GENERATIONS))]
+    assert len(recs) == 2
+    assert sum(c["prompts"] for c in m["splits"].values()) == 2
+    m2 = rg.regenerate(target, out, **kw)
+    m_full = rg.regenerate(target, full, **kw)
+    def by_id(d):
+        return sorted((json.loads(line) for line in open(os.path.join(d, rg.GENERATIONS))),
+                      key=lambda r: r["id"])
+    assert by_id(out) == by_id(full)
+    assert {s: c["prompts"] for s, c in m2["splits"].items()} == {
+        s: c["prompts"] for s, c in m_full["splits"].items()}
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+    (["--time-limit", "0"], "--time-limit=0.0 must be > 0"),
+    (["--dtype", "float16"], "--dtype"),
     (["--target", "/nonexistent"], "/nonexistent"),
     (["--skip-seen", "/nonexistent"], "--skip-seen /nonexistent: no generations.jsonl"),
 ])
