@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One round of eagle3 training on a single GPU, inside a fixed wall-clock budget:
-#   1. regenerate data: the demo target's f32 greedy continuations (full matmul precision,
-#      so they equal what decode.py writes on CPU) of every `def` site of the corpus's
-#      training files (specjax.regenerate, stopped by --time-limit, resumable);
+#   1. regenerate data: the demo target's f32 greedy continuations (full matmul precision:
+#      the model decode.py runs on CPU, up to f32 summation order) of every `def` site of
+#      the corpus's training files (specjax.regenerate, stopped by --time-limit,
+#      resumable);
 #   2. probe: 30 steps of configs/drafters/eagle3_gpu.yaml, to measure tokens/s and the
 #      compile time;
 #   3. train: the same config with train.steps set so that the run (cosine schedule,
@@ -13,7 +14,10 @@
 #
 #   bash scripts/gpu_eagle3_round.sh BUDGET_S OUT_DIR
 #
-# Environment knobs (for a CPU smoke run of this script): PYTHON, DATA, RUN, REGEN_LIMIT_S,
+# A CPU smoke run (about 3 minutes): DATA=/tmp/d RUN=/tmp/r REGEN_EXTRA="--limit 100"
+#   REGEN_BATCH=20 REGEN_LIMIT_S=20 BATCH=8 PROBE_STEPS=10 PYTHON=python \
+#   bash scripts/gpu_eagle3_round.sh 300 /tmp/out
+# Environment knobs: PYTHON, DATA, RUN, REGEN_LIMIT_S,
 # REGEN_BATCH, REGEN_SEED, REGEN_EXTRA (more regenerate flags, e.g. --root DIR), BATCH,
 # PROBE_STEPS, CONFIG, STEPS (train.steps; skips the probe), VAL (validation stream),
 # TRAIN_EXTRA (more train.py flags, e.g. --set optim.lr=1.5e-4).

@@ -132,9 +132,10 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     `skip_seen`: earlier output directories whose prompt ids (def sites) are left out, so
     a set made with another seed or a larger `per_file` holds only new prompts.
     `dtype`: the target's dtype while generating, "float32", "bfloat16", or "auto"
-    (float32 on CPU, bfloat16 elsewhere). For continuations that equal what `decode.py`
-    writes on CPU from another backend, pass "float32" and set
-    JAX_DEFAULT_MATMUL_PRECISION=highest (GPUs otherwise multiply f32 in TF32).
+    (float32 on CPU, bfloat16 elsewhere). For the model that `decode.py` runs on CPU from
+    another backend, pass "float32" and set JAX_DEFAULT_MATMUL_PRECISION=highest (GPUs
+    otherwise multiply f32 in TF32); near-ties may still break differently (summation
+    order).
     `root`: the corpus directory (default: this interpreter's standard library; another
     Python's library gives other files, and its own hash split of them).
     `time_limit_s`: start no batch after this many seconds from the start of generation

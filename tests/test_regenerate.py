@@ -135,7 +135,6 @@ def test_time_limit_stops_between_batches_and_resumes(tiny_demo, tmp_path):
 @pytest.mark.parametrize("argv, msg", [
     (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
     (["--time-limit", "0"], "--time-limit=0.0 must be > 0"),
-    (["--dtype", "float16"], "--dtype"),
     (["--target", "/nonexistent"], "/nonexistent"),
     (["--skip-seen", "/nonexistent"], "--skip-seen /nonexistent: no generations.jsonl"),
 ])
@@ -144,4 +143,14 @@ def test_bad_input_exits_2(tmp_path, capsys, argv, msg):
     assert rg.main(["--out", str(out), *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_bad_flag_value_exits_2_with_one_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        rg.main(["--out", str(out), "--dtype", "float16"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "float16" in err and err.count("\n") == 1
     assert not out.exists()
