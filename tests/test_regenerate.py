@@ -154,3 +154,22 @@ def test_bad_flag_value_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--dtype" in err and "float16" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_root_takes_prompts_from_another_library(tiny_demo, tmp_path):
+    """--root: the prompts come from that directory's training files (another Python's
+    library), and the manifest records it."""
+    root = tmp_path / "lib"
+    body = "".join(f"    x{j} = {j}\n" for j in range(5))
+    for i in range(40):
+        (root / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i % 4}" / f"mod{i}.py").write_text(
+            f'def f{i}(a):\n    """Doc {i}."""\n{body}    return a\n')
+    want = {p["id"] for p in rg.training_prompts(per_file=1, root=str(root))}
+    assert want and all(i.split(":")[0].startswith("pkg") for i in want)
+    out = str(tmp_path / "regen")
+    m = rg.regenerate(str(tiny_demo / "target"), out, per_file=1, batch_size=8,
+                      max_new_tokens=2, root=str(root))
+    got = {json.loads(line)["id"] for line in open(os.path.join(out, rg.GENERATIONS))}
+    assert got == want
+    assert m["root"] == str(root)
