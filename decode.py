@@ -167,31 +167,35 @@ def validate_flags(args) -> None:
             raise SpecjaxError(f"{flag} {path}: its directory does not exist; create it first")
 
 
-def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]]:
-    """[(id, input_ids)] from --prompt or --prompts; SpecjaxError on bad input."""
+def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
+                 path: str | None = None, target: str | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """[(id, input_ids)] from the text `prompt` (--prompt) or else the JSONL `path`
+    (--prompts; None: the bundled prompts); `target` names the tokenizer's directory in
+    errors. SpecjaxError on bad input."""
     from specjax.errors import SpecjaxError
 
     def encode(text, where):
         if tokenizer is None:
             raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
-                               f"{args.target}; give \"input_ids\" instead")
+                               f"{target}; give \"input_ids\" instead")
         return list(tokenizer.encode(text))
 
     items = []
-    if args.prompt is not None:
-        items.append(("0", encode(args.prompt, "--prompt"), "--prompt"))
+    if prompt is not None:
+        items.append(("0", encode(prompt, "--prompt"), "--prompt"))
     else:
-        path = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
+        file = path or os.path.join(DEMO_DIR, "prompts.jsonl")
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(file, encoding="utf-8") as f:
                 lines = f.readlines()
         except OSError as e:
-            raise SpecjaxError(f"--prompts {path} is unreadable ({e.strerror}); "
+            raise SpecjaxError(f"--prompts {file} is unreadable ({e.strerror}); "
                                "pass a JSONL file or --prompt TEXT") from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            where = f"{path} line {n}"
+            where = f"{file} line {n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -211,7 +215,7 @@ def read_prompts(args, tokenizer, vocab_size: int) -> list[tuple[str, list[int]]
                 ids = encode(obj["prompt"], where)
             items.append((str(obj.get("id", len(items))), ids, where))
     if not items:
-        raise SpecjaxError(f"--prompts {args.prompts}: no prompts found")
+        raise SpecjaxError(f"--prompts {path}: no prompts found")
     for _, ids, where in items:
         if not ids:
             raise SpecjaxError(f"{where}: the prompt is empty")
@@ -406,7 +410,8 @@ def run(args) -> int:
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
     cfg = ModelConfig.from_dir(args.target)  # config.json only: no weights read yet
     tokenizer = load_tokenizer(args.target)
-    prompts = read_prompts(args, tokenizer, cfg.vocab_size)
+    prompts = read_prompts(tokenizer, cfg.vocab_size, prompt=args.prompt, path=args.prompts,
+                           target=args.target)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
 
     longest = max(len(ids) for _, ids in prompts)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import types
 
 
 def summary(values: list[float]) -> dict:
@@ -80,5 +79,5 @@ def prompt_ids(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
     SpecjaxError on bad lines)."""
     import decode
 
-    ns = types.SimpleNamespace(prompt=None, prompts=path, target=target_dir)
-    return [ids for _, ids in decode.read_prompts(ns, tokenizer, vocab_size)[:n]]
+    return [ids for _, ids in decode.read_prompts(tokenizer, vocab_size, path=path,
+                                                  target=target_dir)[:n]]

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import tempfile
-import types
 
 import numpy as np
 import pytest
@@ -83,9 +82,8 @@ def test_prompt_reader(lines, with_tokenizer):
         path = os.path.join(d, "p.jsonl")
         with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write("\n".join(x.replace("\n", " ") for x in lines) + "\n")
-        args = types.SimpleNamespace(prompt=None, prompts=path, target=d)
-        got = only_specjax_errors(decode.read_prompts, args, _Tok() if with_tokenizer else None,
-                                  320)
+        got = only_specjax_errors(decode.read_prompts, _Tok() if with_tokenizer else None,
+                                  320, path=path, target=d)
     if got is not None:
         assert got and all(ids and all(0 <= i < 320 for i in ids) for _, ids in got)
 
