@@ -170,7 +170,7 @@ class DrafterConfig:
     def for_target(cls, target: ModelConfig, kind: str, *, gamma: int = 7,
                    num_layers: int | None = None, intermediate_size: int | None = None,
                    context: str | None = None, num_kv_layers: int = 3,
-                   mask_token_id: int | None = None) -> DrafterConfig:
+                   mask_token_id: int | None = None, qk_norm: bool = True) -> DrafterConfig:
         """A drafter config sized for `target` with the defaults of DESIGN.md section 5:
         eagle3 captures the inputs of layers {2, L/2, L-3}; kv has Ld = 2 layers over
         Ls = 3 target layers; block has Ld = 2 layers, context "hidden"; F defaults to
@@ -199,7 +199,7 @@ class DrafterConfig:
                    num_layers=num_layers, rms_norm_eps=target.rms_norm_eps,
                    rope_theta=target.rope_theta, capture=capture, kv_layers=kv_layers,
                    context=context if kind == "block" else None,
-                   mask_token_id=mask_token_id if kind == "block" else None)
+                   mask_token_id=mask_token_id if kind == "block" else None, qk_norm=qk_norm)
 
     def check_target(self, target: ModelConfig, where: str = "drafter") -> None:
         """Raises SpecjaxError unless `target` has the shapes this drafter was built for

@@ -249,6 +249,9 @@ class DrafterTrainConfig:
       ttt_positions: ttt only: chains unrolled per sequence per step, at random anchors
         resampled every step (None: every position, as EAGLE-3). The LM head of every
         unroll step dominates the cost; 64 of 256 positions cut it 4x.
+      qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
+        drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
+        --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
     """
 
     kind: str
@@ -263,6 +266,7 @@ class DrafterTrainConfig:
     gamma_w: float = 7.0
     ttt_decay: float = 0.8
     ttt_positions: int | None = None
+    qk_norm: bool = True
 
     def __post_init__(self):
         from specjax.drafters.config import CONTEXTS, KINDS
@@ -303,7 +307,8 @@ class DrafterTrainConfig:
             return DrafterConfig.for_target(
                 target, self.kind, gamma=self.gamma, num_layers=self.num_layers,
                 intermediate_size=self.intermediate_size, context=self.context,
-                num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id)
+                num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
+                qk_norm=self.qk_norm)
         except SpecjaxError as e:
             raise SpecjaxError(f"drafter: {e}") from None
 
