@@ -9,18 +9,24 @@ in it. The tensor names are `external.tensor_table`'s (read back by
 `external.load_external` and by `decode.py --drafter`); the facts behind them are in
 `external`'s docstring. What an export writes beyond the drafter's own weights:
 
-- eagle3-hf: `lm_head.weight` [V,D] is a copy of the target's LM head (specjax's eagle3
-  drafts with the target's head), `draft_vocab_size` = V, `d2t` = zeros i64[V] and
-  `t2d` = ones bool[V] (the identity map); rope_theta and rope_scaling are the target's
-  (specjax's eagle3 uses the target's RoPE). A drafter with q/k norms (specjax's
-  default) writes `midlayer.self_attn.{q,k}_norm.weight` as SpecForge's Qwen3-style
-  drafts do: Llama-only EAGLE-3 loaders (vllm `llama_eagle3.py`) do not read them.
+- eagle3-hf: what vLLM, SGLang and SpecForge run as `LlamaForCausalLMEagle3`, and
+  nothing else. `lm_head.weight` [Vd,D] is the target's LM head rows of the drafter's
+  hot draft vocabulary (`draft_vocab.json`, sorted ids; all V rows without one), with
+  `draft_vocab_size` = Vd, `d2t` = ids - arange(Vd) (i64[Vd]) and `t2d` (bool[V], the
+  set), as SpecForge writes them. The capture depths go under both keys, each in its
+  readers' convention (`external.eagle3_capture`): the top-level
+  `eagle_aux_hidden_state_layer_ids` as layer inputs (vLLM), `eagle_config`'s as layer
+  outputs, depth - 1 (SpecForge; SGLang reads a list starting at 1 as outputs too), so
+  the first depth must be 2. rope_theta and rope_scaling are the target's (specjax's
+  eagle3 uses the target's RoPE). A drafter with q/k norms is refused: those engines
+  have none and would drop the tensors silently (train with `drafter.qk_norm: false`).
 - dflash: `block_size` = G + 1, `dflash_config.target_layer_ids` = capture depths - 1,
   `mask_token_id` the drafter's; no embedding or LM head.
 
 Raises SpecjaxError (exit 2 from the CLI, one line) for drafters the layout cannot hold:
 hybrid and kv drafters, block drafters whose context reads the target KV cache, capture
-depth 0 or L for DFlash, and other than 3 capture depths for EAGLE-3.
+depth 0 or L for DFlash; for EAGLE-3, q/k norms, other than 3 capture depths, depths
+outside 1..L-1 or a first depth other than 2.
 """
 
 from __future__ import annotations
@@ -77,25 +83,38 @@ def target_head(target_dir: str, target: ModelConfig) -> np.ndarray:
 
 
 def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,
-                   head: np.ndarray | None = None) -> tuple[dict, dict]:
+                   head: np.ndarray | None = None,
+                   hot: np.ndarray | None = None) -> tuple[dict, dict]:
     """(tensors by external name, config.json fields specific to the layout) of a
     drafter's weights (specjax name -> array, as `io.param_tensors`).
 
-    head: eagle3-hf only: the target's LM head [V,D], written as lm_head.weight.
-    Raises: SpecjaxError if the drafter does not fit `layout`."""
+    head: eagle3-hf only: the target's LM head [V,D]; hot: eagle3-hf only: i32[Vd] sorted
+      target ids of the hot draft vocabulary (None: all V ids).
+    Raises: SpecjaxError if the drafter does not fit `layout` (module docstring)."""
     L = dcfg.target_num_layers
     if layout == EAGLE3:
         if dcfg.kind != "eagle3":
             raise SpecjaxError(f"a {dcfg.kind} drafter has no EAGLE-3 layout (its "
                                f"{'merge_k' if dcfg.uses_kv else 'layers'} weights have no "
                                "counterpart); export an eagle3 drafter")
-        if len(dcfg.capture) != 3:
+        if dcfg.qk_norm:
+            raise SpecjaxError("this eagle3 drafter has q/k norms, which LlamaForCausalLMEagle3 "
+                               "in vLLM, SGLang and SpecForge lacks (they would drop them and "
+                               "draft differently); train it with drafter.qk_norm: false")
+        depths = list(dcfg.capture)
+        if len(depths) != 3:
             raise SpecjaxError(f"EAGLE-3's fc.weight reads 3 target layers; this drafter "
-                               f"captures {list(dcfg.capture)}")
+                               f"captures {depths}")
+        if not all(1 <= d <= L - 1 for d in depths) or depths[0] != 2:
+            raise SpecjaxError(
+                f"capture depths {depths} cannot be written so that vLLM (layer inputs), "
+                "SpecForge (layer outputs) and SGLang (outputs only when the first id is 1) "
+                f"read the same layers: the first depth must be 2 and all in 1..{L - 1}")
+        Vd = dcfg.vocab_size if hot is None else len(hot)
         extra = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-                 "num_hidden_layers": 1, "draft_vocab_size": dcfg.vocab_size,
-                 "eagle_aux_hidden_state_layer_ids": list(dcfg.capture),
-                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(dcfg.capture),
+                 "num_hidden_layers": 1, "draft_vocab_size": Vd,
+                 "eagle_aux_hidden_state_layer_ids": depths,
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [d - 1 for d in depths],
                                   "use_aux_hidden_state": True}}
     elif layout == DFLASH:
         if dcfg.kind != "block" or dcfg.context != "hidden":
@@ -122,11 +141,13 @@ def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,
         w = np.asarray(weights[attr])
         out[name] = np.ascontiguousarray(w if i is None else w[i])
     if layout == EAGLE3:
-        if head is None or tuple(head.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        V = dcfg.vocab_size
+        if head is None or tuple(head.shape) != (V, dcfg.hidden_size):
             raise SpecjaxError("an eagle3-hf export needs the target's LM head [V, D]")
-        out["lm_head.weight"] = np.ascontiguousarray(head)
-        out["d2t"] = np.zeros((dcfg.vocab_size,), np.int64)
-        out["t2d"] = np.ones((dcfg.vocab_size,), bool)
+        ids = np.arange(V) if hot is None else np.sort(np.asarray(hot, np.int64))
+        out["lm_head.weight"] = np.ascontiguousarray(head[ids])
+        out["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
+        out["t2d"] = np.isin(np.arange(V), ids)
     return out, extra
 
 
@@ -154,8 +175,12 @@ def export_dir(src: str, dst: str, layout: str, target_dir: str | None = None,
     dcfg.check_target(target, where=f"drafter {src}")
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     weights = param_tensors(params)
-    head = target_head(target_dir, target) if layout == EAGLE3 else None
-    tensors, extra = export_tensors(dcfg, weights, layout, head)
+    head = hot = None
+    if layout == EAGLE3:
+        from specjax.drafters.vocab import load_draft_vocab
+
+        head, hot = target_head(target_dir, target), load_draft_vocab(src, target.vocab_size)
+    tensors, extra = export_tensors(dcfg, weights, layout, head, hot)
     tensors = {k: (v.astype(np_dtype) if np.issubdtype(v.dtype, np.floating) or
                    v.dtype == ml_dtypes.bfloat16 else v) for k, v in tensors.items()}
     config = {**extra, **_base_config(dcfg, target, dtype)}

@@ -19,13 +19,32 @@ writes the same tables back. Facts taken from the public code:
   (bool[V], the hot set; SpecForge `data/preprocessing.py`); optional Qwen3-style
   `midlayer.self_attn.{q,k}_norm.weight` [H]. The draft's RoPE is its own (config
   `rope_theta`, LlamaConfig's 10000 when absent; `rope_scaling` default or llama3).
-  Target features: the inputs of target layers `eagle_aux_hidden_state_layer_ids`
-  (vllm), default (2, L//2, L-3) as in EAGLE's `modeling_llama_kv.py`.
+- EAGLE-3 target features (`eagle3_capture`): the engines disagree on what a layer id
+  means. specjax's capture depth d is the input of target layer d (HF `hidden_states[d]`).
+  * vLLM (`eagle3_utils.get_eagle3_aux_layers_from_config`) reads the TOP-LEVEL
+    `eagle_aux_hidden_state_layer_ids` and captures the input of layer k: depth = k.
+  * SpecForge (`algorithms/model_providers.resolve_eagle_capture_layers`, HF backend
+    forward hooks on layer outputs) writes and reads `eagle_config.
+    eagle_aux_hidden_state_layer_ids` as layer OUTPUTS: depth = k + 1; its default
+    [1, L//2-1, L-4] is depths (2, L//2, L-3).
+  * SGLang (`set_eagle3_layers_to_capture`, after PR #25454) reads `eagle_config`'s list
+    and adds 1 only when its first id is 1 (else the ids are layer inputs).
+  * Neither key: every engine's default, depths (2, L//2, L-3) (EAGLE `modeling_llama_kv.py`).
+  specjax reads the top-level key when present (and refuses a nested list that SGLang
+  would read as other layers), else a nested list that starts at 1 (outputs, where
+  SpecForge and SGLang agree), and refuses a nested list that starts elsewhere: SpecForge
+  would read it as outputs and SGLang as inputs, and nothing in the directory says which
+  layers the head was trained on.
 - DFlash (a Qwen3Config with `dflash_config: {mask_token_id, target_layer_ids}` and
   `block_size`; z-lab/dflash `dflash/model.py`, vllm `qwen3_dflash.py`): `fc.weight`
   [D,n*D], `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` Qwen3 layers (q_norm,
   k_norm); no embedding or LM head; target_layer_ids index layer OUTPUTS (HF
-  hidden_states[id + 1], the input of layer id + 1 = a specjax capture depth).
+  hidden_states[id + 1], the input of layer id + 1 = a specjax capture depth). Without
+  them, z-lab's `build_target_layer_ids` (`zlab_target_layer_ids`); a top-level
+  `eagle_aux_hidden_state_layer_ids` takes precedence as in vLLM (layer inputs).
+  SpecForge's `dflash_config.projector_type` is "dflash" (or absent) for this layout;
+  "domino" and "dspark" heads carry other networks and are refused, as is a trained
+  mask embedding (`mask_embedding.pt`) and attention shapes other than the target's.
 
 Anything these layouts can say that specjax cannot run exactly (biases, fc_norm, sliding
 windows, causal draft attention, other RoPE types, ...) raises SpecjaxError naming the key
@@ -242,33 +261,94 @@ def _common_config(raw: dict, target: ModelConfig, where: str) -> dict:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
 
 
+def _id_list(value, key: str, where: str, n: int | None = None) -> list[int] | None:
+    """`value` as a list of ints (None when absent or empty). Raises SpecjaxError for
+    anything else, or for other than `n` entries."""
+    if value is None or value == []:
+        return None
+    if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                            for i in value)) or (n and len(value) != n):
+        what = f"{n} " if n else ""
+        raise SpecjaxError(f"{where}: {key}={value!r} must be a list of {what}integer layer ids")
+    return value
+
+
+def sglang_depths(ids: list[int]) -> list[int]:
+    """Capture depths SGLang takes from `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (`set_eagle3_layers_to_capture`, sglang PR #25454): layer outputs (+1) when the first
+    id is 1, else layer inputs."""
+    return [i + 1 for i in ids] if ids[0] == 1 else list(ids)
+
+
+def eagle3_capture(raw: dict, L: int, where: str) -> tuple[int, ...]:
+    """Capture depths (inputs of target layers) of an EAGLE-3 config.json for a target of
+    L layers, read as the engines read them (module docstring, "EAGLE-3 target features").
+
+    Raises: SpecjaxError (one line) for a malformed id list, ids outside 0..L, a nested
+      list that SGLang would read as other layers than vLLM reads the top-level one, and
+      a nested list alone that does not start at 1 (SpecForge: outputs; SGLang: inputs).
+    """
+    key = "eagle_aux_hidden_state_layer_ids"
+    eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise SpecjaxError(f"{where}: eagle_config must be an object")
+    top = _id_list(raw.get(key), key, where, 3)
+    nested = _id_list(eagle.get(key), f"eagle_config.{key}", where, 3)
+    if top is not None:
+        depths = top
+        if nested is not None and sglang_depths(nested) != top:
+            raise SpecjaxError(
+                f"{where}: {key} {top} (vLLM: inputs of those target layers) and "
+                f"eagle_config.{key} {nested} (SGLang: inputs of layers "
+                f"{sglang_depths(nested)}) name different layers; keep the one the head "
+                "was trained with")
+    elif nested is not None:
+        if nested[0] != 1:
+            raise SpecjaxError(
+                f"{where}: eagle_config.{key} {nested} does not start at 1, so SpecForge "
+                "reads it as outputs of those target layers and SGLang as their inputs; "
+                f"add the top-level {key} (vLLM's key: inputs of target layers) to say "
+                "which layers the head was trained on")
+        depths = [i + 1 for i in nested]
+    else:
+        depths = [2, L // 2, L - 3]
+    if not all(0 <= d <= L for d in depths):
+        raise SpecjaxError(f"{where}: {key} names target layers {depths} (as layer inputs); "
+                           f"a target of {L} layers has inputs 0..{L}")
+    return tuple(depths)
+
+
 def eagle3_config(raw: dict, target: ModelConfig, where: str, qk_norm: bool) -> DrafterConfig:
     """DrafterConfig of an EAGLE-3 config.json (LlamaForCausalLMEagle3)."""
-    L = target.num_layers
     eagle = raw.get("eagle_config") or {}
     _refuse(raw, where, [
         ("num_hidden_layers", raw.get("num_hidden_layers", 1), (1,)),
         ("fc_norm", raw.get("fc_norm", False), (False, None)),
+        ("norm_before_fc", raw.get("norm_before_fc", False), (False, None)),
         ("norm_output", raw.get("norm_output", True), (True, None)),
         ("norm_before_residual", raw.get("norm_before_residual", False), (False, None)),
-        ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state", True),
-         (True,)),
+        ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state", True)
+         if isinstance(eagle, dict) else True, (True,)),
     ])
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
-        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
-    if not (isinstance(ids, list) and len(ids) == 3 and
-            all(isinstance(i, int) and 0 <= i <= L for i in ids)):
-        raise SpecjaxError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be three "
-                           f"target layer ids in 0..{L} (default (2, L//2, L-3))")
+    capture = eagle3_capture(raw, target.num_layers, where)
     fields = _common_config(raw, target, where)
-    return DrafterConfig(kind="eagle3", num_layers=1, capture=tuple(ids), qk_norm=qk_norm,
+    return DrafterConfig(kind="eagle3", num_layers=1, capture=capture, qk_norm=qk_norm,
                          **fields)
+
+
+def zlab_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab/dflash `build_target_layer_ids`: the default target layer ids (layer
+    OUTPUTS) of a DFlash head without `target_layer_ids`: L//2 for one draft layer, else
+    Ld ids spread over 1 .. L-3 with Python's round (half to even)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, span = 1, num_target_layers - 3 - 1
+    return [int(round(start + i * span / (num_draft_layers - 1)))
+            for i in range(num_draft_layers)]
 
 
 def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
     """DrafterConfig (block, context hidden) of a z-lab DFlash config.json."""
-    from specjax.drafters.config import evenly_spaced_layers
-
     L = target.num_layers
     dc = raw.get("dflash_config")
     if not isinstance(dc, dict):
@@ -279,6 +359,11 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
     if raw.get("num_target_layers", L) != L:
         raise SpecjaxError(f"{where}: num_target_layers {raw['num_target_layers']} != the "
                            f"target's {L} layers")
+    projector = dc.get("projector_type")
+    if projector not in (None, "dflash"):
+        raise SpecjaxError(f"{where}: dflash_config.projector_type={projector!r} is a "
+                           "SpecForge draft family other than DFlash (its extra heads have "
+                           "no counterpart in specjax's block drafter); supported: 'dflash'")
     types = raw.get("layer_types") or []
     _refuse(raw, where, [
         ("layer_types", sorted(set(types)), ([], ["full_attention"])),
@@ -287,28 +372,42 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
         ("dflash_config.causal", dc.get("causal"), (None, False)),
         ("dflash_config.use_swa", dc.get("use_swa", False), (False,)),
         ("dflash_config.attention_sink_bias", dc.get("attention_sink_bias", False), (False,)),
-        ("dflash_config.projector_type", dc.get("projector_type"), (None,)),
+        ("dflash_config.attention_mode", dc.get("attention_mode", "gqa"), ("gqa", "mha")),
+        ("dflash_config.attention_modes", dc.get("attention_modes"), (None,)),
         ("dflash_config.pure_draft_prefix_len", dc.get("pure_draft_prefix_len", 0), (0,)),
         ("dflash_config.shift_label", dc.get("shift_label", False), (False,)),
         ("input_embedding_scale", raw.get("input_embedding_scale", 1.0), (1.0, 1, None)),
         ("output_multiplier", raw.get("output_multiplier", 1.0), (1.0, 1, None)),
         ("final_logit_softcapping", raw.get("final_logit_softcapping"), (None,)),
     ])
-    ids = dc.get("target_layer_ids") or list(evenly_spaced_layers(L, layers))
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < L - 1
-                                                  for i in ids)):
-        raise SpecjaxError(f"{where}: dflash_config.target_layer_ids {ids} must be layer ids "
-                           f"in 0..{L - 2} (id {L - 1} is HF's post-norm hidden_states[L], "
-                           "which specjax does not capture)")
+    key = "eagle_aux_hidden_state_layer_ids"
+    top = _id_list(raw.get(key), key, where)
+    ids = _id_list(dc.get("target_layer_ids"), "dflash_config.target_layer_ids", where)
+    if top is not None:  # vLLM's precedence: the top-level key, as layer inputs
+        depths, said = top, f"{key} {top} (inputs of target layers)"
+    else:
+        ids = ids if ids is not None else zlab_target_layer_ids(L, layers)
+        depths, said = [i + 1 for i in ids], f"dflash_config.target_layer_ids {ids}"
+    if not all(1 <= d <= L - 1 for d in depths):
+        raise SpecjaxError(f"{where}: {said} must name layer outputs 0..{L - 2} (inputs "
+                           f"1..{L - 1}); output {L - 1} is HF's post-norm hidden_states[L], "
+                           "which specjax does not capture")
     mask = dc.get("mask_token_id", raw.get("mask_token_id"))
     block = raw.get("block_size", dc.get("block_size", 16))
     if not isinstance(block, int) or block < 2:
         raise SpecjaxError(f"{where}: block_size={block!r} must be an integer >= 2")
     if not isinstance(mask, int):
         raise SpecjaxError(f"{where}: dflash_config.mask_token_id is missing")
+    fields = _common_config(raw, target, where)
+    mine = (fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
+    theirs = (target.num_heads, target.num_kv_heads, target.head_dim)
+    if mine != theirs:
+        raise SpecjaxError(f"{where}: the head's attention shapes (heads, kv heads, head_dim) "
+                           f"{mine} differ from the target's {theirs}; specjax's block drafter "
+                           "runs with the target's attention shapes, so this head is not "
+                           "supported")
     return DrafterConfig(kind="block", context="hidden", num_layers=layers,
-                         capture=tuple(i + 1 for i in ids), mask_token_id=mask,
-                         gamma=block - 1, **_common_config(raw, target, where))
+                         capture=tuple(depths), mask_token_id=mask, gamma=block - 1, **fields)
 
 
 def _hot_vocab(tensors, raw, dcfg: DrafterConfig, where: dict, path: str):
@@ -361,6 +460,11 @@ def read_external(path: str, target: ModelConfig) -> External:
         raise SpecjaxError(f"{path}: config.json is neither an EAGLE-3 nor a DFlash head")
     raw = read_config(path)
     where_cfg = os.path.join(path, "config.json")
+    for name in ("mask_embedding.pt", "mask_embedding.safetensors"):
+        if os.path.exists(os.path.join(path, name)):
+            raise SpecjaxError(f"{os.path.join(path, name)}: a trained mask embedding is not "
+                               "supported (specjax's block drafter embeds mask_token_id with "
+                               "the target's frozen embedding row)")
     tensors, where = read_tensors(path)
     if layout == EAGLE3:
         qk = "midlayer.self_attn.q_norm.weight" in tensors
