@@ -266,10 +266,10 @@ def dflash_reference(t, cfg, feats, pending, n):
     """Draft distributions f64[G,V] of z-lab's DFlash block [pending, G masks] at
     positions n..n+G over the context of positions 0..n-1."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
-    eps, theta, G = cfg["rms_norm_eps"], cfg["rope_theta"], BLOCK - 1
+    eps, theta, G = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["block_size"] - 1
     embed = np.asarray(target().embed[...], np.float64)
     ctx = _rms(feats @ t["fc.weight"].T, t["hidden_norm.weight"], eps)
-    x = embed[[pending] + [MASK] * G]
+    x = embed[[pending] + [cfg["dflash_config"]["mask_token_id"]] * G]
     cpos, bpos = np.arange(n, dtype=np.float64), np.arange(n, n + G + 1, dtype=np.float64)
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
@@ -393,9 +393,20 @@ def test_round_trip_keeps_draft_distributions(kind, layout, target_dir, tmp_path
     d0, p0 = make_drafter(dcfg, net, target(), gamma=3, sampling=sp)
     d1, p1 = load_external(str(dst), target(), gamma=3, sampling=sp)
     assert d1.cfg == dcfg and d1.gamma == 3
-    q0 = first_proposal(d0, p0, 3)[0]
+    q0, toks, hidden, _ = first_proposal(d0, p0, 3)
     q1 = first_proposal(d1, p1, 3)[0]
     np.testing.assert_allclose(q1, q0, atol=1e-6)
+    if layout == "dflash":  # read back by z-lab's and vLLM's readings and forward
+        from safetensors.numpy import load_file
+
+        cfg = json.loads((dst / "config.json").read_text())
+        t = load_file(str(dst / "model.safetensors"))
+        assert zlab_dflash_depths(cfg) == vllm_dflash_depths(cfg) == list(dcfg.capture)
+        hidden = hidden.astype(np.float64)
+        for b, n in enumerate(PROMPT_LENS):
+            feats = np.concatenate(list(hidden[:, b, :n]), axis=-1)
+            np.testing.assert_allclose(q0[b], dflash_reference(t, cfg, feats, toks[b, n], n),
+                                       atol=2e-5)
     # an existing destination is refused, and a drafter the layout cannot hold too
     assert convert.main(["--to", layout, str(src), str(dst)]) == 2
     other = "dflash" if layout == "eagle3-hf" else "eagle3-hf"
