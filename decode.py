@@ -148,6 +148,10 @@ def enable_compile_cache(arg: str | None) -> str | None:
 
 
 def validate_flags(args) -> None:
+    """Checks the flags that need no file read, and every output path (an existing
+    directory, a missing or unwritable parent), before any work.
+
+    Raises: SpecjaxError (one line naming the flag)."""
     from specjax.errors import SpecjaxError
 
     if args.gamma is not None and args.gamma < 1:
@@ -162,20 +166,42 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.batch_size < 1:
         raise SpecjaxError(f"--batch-size={args.batch_size} must be >= 1")
+    from specjax.fileio import check_output_file
+
     for flag, path in (("--output", args.output), ("--summary", args.summary)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise SpecjaxError(f"{flag} {path}: its directory does not exist; create it first")
+        if path:
+            check_output_file(path, flag)
+    if args.output and args.summary and os.path.abspath(args.output) == os.path.abspath(
+            args.summary):
+        raise SpecjaxError(f"--output and --summary both name {args.output}; pass two files")
 
 
 def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
                  path: str | None = None, target: str | None = None
                  ) -> list[tuple[str, list[int]]]:
     """[(id, input_ids)] from the text `prompt` (--prompt) or else the JSONL `path`
-    (--prompts; None: the bundled prompts); `target` names the tokenizer's directory in
-    errors. SpecjaxError on bad input."""
+    (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed); `target` names
+    the tokenizer's directory in errors.
+
+    Raises: SpecjaxError (one line naming the file and line, or --prompt) for an
+      unreadable file, a line that is not UTF-8 or not a JSON object with "prompt" or
+      "input_ids", text with lone surrogates (not Unicode: a --prompt argument holding
+      bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
+      or a token id outside [0, vocab_size)."""
     from specjax.errors import SpecjaxError
 
+    def check_text(text, where, what="the prompt"):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SpecjaxError(
+                f"{where}: {what} holds a lone surrogate (U+{ord(text[e.start]):04X} at "
+                f"character {e.start}), which is not Unicode text; pass UTF-8 text"
+                + ("" if where == "--prompt" else " (a JSON \\udXXX escape needs its pair)")
+            ) from None
+
     def encode(text, where):
+        check_text(text, where)
         if tokenizer is None:
             raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
                                f"{target}; give \"input_ids\" instead")
@@ -187,15 +213,21 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
     else:
         file = path or os.path.join(DEMO_DIR, "prompts.jsonl")
         try:
-            with open(file, encoding="utf-8") as f:
-                lines = f.readlines()
+            with open(file, "rb") as f:
+                lines = f.read().splitlines()
         except OSError as e:
             raise SpecjaxError(f"--prompts {file} is unreadable ({e.strerror}); "
                                "pass a JSONL file or --prompt TEXT") from None
-        for n, line in enumerate(lines, 1):
+        for n, raw in enumerate(lines, 1):
+            where = f"{file} line {n}"
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecjaxError(f"{where}: byte 0x{raw[e.start]:02x} at column "
+                                   f"{e.start + 1} is not UTF-8; save the file as UTF-8 "
+                                   "JSONL") from None
             if not line.strip():
                 continue
-            where = f"{file} line {n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -213,9 +245,12 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
                 if not isinstance(obj["prompt"], str):
                     raise SpecjaxError(f"{where}: \"prompt\" must be a string")
                 ids = encode(obj["prompt"], where)
-            items.append((str(obj.get("id", len(items))), ids, where))
+            pid = str(obj.get("id", len(items)))
+            check_text(pid, where, "the \"id\"")
+            items.append((pid, ids, where))
     if not items:
-        raise SpecjaxError(f"--prompts {path}: no prompts found")
+        raise SpecjaxError(f"--prompts {path or os.path.join(DEMO_DIR, 'prompts.jsonl')}: "
+                           "no prompts found")
     for _, ids, where in items:
         if not ids:
             raise SpecjaxError(f"{where}: the prompt is empty")
@@ -399,7 +434,7 @@ def run(args) -> int:
     from specjax.config import ModelConfig
     from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.errors import SpecjaxError
-    from specjax.fileio import atomic_write
+    from specjax.fileio import atomic_write_all
     from specjax.sampling import SamplingParams
 
     validate_flags(args)
@@ -488,12 +523,18 @@ def run(args) -> int:
         print(_show(rec, prompt_ids, tokenizer))
     print(f"\nsummary ({drafter_arg}, G={summary['gamma']}, {summary['verify']}):")
     print(_format_table(summary))
+    files = []  # both or neither (the paths were checked before any work)
     if args.output:
         lines = "".join(json.dumps(r) + "\n" for r in records).encode()
-        atomic_write(args.output, lambda f: f.write(lines))
+        files.append((args.output, lambda f: f.write(lines)))
     if args.summary:
         text = (json.dumps(summary, indent=2) + "\n").encode()
-        atomic_write(args.summary, lambda f: f.write(text))
+        files.append((args.summary, lambda f: f.write(text)))
+    try:
+        atomic_write_all(files)
+    except OSError as e:
+        raise SpecjaxError(f"cannot write {e.filename or args.output} ({e.strerror}); "
+                           "nothing was written") from None
     return 0
 
 

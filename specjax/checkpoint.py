@@ -94,6 +94,32 @@ def _weight_files(path: str) -> list[str]:
     )
 
 
+FINITE_CHUNK = 1 << 22  # elements per np.isfinite pass: a 4 MiB mask at most
+
+
+def check_finite(name: str, array, where: str) -> None:
+    """Raises SpecjaxError `"<where>: tensor <name> has NaN or Inf values ..."` (one line)
+    unless every element of `array` is finite. Integer and bool arrays pass unchecked.
+
+    Cheap enough for every tensor at load: one read of the data, in chunks of
+    FINITE_CHUNK elements, so the temporary mask stays small however large the tensor
+    (no copy of a contiguous array; bf16 through ml_dtypes works as f32 does).
+
+    Args:
+      name: the tensor's name in the file (e.g. "model.layers.0.mlp.up_proj.weight").
+      array: a numpy array (np.ndarray, any float dtype incl. ml_dtypes.bfloat16).
+      where: the file or directory it came from, for the message.
+    Raises: SpecjaxError if any element is NaN, +Inf or -Inf."""
+    array = np.asarray(array)
+    if array.dtype.kind in "biu":
+        return
+    flat = array.reshape(-1)  # a view for contiguous arrays
+    for i in range(0, flat.size, FINITE_CHUNK):
+        if not np.isfinite(flat[i:i + FINITE_CHUNK]).all():
+            raise SpecjaxError(f"{where}: tensor {name} has NaN or Inf values; the weights "
+                               "are damaged or come from a diverged run, use a good copy")
+
+
 def open_safetensors(file: str):
     """A safetensors handle of `file` (numpy framework), for `with ... as f`.
 
@@ -116,7 +142,8 @@ def load_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
     the checkpoint's dtype.
 
     Raises:
-      SpecjaxError naming the file and tensor: unknown tensor, missing tensor, wrong shape.
+      SpecjaxError naming the file and tensor: unknown tensor, missing tensor, wrong shape,
+      NaN or Inf values (`check_finite`).
     """
     expected = _expected_tensors(cfg)
     seen = set()
@@ -140,6 +167,7 @@ def load_weights(path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
                         f"{file}: tensor {hf_name} has shape {tuple(arr.shape)}, expected "
                         f"{tuple(shape)} from config.json"
                     )
+                check_finite(hf_name, arr, file)
                 seen.add(hf_name)
                 if layer is None:
                     out[name] = arr
@@ -180,7 +208,7 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
 
     Raises:
       SpecjaxError: missing directory or files, unsupported architecture, unknown or
-        missing tensor, shape mismatch.
+        missing tensor, shape mismatch, NaN or Inf values.
     """
     cfg = ModelConfig.from_dir(path)
     weights = load_weights(path, cfg)

@@ -3,22 +3,72 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
+from specjax.errors import SpecjaxError
 
-def atomic_write(path: str, write) -> None:
-    """Calls `write(f)` on a binary temporary file next to `path`, then renames it to
-    `path`; on any error the temporary file is removed and the error re-raised."""
-    tmp = f"{path}.tmp{os.getpid()}"
+
+def check_output_file(path: str, flag: str) -> None:
+    """Checks, before any work, that `path` can be written as a file: its directory
+    exists and is writable, and `path` is not a directory.
+
+    Raises: SpecjaxError (one line naming `flag` and `path`) otherwise."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SpecjaxError(f"{flag} {path} is a directory; pass a file name")
+    if not os.path.isdir(parent):
+        raise SpecjaxError(f"{flag} {path}: its directory does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SpecjaxError(f"{flag} {path}: its directory {parent} is not writable")
+
+
+def _write_temp(path: str, write, index: int = 0) -> str:
+    """Writes a binary temporary file next to `path` with `write(f)`, synced; returns
+    its name (removed again if `write` fails)."""
+    tmp = f"{path}.tmp{os.getpid()}" + (f".{index}" if index else "")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
+        raise
+    return tmp
+
+
+def atomic_write(path: str, write) -> None:
+    """Calls `write(f)` on a binary temporary file next to `path`, then renames it to
+    `path`; on any error the temporary file is removed and the error re-raised.
+
+    Raises: whatever `write` raises, and OSError (IsADirectoryError where `path` is a
+      directory) when the file cannot be written or renamed."""
+    atomic_write_all([(path, write)])
+
+
+def atomic_write_all(items) -> None:
+    """Writes several files all or none: each `(path, write)` of `items` goes to a
+    temporary file next to its path first, and only when every one is complete are they
+    renamed into place (a failure before that leaves no file and no temporary behind;
+    a rename fails only where the paths were not checked, see `check_output_file`).
+
+    Raises: as `atomic_write`."""
+    temps = []
+    try:
+        for i, (path, write) in enumerate(items):
+            if os.path.isdir(path):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            temps.append((_write_temp(path, write, i), path))
+        while temps:
+            tmp, path = temps[0]
+            os.replace(tmp, path)
+            temps.pop(0)
+    except BaseException:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
         raise
 
 

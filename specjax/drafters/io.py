@@ -142,10 +142,10 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
     Returns: (DrafterConfig, nnx.State of the network's nnx.Param leaves with the stored
       weights (jax arrays), target record dict ({} if none was recorded)).
     Raises: SpecjaxError for a missing or corrupt config.json or safetensors file, and a
-      missing, unexpected or wrongly shaped tensor.
+      missing, unexpected or wrongly shaped tensor, or one with NaN or Inf values.
     """
     from specjax import drafters
-    from specjax.checkpoint import open_safetensors
+    from specjax.checkpoint import check_finite, open_safetensors
 
     raw = read_config(path)
     target = raw.get("target") or {}
@@ -173,6 +173,7 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
             if tuple(arr.shape) != want:
                 raise SpecjaxError(f"{file}: tensor {name} has shape {tuple(arr.shape)}, "
                                    f"expected {want} from config.json")
+            check_finite(name, arr, file)
             var.set_value(jnp.asarray(arr.astype(np.float32)).astype(dtype))
             seen.add(name)
     missing = sorted(set(expected) - seen)

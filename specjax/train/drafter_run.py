@@ -43,11 +43,16 @@ def load_target(cfg: TrainConfig, dtype):
     Raises: SpecjaxError for a missing or unreadable target directory."""
     from specjax.checkpoint import load_model
 
+    check_target_dir(cfg)
+    return load_model(cfg.target_dir, dtype=dtype)
+
+
+def check_target_dir(cfg: TrainConfig) -> None:
+    """Raises SpecjaxError if the drafter run's target directory does not exist."""
     path = cfg.target_dir
     if not os.path.isdir(path):
         raise SpecjaxError(f"target {path} does not exist; pass the frozen target's HF "
                            "directory with --target or the config's target key")
-    return load_model(path, dtype=dtype)
 
 
 def check_tokenizer(cfg: TrainConfig, data: RunData) -> None:

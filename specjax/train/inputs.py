@@ -1,5 +1,6 @@
 """Training and validation token streams, and the tokenizer, for one run.
 
+    check_paths(cfg)              # before the run dir is created: every named path exists
     data = prepare_data(cfg)      # checks every path first; SpecjaxError names the fix
     rows, position = data.train.batch(position, B)       # i32[B, T+1], deterministic
 
@@ -91,9 +92,41 @@ def _load_tokenizer(path: str, vocab: _Vocab):
     return tok
 
 
-def _load_stream(path: str, key: str, vocab: _Vocab) -> np.ndarray:
+def _need_file(path: str, key: str) -> None:
     if not os.path.isfile(path):
         raise SpecjaxError(f"{key} {path} does not exist; pass an existing .npy token file")
+
+
+def _need_corpus_root(root: str | None) -> None:
+    if root is not None and not os.path.isdir(root):
+        raise SpecjaxError(f"data.corpus_root {root} is not a directory; pass a directory "
+                           "of .py files or leave it unset for the standard library")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The cheap part of `prepare_data`, run before anything is written: every file and
+    directory the data section names exists.
+
+    Raises: SpecjaxError (the message `prepare_data` gives) for a missing token file,
+      corpus root or tokenizer directory."""
+    d = cfg.data
+    if d.corpus is not None:
+        _need_corpus_root(d.corpus_root)
+        if d.tokenizer_dir is not None and not os.path.isdir(d.tokenizer_dir):
+            raise SpecjaxError(f"data.tokenizer_dir {d.tokenizer_dir} does not exist; leave "
+                               "it unset to train a tokenizer into data.cache_dir")
+        return
+    for path in d.tokens_npy:
+        _need_file(path, "data.tokens_npy")
+    if d.val_tokens_npy is not None:
+        _need_file(d.val_tokens_npy, "data.val_tokens_npy")
+    if d.tokenizer_dir is not None and not os.path.isdir(d.tokenizer_dir):
+        raise SpecjaxError(f"data.tokenizer_dir {d.tokenizer_dir} does not exist; pass a "
+                           "directory written by save_pretrained")
+
+
+def _load_stream(path: str, key: str, vocab: _Vocab) -> np.ndarray:
+    _need_file(path, key)
     try:
         tokens = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
@@ -113,9 +146,7 @@ def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
 
     d = cfg.data
     root = d.corpus_root
-    if root is not None and not os.path.isdir(root):
-        raise SpecjaxError(f"data.corpus_root {root} is not a directory; pass a directory "
-                           "of .py files or leave it unset for the standard library")
+    _need_corpus_root(root)
     tok_dir = d.tokenizer_dir or _default_tokenizer_dir(cfg)
     if d.tokenizer_dir is not None and not os.path.isdir(tok_dir):
         raise SpecjaxError(f"data.tokenizer_dir {tok_dir} does not exist; leave it unset to "

@@ -25,6 +25,7 @@ TrainState and of the rows at the checkpointed data position.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -259,9 +260,120 @@ def _remove_stale_temps(run_dir: str) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
+def _topmost_missing(path: str) -> str | None:
+    """The outermost directory that `os.makedirs(path)` would create, or None if `path`
+    exists."""
+    path, top = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        top, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return top
+
+
+class _NewFiles:
+    """What one `train` call adds to the filesystem before its first training step, so
+    that a call that fails there (a bad config, a missing file, a target that does not
+    fit) leaves nothing behind: the run dir and the export directory's parents it
+    created, and the entries it added to an existing run dir (train.lock, config.yaml,
+    checkpoints/, data/, ...). What was there before, a resumed run's files, stays.
+    Process 0 only; `keep()` once the run has started."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.run_dir = cfg.run_dir
+        self.created_run_dir = _topmost_missing(cfg.run_dir)
+        self.created_other = []
+        if cfg.export.enabled:
+            top = _topmost_missing(os.path.dirname(os.path.abspath(cfg.export_dir)))
+            if top is not None and top != self.created_run_dir:
+                self.created_other.append(top)
+        self.before = None  # the run dir's entries once this call holds its lock
+        self.kept = False
+
+    def locked(self, lock_existed: bool) -> None:
+        """Records the run dir's entries, right after the lock was taken."""
+        self.before = set(os.listdir(self.run_dir))
+        if not lock_existed:
+            self.before.discard(LOCK_NAME)
+
+    def keep(self) -> None:
+        self.kept = True
+
+    def remove(self) -> None:
+        """Deletes what this call created (call while holding the lock)."""
+        import shutil
+
+        if self.kept:
+            return
+        if self.created_run_dir is not None:
+            shutil.rmtree(self.created_run_dir, ignore_errors=True)
+        elif self.before is not None and os.path.isdir(self.run_dir):
+            for name in set(os.listdir(self.run_dir)) - self.before:
+                path = os.path.join(self.run_dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+        for top in self.created_other:  # an export parent: removed only while empty
+            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+
+
+def _check_creatable(path: str, what: str) -> None:
+    """SpecjaxError (one line) unless `path` is a writable directory or could be created
+    as one. Leaves nothing behind (a missing `path` is probed with an empty temporary
+    directory in its nearest existing ancestor, removed at once)."""
+    import tempfile
+
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise SpecjaxError(f"{what} {path} cannot be created ({probe} is not a directory); "
+                           "choose a writable directory")
+    if probe == os.path.abspath(path):
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise SpecjaxError(f"{what} {path} is not writable; choose a writable directory")
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".specjax-probe-", dir=probe))
+    except OSError as e:
+        raise SpecjaxError(f"{what} {path} cannot be created ({e.strerror}); choose a "
+                           "writable directory") from None
+
+
+def preflight(cfg: TrainConfig):
+    """Everything about `cfg` that can be checked before anything is written: that the
+    run dir and the export directory can be created (process 0), the mesh and the batch
+    split, the data files, and the target directory (drafter runs). Returns the device
+    mesh.
+
+    Raises: SpecjaxError (one line)."""
+    from specjax.train.inputs import check_paths
+
+    if jax.process_index() == 0:
+        _check_creatable(cfg.run_dir, "run_dir")
+        if cfg.export.enabled:
+            _check_creatable(os.path.dirname(os.path.abspath(cfg.export_dir)),
+                             "the export directory's parent")
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh_lib.check_batch(mesh, cfg.train)
+    check_paths(cfg)
+    if cfg.trains_drafter:
+        from specjax.train.drafter_run import check_target_dir
+
+        check_target_dir(cfg)
+    return mesh
+
+
 def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True) -> RunResult:
     """Trains (or resumes) the run in `cfg.run_dir` up to `cfg.train.steps`, holding the
-    run dir's lock (`RunDirLock`) for the whole run.
+    run dir's lock (`RunDirLock`) for the whole run. The config is checked first
+    (`preflight`); a call that fails before its first training step removes everything
+    it created (the run dir if it was new, else only the entries it added).
 
     Args:
       cfg: the validated config.
@@ -275,34 +387,49 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
       unwritable run or export directory, a run_dir another train.py holds, or a run_dir
       that holds another model's (or drafter's) checkpoints.
     """
-    lock, error = None, None
-    if jax.process_index() == 0:  # the others wait for its verdict (multihost.agree)
+    lock, error, new, mesh = None, None, None, None
+    try:
+        mesh = preflight(cfg)
+    except SpecjaxError as e:
+        error = str(e)
+    if jax.process_index() == 0 and error is None:  # the others wait for its verdict
+        new = _NewFiles(cfg)
         try:
             _writable_dir(cfg.run_dir, "run_dir")
             export_parent = os.path.dirname(os.path.abspath(cfg.export_dir))
             if cfg.export.enabled and os.path.abspath(export_parent) != os.path.abspath(
                     cfg.run_dir):
                 _writable_dir(export_parent, "the export directory's parent")
-            lock = RunDirLock(cfg.run_dir)
-            _remove_stale_temps(cfg.run_dir)
         except SpecjaxError as e:
             error = str(e)
+        else:
+            lock_existed = os.path.exists(os.path.join(cfg.run_dir, LOCK_NAME))
+            try:
+                lock = RunDirLock(cfg.run_dir)
+            except SpecjaxError as e:  # another train.py holds the run dir: touch nothing
+                error, new = str(e), None
+            else:
+                new.locked(lock_existed)
+                _remove_stale_temps(cfg.run_dir)
     error = multihost.agree(error)
     try:
         if error is not None:
             raise SpecjaxError(error)
-        return _train(cfg, stop_at=stop_at, progress=progress)
+        return _train(cfg, mesh, new, stop_at=stop_at, progress=progress)
+    except BaseException:
+        if new is not None:
+            new.remove()
+        raise
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResult:
+def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None,
+           progress: bool) -> RunResult:
     import jax.numpy as jnp
 
     loop, is_main = cfg.train, jax.process_index() == 0
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    mesh_lib.check_batch(mesh, loop)
     tx, schedule = make_optimizer(cfg.optim, loop.steps)
     dtype = jnp.bfloat16 if loop.dtype == "bfloat16" else jnp.float32
     if cfg.trains_drafter:
@@ -320,8 +447,6 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
     if latest is not None:
         _check_resume_config(cfg, config_path, run.resume_keys)
     multihost.barrier("specjax.train: config checked")  # every process read the old one
-    if is_main:
-        dump_config(cfg, config_path)
 
     T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
     if latest is None:
@@ -334,6 +459,10 @@ def _train(cfg: TrainConfig, *, stop_at: int | None, progress: bool) -> RunResul
         state, meta, _ = ckpts.restore_newest(trainer.abstract_target(), warn)
         position = int(meta["data_position"])
         run.resumed()
+    if new is not None:  # started: from here on a failure keeps the run dir's files
+        new.keep()
+    if is_main:  # only now: a config that fails to restore leaves the old one in place
+        dump_config(cfg, config_path)
     start = step = int(jax.device_get(state.step))
     last = loop.steps if stop_at is None else min(loop.steps, stop_at)
 
