@@ -61,31 +61,76 @@ byte_ops = st.lists(st.tuples(st.sampled_from(["flip", "cut", "insert"]),
 
 # ----------------------------------------------------------------------------- prompts
 
-class _Tok:
-    def encode(self, text):
-        return [ord(c) % 300 for c in text]
+DEMO_TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
+
+# text with lone surrogates among ordinary characters: what a JSON "\\udXXX" escape
+# without its pair, or a --prompt argument holding bytes that are not UTF-8, gives Python
+hostile_text = st.text(st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr),
+                                 st.sampled_from("\x00\t\r\u2028\ufeff")), max_size=24)
+hostile_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | hostile_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(hostile_text, inner,
+                                                                max_size=4),
+    max_leaves=8)
+json_objects = st.one_of(
+    hostile_values,
+    st.fixed_dictionaries({"prompt": hostile_text}, optional={"id": hostile_values}),
+    st.fixed_dictionaries({"prompt": hostile_values}),
+    st.fixed_dictionaries({"input_ids": hostile_values}),
+    st.fixed_dictionaries({"input_ids": st.lists(st.integers(-5, 9000), max_size=6),
+                           "id": hostile_values}))
+# one line of the file, as bytes: JSON (escaped, or raw with surrogates written as the
+# invalid UTF-8 that surrogatepass gives), or any bytes at all
+prompt_lines = st.one_of(
+    json_objects.map(lambda o: json.dumps(o).encode()),
+    json_objects.map(lambda o: json.dumps(o, ensure_ascii=False).encode("utf-8",
+                                                                        "surrogatepass")),
+    hostile_text.map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.binary(max_size=24))
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    """The demo's tokenizer, loaded as decode.py loads it (V = 8192)."""
+    from specjax.checkpoint import load_tokenizer
+    from specjax.config import ModelConfig
+
+    tok = load_tokenizer(DEMO_TARGET)
+    assert tok is not None
+    return tok, ModelConfig.from_dir(DEMO_TARGET).vocab_size
 
 
 @FAST
-@given(lines=st.lists(st.one_of(
-    st.text(max_size=40),
-    json_values.map(json.dumps),
-    st.fixed_dictionaries({"prompt": json_values}).map(json.dumps),
-    st.fixed_dictionaries({"input_ids": json_values}).map(json.dumps),
-    st.fixed_dictionaries({"input_ids": st.lists(st.integers(-5, 400), max_size=6),
-                           "id": json_values}).map(json.dumps)), max_size=5),
-    with_tokenizer=st.booleans())
-def test_prompt_reader(lines, with_tokenizer):
+@given(lines=st.lists(prompt_lines, max_size=5), bom=st.booleans(),
+       with_tokenizer=st.booleans())
+def test_prompt_reader(demo_tokenizer, lines, bom, with_tokenizer):
     import decode
 
+    tok, V = demo_tokenizer
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "p.jsonl")
-        with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write("\n".join(x.replace("\n", " ") for x in lines) + "\n")
-        got = only_specjax_errors(decode.read_prompts, _Tok() if with_tokenizer else None,
-                                  320, path=path, target=d)
+        with open(path, "wb") as f:
+            f.write(b"\xef\xbb\xbf" * bom + b"\n".join(lines) + b"\n")
+        got = only_specjax_errors(decode.read_prompts, tok if with_tokenizer else None, V,
+                                  path=path, target=d)
     if got is not None:
-        assert got and all(ids and all(0 <= i < 320 for i in ids) for _, ids in got)
+        assert got and all(ids and all(0 <= i < V for i in ids) for _, ids in got)
+        for pid, _ in got:
+            json.dumps(pid, ensure_ascii=False).encode()  # printable and writable
+
+
+@FAST
+@given(text=hostile_text)
+def test_prompt_flag(demo_tokenizer, text):
+    import decode
+
+    tok, V = demo_tokenizer
+    got = only_specjax_errors(decode.read_prompts, tok, V, prompt=text, target=DEMO_TARGET)
+    if got is not None:
+        assert got == [("0", tok.encode(text))] and all(0 <= i < V for i in got[0][1])
+    else:
+        assert not text or any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 # ----------------------------------------------------------------------------- HF config

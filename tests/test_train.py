@@ -401,6 +401,86 @@ def test_no_restorable_checkpoint_is_an_error_not_a_fresh_start(corpus, tmp_path
         train(cfg, progress=False)
 
 
+def _files(path) -> dict:
+    """{relative path: bytes (a file) or None (a directory)} of everything under `path`."""
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), path)] = None
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(dirpath, f), path)] = fh.read()
+    return out
+
+
+def _outside_vocab(directory) -> str:
+    """A token stream with ids outside test_tiny's vocabulary (320): refused only once the
+    data is opened, after the run dir is made."""
+    path = os.path.join(directory, "big.npy")
+    np.save(path, np.full(400, 999, np.int32))
+    return path
+
+
+def _sets(items):
+    return [x for s in items for x in ("--set", s)]
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("mesh", "does not divide the 8 devices"),
+    ("missing_data", "data.tokens_npy /nonexistent/t.npy"),
+    ("outside_vocab", "outside [0, 320)"),
+    ("init_from", "nope"),
+])
+def test_failed_start_leaves_nothing_behind(corpus, tmp_path, capsys, case, needle):
+    """A train.py that fails before its first step, whether its check comes before or
+    after the run dir is made, leaves no run dir (nor the parents it made), no train.lock
+    and no export directory parent: one line, exit 2, nothing else."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    extra = {"mesh": ["mesh.data=3"], "missing_data": ["data.tokens_npy=/nonexistent/t.npy"],
+             "outside_vocab": [f"data.tokens_npy={_outside_vocab(inputs)}"],
+             "init_from": [f"train.init_from={inputs / 'nope'}"]}[case]
+    code, err = _cli(["--run-dir", str(tmp_path / "new" / "run"), *_sets(
+        [*tiny_args(corpus, (8, 1, 1)), f"export.dir={tmp_path / 'exp' / 'sub' / 'hf'}",
+         *extra])], capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert sorted(os.listdir(tmp_path)) == ["inputs"]
+
+
+def test_failed_start_in_an_existing_dir_removes_only_what_it_added(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    code, err = _cli(["--run-dir", str(run_dir), *_sets(
+        [*tiny_args(corpus, (8, 1, 1)), f"data.tokens_npy={_outside_vocab(tmp_path)}"])],
+        capsys)
+    assert code == 2 and err.count("\n") == 1 and "outside [0, 320)" in err, err
+    assert _files(run_dir) == {"notes.txt": b"mine"}
+
+
+def test_failed_resume_leaves_the_run_dir_as_it_was(corpus, tmp_path, capsys):
+    """A resume refused for another model, for data outside the vocabulary, or because
+    no checkpoint restores (here with a changed train.steps): every file of the run,
+    config.yaml included, is as it was."""
+    run_dir = tmp_path / "run"
+    keep = [*tiny_args(corpus), "export.enabled=false", "train.checkpoint_every=1",
+            "train.keep_checkpoints=1"]
+    train(load_config(TINY, keep, run_dir=str(run_dir)), stop_at=1, progress=False)
+    before = _files(run_dir)
+    assert "config.yaml" in before and "train.lock" in before
+    for extra, needle in ((["model.hidden_size=64"], "different model"),
+                          ([f"data.tokens_npy={_outside_vocab(tmp_path)}"], "outside"),
+                          (["train.steps=7"], "can be restored")):
+        if needle == "can be restored":
+            for p in (run_dir / "checkpoints").rglob("*"):
+                if p.is_file():
+                    p.write_bytes(b"")
+            before = _files(run_dir)
+        code, err = _cli(["--run-dir", str(run_dir), *_sets([*keep, *extra])], capsys)
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+        assert _files(run_dir) == before, needle
+
+
 def _wait_for(proc, cond, timeout=120.0):
     """Polls cond() every millisecond until true; False if proc ended first."""
     deadline = time.time() + timeout
