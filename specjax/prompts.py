@@ -19,9 +19,12 @@ import json
 import os
 import random
 import re
+import sys
 
 from specjax import cli
 from specjax.data import corpus_files, read_source, split_of, stdlib_root
+from specjax.errors import SpecjaxError
+from specjax.fileio import atomic_write
 
 _DEF = re.compile(r"^(\s*)(async\s+)?def\s+\w+\s*\(")
 
@@ -88,20 +91,31 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
     return out
 
 
-def main():
+def main(argv=None) -> int:
     ap = cli.ArgumentParser(prog="python -m specjax.prompts",
                             description="Write held-out code-completion prompts (JSONL).")
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    prompts = held_out_prompts(args.n, args.seed)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        for p in prompts:
-            f.write(json.dumps(p) + "\n")
+    args = ap.parse_args(argv)
+    try:
+        if args.n < 1:
+            raise SpecjaxError(f"--n={args.n} must be >= 1")
+        if os.path.isdir(args.out):  # before the corpus is read
+            raise SpecjaxError(f"out {args.out} is a directory; pass a file name")
+        prompts = held_out_prompts(args.n, args.seed)
+        data = "".join(json.dumps(p) + "\n" for p in prompts).encode()
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            atomic_write(args.out, lambda f: f.write(data))
+        except OSError as e:
+            raise SpecjaxError(f"out {args.out} cannot be written ({e.strerror})") from None
+    except SpecjaxError as e:
+        print(f"python -m specjax.prompts: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {len(prompts)} prompts to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -122,6 +122,20 @@ def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
     return counts
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """SpecjaxError unless `out_dir` is a directory or could be made one (creates
+    nothing)."""
+    probe = os.path.abspath(out_dir)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is a file" if probe == os.path.abspath(out_dir) else f"is under a file, {probe}"
+        raise SpecjaxError(f"--out {out_dir} {what}; pass a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise SpecjaxError(f"--out {out_dir}: {probe} is not writable; pass a writable "
+                           "directory")
+
+
 def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 0,
                max_chars: int = 800, max_new_tokens: int = 128, batch_size: int = 32,
                limit: int | None = None, val_fraction: float = 0.05,
@@ -143,8 +157,9 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     is done; a later call resumes. Batches hold prompts of similar lengths and run in a
     seeded random order, so a stopped run is a sample of every length.
 
-    Raises: SpecjaxError for a target without a tokenizer or EOS id, bad settings, or a
-    `skip_seen` directory without generations.jsonl.
+    Raises: SpecjaxError for a target without a tokenizer or EOS id, bad settings, an
+    `out_dir` that is a file or cannot be created (checked first; a refused call creates
+    no directory), or a `skip_seen` directory without generations.jsonl.
     """
     import jax
     from tqdm import tqdm
@@ -161,6 +176,7 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         raise SpecjaxError(f"--time-limit={time_limit_s} must be > 0")
     if limit is not None and limit < 1:
         raise SpecjaxError(f"--limit={limit} must be >= 1")
+    _check_out_dir(out_dir)
     cfg = ModelConfig.from_dir(target_dir)
     tokenizer = load_tokenizer(target_dir)
     if tokenizer is None:
@@ -189,16 +205,20 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     for p in prompts:
         p["prompt_ids"] = tokenizer(p["prompt"])["input_ids"]
     prompts = [p for p in prompts if p["prompt_ids"]]
-    os.makedirs(out_dir, exist_ok=True)
-    gen_path = os.path.join(out_dir, GENERATIONS)
-    done = _done_ids(gen_path)
-    todo = [p for p in prompts if p["id"] not in done]
     longest = max(len(p["prompt_ids"]) for p in prompts)
     max_length = longest + max_new_tokens
     if max_length > cfg.max_position_embeddings:
         raise SpecjaxError(f"--max-chars {max_chars}: prompts of {longest} tokens + "
                            f"{max_new_tokens} new exceed the target's "
                            f"max_position_embeddings {cfg.max_position_embeddings}")
+    try:  # only now: a call refused above creates nothing
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise SpecjaxError(f"--out {out_dir} cannot be created ({e.strerror}); pass a "
+                           "writable directory") from None
+    gen_path = os.path.join(out_dir, GENERATIONS)
+    done = _done_ids(gen_path)
+    todo = [p for p in prompts if p["id"] not in done]
     todo.sort(key=lambda p: len(p["prompt_ids"]))  # similar lengths share a batch
     print(f"regenerate: {len(prompts)} prompts ({len(done)} done before), "
           f"batch {batch_size}, {max_new_tokens} new tokens each", file=sys.stderr)
