@@ -599,6 +599,8 @@ def _one_line_error(fn):
     ("dflash", "shape:layers.0.self_attn.q_norm.weight", "q_norm.weight has shape"),
     ("dflash", "config:target_layer_ids=[3]", "target_layer_ids [3]"),
     ("dflash", "config:no_rope_theta", "rope_theta is missing"),
+    ("eagle3-hf", "nan:midlayer.mlp.up_proj.weight", "up_proj.weight has NaN or Inf"),
+    ("dflash", "inf:layers.1.self_attn.q_norm.weight", "q_norm.weight has NaN or Inf"),
 ])
 def test_malformed_directory_is_one_line_error(layout, edit, needle, tmp_path):
     t, cfg = WRITERS[layout]()
@@ -609,6 +611,8 @@ def test_malformed_directory_is_one_line_error(layout, edit, needle, tmp_path):
         t[arg] = t[arg][..., :-1]
     elif what == "extra":
         t[arg] = np.ones(D, np.float32)
+    elif what in ("nan", "inf"):
+        t[arg].flat[3] = np.nan if what == "nan" else -np.inf
     elif arg == "fc_norm=true":
         cfg["fc_norm"] = True
     elif arg == "rope_scaling=yarn":

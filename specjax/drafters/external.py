@@ -166,8 +166,9 @@ def safetensors_files(path: str) -> list[str]:
 
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors of `path` (numpy, stored dtype) and the file each came from.
-    Raises SpecjaxError for unreadable files and a tensor present in two files."""
-    from specjax.checkpoint import open_safetensors
+    Raises SpecjaxError for unreadable files, a tensor present in two files, and NaN or
+    Inf in a tensor (`checkpoint.check_finite`, naming it)."""
+    from specjax.checkpoint import check_finite, open_safetensors
 
     out, where = {}, {}
     for file in safetensors_files(path):
@@ -176,6 +177,7 @@ def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                 if name in out:
                     raise SpecjaxError(f"{file}: tensor {name} is also in {where[name]}")
                 out[name], where[name] = f.get_tensor(name), file
+                check_finite(name, out[name], file)
     return out, where
 
 
