@@ -12,7 +12,9 @@
 - Given the whole layer-major cache [L, B, K, S, H] and a layer (static or traced), both
   layouts read that layer in place and equal the reference on cache[layer]; the other
   layers hold NaN, so reading any of them shows.
-- Gradients (custom_vjp with the reference's backward) match the reference's.
+- Gradients (custom_vjp with the reference's backward) match the reference's, and both
+  match jax.grad of the attention written again from its definition in float64
+  (`jax.enable_x64`), so the reference is not only compared with itself.
 - Both layouts lower for TPU (Mosaic) and GPU (Triton) at a Qwen3-8B-like shape.
 """
 
@@ -203,6 +205,73 @@ def test_gradient_matches_reference(mode):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     # Cache slots past the length get zero gradient.
     assert not np.asarray(g_pal[1])[1, :, 29:].any() and not np.asarray(g_pal[2])[0].any()
+
+
+def _attention_f64(q, kc, vc, lengths, kn, vn, mode):
+    """Few-query attention written again from its definition, in jnp (float64 under
+    `jax.enable_x64`), for autodiff: query t of row b, head n (KV head n // R) takes the
+    softmax of q . k / sqrt(H) over the row's cache slots < lengths[b] and the new tokens
+    u (u <= t when causal, all T for block), and those weights times the values."""
+    B, T, N, H = q.shape
+    K, S = kc.shape[1], kc.shape[2]
+    R = N // K
+    keys = jnp.concatenate([jnp.repeat(kc, R, axis=1).transpose(0, 2, 1, 3),
+                            jnp.repeat(kn, R, axis=2)], axis=1)  # [B, S+T, N, H]
+    vals = jnp.concatenate([jnp.repeat(vc, R, axis=1).transpose(0, 2, 1, 3),
+                            jnp.repeat(vn, R, axis=2)], axis=1)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, keys) / np.sqrt(H)
+    cache_ok = jnp.broadcast_to((np.arange(S)[None, :] < lengths[:, None])[:, None, None, :],
+                                (B, 1, T, S))
+    new_ok = np.tril(np.ones((T, T), bool)) if mode == "causal" else np.ones((T, T), bool)
+    ok = jnp.concatenate([cache_ok, jnp.broadcast_to(new_ok, (B, 1, T, T))], axis=-1)
+    scores = jnp.where(ok, scores, -jnp.inf)
+    e = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+    return jnp.einsum("bnts,bsnh->btnh", e / e.sum(axis=-1, keepdims=True), vals)
+
+
+@pytest.mark.parametrize("mode", ["causal", "block"])
+def test_gradient_matches_float64_autodiff(mode):
+    """The custom backward of the Pallas path (and autodiff through the jnp reference)
+    against jax.grad of `_attention_f64` in float64: no specjax or pallas_kernels code on
+    the expected side. GQA (N 4, K 2), lengths 0 and ragged, finite garbage past each
+    length (it must get zero gradient)."""
+    lengths = np.array([0, 29, 40], np.int32)
+    q, kc, vc, _, kn, vn = (np.asarray(a, np.float64) if a.ndim else a for a in
+                            _inputs(3, 3, 4, 2, 40, 16, lengths, seed=4, poison=False))
+    dead = np.broadcast_to(np.arange(40)[None, None, :, None] >= lengths[:, None, None, None],
+                           kc.shape)
+    kc, vc = np.where(dead, 50.0, kc), np.where(dead, -50.0, vc)
+    w = np.random.default_rng(5).normal(size=q.shape)
+    diff = (0, 1, 2, 3, 4)
+
+    with jax.enable_x64(True):
+        def loss64(q, kc, vc, kn, vn):
+            return jnp.sum(_attention_f64(q, kc, vc, jnp.asarray(lengths), kn, vn, mode) * w)
+
+        args64 = [jnp.asarray(a, jnp.float64) for a in (q, kc, vc, kn, vn)]
+        want_out = np.asarray(_attention_f64(*args64[:3], jnp.asarray(lengths), *args64[3:],
+                                             mode))
+        want = [np.asarray(g) for g in jax.grad(loss64, argnums=diff)(*args64)]
+    assert want_out.dtype == np.float64 and all(g.dtype == np.float64 for g in want)
+    assert not want[1][dead].any() and not want[2][dead].any()
+
+    args = [jnp.asarray(a, jnp.float32) for a in (q, kc, vc, kn, vn)]
+    w32 = jnp.asarray(w, jnp.float32)
+    for name, fn in [
+        ("pallas", functools.partial(decode_attention, mode=mode, block_s=16, interpret=True)),
+        ("reference", functools.partial(decode_attention, mode=mode, impl="reference")),
+    ]:
+        def loss(q, kc, vc, kn, vn, fn=fn):
+            return jnp.sum(fn(q, kc, vc, jnp.asarray(lengths), kn, vn) * w32)
+
+        out = fn(*args[:3], jnp.asarray(lengths), *args[3:])
+        np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+        got = jax.jit(jax.grad(loss, argnums=diff))(*args)
+        for label, a, b in zip(("q", "k_cache", "v_cache", "k_new", "v_new"), got, want,
+                               strict=True):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{name} d{label}")
 
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "triton")])
