@@ -192,18 +192,17 @@ def validate(args) -> None:
         except ImportError as e:
             raise SpecjaxError(f"the transformers systems need torch and transformers ({e}); "
                                "install them or pass --no-transformers") from None
+    from specjax.fileio import check_output_file
+
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if not path:
             continue
-        if os.path.isdir(path):
-            raise SpecjaxError(f"{flag} {path} is a directory; pass a file name")
         parent = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
             raise SpecjaxError(f"{flag} {path}: cannot create {parent} ({e.strerror})") from None
-        if not os.access(parent, os.W_OK):
-            raise SpecjaxError(f"{flag} {path}: {parent} is not writable")
+        check_output_file(path, flag)
 
 
 def run(args) -> dict:

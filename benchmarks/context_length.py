@@ -33,6 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specjax import cli  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file, save_figure  # noqa: E402
 
 
 def build_parser():
@@ -51,8 +53,11 @@ def build_parser():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--context-repeats", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny random model, small sizes")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="PNG of decode tokens/s vs context")
+    ap.add_argument("--json", default=None,
+                    help="write the results here (its directory must exist; checked first)")
+    ap.add_argument("--plot", default=None,
+                    help="PNG of decode tokens/s vs context (needs matplotlib; its directory "
+                         "must exist; checked first)")
     return ap
 
 
@@ -159,13 +164,27 @@ def write_plot(path, result):
         ax.grid(alpha=0.3)
     fig.suptitle("demo target, AR greedy, batch 1, 2-core CPU", fontsize=10)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except SpecjaxError as e:
+        print(f"context_length.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:  # before any work: a bad path fails now, not after the sweeps
+            check_output_file(path, flag)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SpecjaxError("--plot needs matplotlib (pip install matplotlib)") from None
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -207,15 +226,14 @@ def main(argv=None):
     if args.plot:
         write_plot(args.plot, result)
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.json)
+        text = json.dumps(result, indent=1).encode()
+        atomic_write(args.json, lambda f: f.write(text))
     return 0
 
 
 if __name__ == "__main__":
     t0 = time.time()
     code = main()
-    print(f"(took {time.time() - t0:.0f} s)", file=sys.stderr)
+    if code == 0:  # a refusal stays one line
+        print(f"(took {time.time() - t0:.0f} s)", file=sys.stderr)
     sys.exit(code)

@@ -64,6 +64,8 @@ from specjax.checkpoint import save_model  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from specjax.engine import Engine  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 from specjax.model import Transformer, layer_shapes  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
@@ -78,6 +80,25 @@ JSON_KEYS = ("config", "num_params", "weight_bytes", "new_tokens", "prompt_token
 
 def log(msg: str) -> None:
     print(f"[decode_speed] {msg}", file=sys.stderr, flush=True)
+
+
+def check_json_path(path: str, flag: str = "--json") -> None:
+    """Checks `path` before any work without creating anything: not a directory, and its
+    directory exists and is writable (`check_output_file`) or, where it does not exist yet
+    (it is created when the file is written), its nearest existing ancestor is a writable
+    directory.
+
+    Raises: SpecjaxError (one line naming `flag` and `path`)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    base = parent
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
+    if base == parent:
+        check_output_file(path, flag)
+    elif not os.access(base, os.W_OK | os.X_OK):
+        raise SpecjaxError(f"{flag} {path}: cannot create {parent}: {base} is not writable")
 
 
 def parse_args(argv=None):
@@ -102,7 +123,8 @@ def parse_args(argv=None):
                     help="varied: weights re-drawn so greedy output is not one repeated token "
                          "(default); specjax: the model's own init (std 0.02)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write all raw figures to this JSON file")
+    ap.add_argument("--json", help="write all raw figures to this JSON file (checked before "
+                    "the run; a missing directory is created when the file is written)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 1 or args.prompt_tokens < 1:
         ap.error("--repeats, --new-tokens and --prompt-tokens must be >= 1")
@@ -110,6 +132,11 @@ def parse_args(argv=None):
         ap.error("--gammas must be >= 1")
     if args.threads and any(t < 1 for t in args.threads):
         ap.error("--threads must be >= 1")
+    if args.json:
+        try:
+            check_json_path(args.json)
+        except SpecjaxError as e:
+            ap.error(str(e))
     return args
 
 
@@ -350,9 +377,9 @@ def main(argv=None) -> dict:
         if k.endswith("_equals_ar"):
             print(f"lossless: {k[:-len('_equals_ar')]} output == AR: {v}")
     if args.json:
+        text = json.dumps(result, indent=2).encode()
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        atomic_write(args.json, lambda f: f.write(text))
         log(f"wrote {args.json}")
     return result
 

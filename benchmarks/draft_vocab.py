@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--cache-dir", default=os.path.join(ROOT, "runs/token_cache"))
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (its directory must exist; "
+                    "checked before the run)")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    if args.json:  # before any work: a bad path fails now, not after the run
+        check_output_file(args.json, "--json")
     # a missing --target or --drafter: load_model / the drafter loader raise SpecjaxError
     if not os.path.isfile(args.prompts_file):
         raise SpecjaxError(f"--prompts-file {args.prompts_file} does not exist")
@@ -121,8 +125,8 @@ def _run(args) -> int:
         print(f"| {r['size']} | {r['coverage']:.1%} | {r['tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical_to_ar']} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        text = json.dumps({"args": vars(args), "rows": rows}, indent=2).encode()
+        atomic_write(args.json, lambda f: f.write(text))
     return 0
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 
 
 def parse_setting(text: str) -> tuple[int | None, int | None]:
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=["64:64", "default"])
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (its directory must exist; "
+                    "checked before the run)")
     args = ap.parse_args(argv)
     try:
         return _run(args)
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    if args.json:  # before any work: a bad path fails now, not after the run
+        check_output_file(args.json, "--json")
     settings = {s: parse_setting(s) for s in args.settings}
     if args.prompts < 1 or any(n < 1 for n in args.new_tokens):
         raise SpecjaxError("--prompts and --new-tokens must be >= 1")
@@ -129,8 +133,8 @@ def _run(args) -> int:
               f"{r['ar_s']:.2f} | {r['drafter_s']:.2f} | {r['speedup']:.3f}x | "
               f"{r['compile_ar_s']:.1f}, {r['compile_drafter_s']:.1f} | {r['identical']} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        text = json.dumps({"args": vars(args), "rows": rows}, indent=2).encode()
+        atomic_write(args.json, lambda f: f.write(text))
     return 0
 
 

@@ -41,6 +41,7 @@ import jax  # noqa: E402
 from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 
 SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update",
           "prefill", "drafter_init")
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=int, default=2, help="traced passes over the prompts")
     ap.add_argument("--top", type=int, default=0,
                     help="also list the N most expensive ops of each part (ms per step)")
-    ap.add_argument("--json", help="write the figures to this JSON file")
+    ap.add_argument("--json", help="write the figures to this JSON file (its directory must "
+                    "exist; checked before the run)")
     return ap
 
 
@@ -199,6 +201,8 @@ def run(args) -> dict:
 
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
+    if args.json:  # before any work: a bad path fails now, not after the run
+        check_output_file(args.json, "--json")
     target = load_model(args.target, dtype=jnp.float32,
                         matmul_dtype=decode.flag_dtype(args.matmul_dtype))
     prompts = prompt_ids(args.prompts, load_tokenizer(args.target), target.cfg.vocab_size,
@@ -259,8 +263,6 @@ def run(args) -> dict:
                 print(f"  {v / steps:7.3f}  {k}  {shapes.get(k, '')}")
         result["top_ops"] = {k: v / steps for k, v in per_op.items()}
     if args.json:
-        from specjax.fileio import atomic_write
-
         text = (json.dumps(result, indent=1) + "\n").encode()
         atomic_write(args.json, lambda f: f.write(text))
     return result

@@ -68,6 +68,8 @@ import decode  # noqa: E402
 from benchmarks._common import usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.engine import Engine, Stats  # noqa: E402
+from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch, jax 0.10.2
@@ -388,6 +390,25 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_json_path(path: str, flag: str = "--json") -> None:
+    """Checks `path` before any work without creating anything: not a directory, and its
+    directory exists and is writable (`check_output_file`) or, where it does not exist yet
+    (it is created when the file is written), its nearest existing ancestor is a writable
+    directory (as benchmarks/decode_speed.py).
+
+    Raises: SpecjaxError (one line naming `flag` and `path`)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    base = parent
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
+    if base == parent:
+        check_output_file(path, flag)
+    elif not os.access(base, os.W_OK | os.X_OK):
+        raise SpecjaxError(f"{flag} {path}: cannot create {parent}: {base} is not writable")
+
+
 def parse_args(argv=None):
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
@@ -413,13 +434,20 @@ def parse_args(argv=None):
     ap.add_argument("--rss-slack-mib", type=float, default=128.0,
                     help="largest RSS rise after warm-up that counts as flat (module docstring)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "soak.json"))
+    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "soak.json"),
+                    help="write every figure here (default %(default)s; checked before the "
+                         "run; a missing directory is created when the file is written)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if min(args.prompts, args.min_prompt, args.batch_size, args.max_new_tokens) < 1:
         ap.error("--prompts, --min-prompt, --batch-size and --max-new-tokens must be >= 1")
     if args.max_prompt < args.min_prompt or args.max_prompt > max(args.buckets):
         ap.error("need --min-prompt <= --max-prompt <= the largest of --buckets")
+    if args.json:
+        try:
+            check_json_path(args.json)
+        except SpecjaxError as e:
+            ap.error(str(e))
     return args
 
 
@@ -437,7 +465,6 @@ def main(argv=None) -> int:
 
     from specjax.checkpoint import load_model
     from specjax.config import ModelConfig
-    from specjax.errors import SpecjaxError
 
     try:
         cfg = ModelConfig.from_dir(args.target)
@@ -483,10 +510,9 @@ def main(argv=None) -> int:
           f"{result['load_average']['end'][0]:.2f} at the end; {result['wall_s']:.0f} s in all; "
           f"{'all checks passed' if result['ok'] else 'CHECKS FAILED'}")
     if args.json:
+        text = (json.dumps(result, indent=1) + "\n").encode()
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        atomic_write(args.json, lambda f: f.write(text))
     return 0 if result["ok"] else 1
 
 

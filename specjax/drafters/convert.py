@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     try:
         export_dir(args.src, args.dst, args.to, args.target, args.dtype)
     except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst} ({args.to})")
     return 0
