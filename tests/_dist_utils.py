@@ -70,11 +70,11 @@ CFG = ModelConfig(family="qwen3", vocab_size=V, hidden_size=16, num_layers=1, nu
                   num_kv_heads=1, head_dim=8, intermediate_size=32)
 
 
-def scaled_model(seed: int, scale: float) -> Transformer:
-    """A random tiny Transformer with every weight matrix (not the norms) scaled by
-    `scale` (init std 0.02 -> 0.02 * scale), so that its next-token distribution is far
-    from uniform and depends on the context."""
-    model = Transformer(CFG, rngs=nnx.Rngs(seed))
+def scaled_model(seed: int, scale: float, cfg: ModelConfig = CFG) -> Transformer:
+    """A random tiny Transformer (`cfg`, CFG by default) with every weight matrix (not
+    the norms) scaled by `scale` (init std 0.02 -> 0.02 * scale), so that its next-token
+    distribution is far from uniform and depends on the context."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state))
     return model
@@ -156,6 +156,68 @@ def tv_null_quantile(pmf, n_samples: int, level: float = 0.999, reps: int = 4000
     counts = rng.multinomial(n_samples, pmf, size=reps)
     tvs = 0.5 * np.abs(counts / n_samples - pmf[None]).sum(axis=1)
     return float(np.quantile(tvs, level))
+
+
+def projections(n: int) -> list[tuple[int, ...]]:
+    """The views of an n-token sequence that `projection_test` checks: every position
+    alone, every adjacent pair, every run of three, and (n > 3) the whole sequence."""
+    out = [(j,) for j in range(n)] + [(j, j + 1) for j in range(n - 1)]
+    out += [tuple(range(j, j + 3)) for j in range(n - 2)]
+    if n > 3:
+        out.append(tuple(range(n)))
+    return out
+
+
+def project(x, axes: tuple[int, ...], n: int, vocab: int = V) -> np.ndarray:
+    """x f64[..., vocab**n] (a pmf over n-token sequences, `seq_index` order) ->
+    f64[..., vocab**len(axes)]: the marginal of the positions `axes` (ascending)."""
+    x = np.asarray(x)
+    lead = x.shape[:-1]
+    other = tuple(len(lead) + j for j in range(n) if j not in axes)
+    return x.reshape(*lead, *([vocab] * n)).sum(axis=other).reshape(*lead, -1)
+
+
+def projection_null(pmf, n_samples: int, level: float = 0.999, reps: int = 4000,
+                    seed: int = 0, chunk: int = 500):
+    """Null law of `projection_test`'s statistic for n_samples iid sequences from pmf
+    (f64[V**n]): simulated with `reps` multinomial draws of the whole joint, each
+    projected like the sample. -> (mean f64[P], sd f64[P], threshold): the TV of
+    projection i is standardised as (TV_i - mean_i) / sd_i and the statistic is the
+    largest; threshold is its `level` quantile (one level for the whole family)."""
+    pmf = np.asarray(pmf, np.float64)
+    pmf = pmf / pmf.sum()
+    n = round(np.log(pmf.size) / np.log(V))
+    axes = projections(n)
+    exact = [project(pmf, a, n) for a in axes]
+    rng = np.random.default_rng(seed)
+    tvs = np.zeros((reps, len(axes)))
+    for start in range(0, reps, chunk):
+        m = min(chunk, reps - start)
+        freq = rng.multinomial(n_samples, pmf, size=m) / n_samples
+        for i, a in enumerate(axes):
+            tvs[start:start + m, i] = 0.5 * np.abs(project(freq, a, n) - exact[i]).sum(-1)
+    mean, sd = tvs.mean(axis=0), tvs.std(axis=0, ddof=1)
+    z = ((tvs - mean) / sd).max(axis=1)
+    return mean, sd, float(np.quantile(z, level))
+
+
+def projection_test(seqs, pmf, null) -> tuple[float, float, str]:
+    """Are the rows of i32[N,n] draws from pmf f64[V**n]? Each view of `projections(n)`
+    (marginals, adjacent pairs, runs of three, the whole joint) is compared with the
+    same view of pmf by TV; the statistic is the largest standardised TV, `null` =
+    `projection_null(pmf, N)`. A multi-round loop that is exact on the first round only
+    shows in the later positions' views, which have few cells (and so power) where the
+    whole joint of V**n cells has little. -> (statistic, threshold, the worst view and
+    its TV as text)."""
+    seqs = np.asarray(seqs)
+    n = seqs.shape[1]
+    emp = empirical_pmf(seqs)
+    mean, sd, thresh = null
+    axes = projections(n)
+    tvs = np.array([tv(project(emp, a, n), project(pmf, a, n)) for a in axes])
+    z = (tvs - mean) / sd
+    i = int(np.argmax(z))
+    return float(z[i]), thresh, f"positions {axes[i]} TV={tvs[i]:.4f} (null mean {mean[i]:.4f})"
 
 
 def ratio_mean_se(num, den):
