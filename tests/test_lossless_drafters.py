@@ -11,8 +11,8 @@ every adjacent pair and every run of three, one threshold for the whole family f
 simulated null. Power checks: a drafter that reports a stale q after its first round,
 and the biased verifiers of tests/test_distribution.py, must fail the same test.
 
-Every drafter: the draft LM, n-gram lookup (one-hot q), eagle3, kv, hybrid, block with
-context hidden / kv / both, and the two imported layouts (an EAGLE-3 head with its own
+Every drafter: the draft LM, n-gram lookup (one-hot q), eagle3 and hybrid (also with
+--draft-stop's one-hot fillers), kv, block with context hidden / kv / both, and the two imported layouts (an EAGLE-3 head with its own
 hot vocabulary, d2t; a DFlash head), both written here for the tiny 2-layer target and
 read by `specjax.drafters.external.load_external`. One loop call verifies half of its
 rows with token-level and half with block verification (`token_and_block`, the
@@ -201,13 +201,17 @@ def _drafter(name: str, sp: SamplingParams, hot: tuple[int, ...] | None = None):
         else:
             assert "draft_ids" not in params
         return drafter, params
+    stop = 0.0
+    if name.endswith("-stop"):  # --draft-stop 1: every round stops after its first
+        name, stop = name[:-len("-stop")], 1.0  # draft; fillers (one-hot q) follow
     kind, context = LEARNED[name]
     dcfg = DrafterConfig.for_target(CFG2, kind, gamma=GAMMA, context=context,
                                     mask_token_id=PAD if kind == "block" else None)
     if dcfg.uses_kv:  # merge both target layers' K/V (for_target picks one here)
         dcfg = dataclasses.replace(dcfg, kv_layers=(0, 1))
     net = _opinionated(build_network(dcfg, rngs=nnx.Rngs(7)))
-    return make_drafter(dcfg, net, target, gamma=GAMMA, sampling=sp, draft_vocab=hot)
+    return make_drafter(dcfg, net, target, gamma=GAMMA, sampling=sp, draft_vocab=hot,
+                        stop_below=stop)
 
 
 # ----------------------------------------------------------------------------- loop
@@ -401,6 +405,8 @@ SLOW = [
     ("eagle3-hf", "token", PLAIN, EAGLE_HOT, "reference"),
     ("eagle3-hf", "block", PLAIN, EAGLE_HOT, "reference"),
     ("dflash", "block", PLAIN, HOT, "reference"),
+    ("eagle3-stop", "both", PLAIN, None, "off"),
+    ("hybrid-stop", "both", TOP_K, HOT, "off"),
 ]
 CASES = FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW]
 
