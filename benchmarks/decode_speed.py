@@ -82,25 +82,6 @@ def log(msg: str) -> None:
     print(f"[decode_speed] {msg}", file=sys.stderr, flush=True)
 
 
-def check_json_path(path: str, flag: str = "--json") -> None:
-    """Checks `path` before any work without creating anything: not a directory, and its
-    directory exists and is writable (`check_output_file`) or, where it does not exist yet
-    (it is created when the file is written), its nearest existing ancestor is a writable
-    directory.
-
-    Raises: SpecjaxError (one line naming `flag` and `path`)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    base = parent
-    while not os.path.exists(base):
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
-    if base == parent:
-        check_output_file(path, flag)
-    elif not os.access(base, os.W_OK | os.X_OK):
-        raise SpecjaxError(f"{flag} {path}: cannot create {parent}: {base} is not writable")
-
-
 def parse_args(argv=None):
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per system")
@@ -134,7 +115,7 @@ def parse_args(argv=None):
         ap.error("--threads must be >= 1")
     if args.json:
         try:
-            check_json_path(args.json)
+            check_output_file(args.json, "--json", create_parent=True)
         except SpecjaxError as e:
             ap.error(str(e))
     return args

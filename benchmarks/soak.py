@@ -390,25 +390,6 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def check_json_path(path: str, flag: str = "--json") -> None:
-    """Checks `path` before any work without creating anything: not a directory, and its
-    directory exists and is writable (`check_output_file`) or, where it does not exist yet
-    (it is created when the file is written), its nearest existing ancestor is a writable
-    directory (as benchmarks/decode_speed.py).
-
-    Raises: SpecjaxError (one line naming `flag` and `path`)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    base = parent
-    while not os.path.exists(base):
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
-    if base == parent:
-        check_output_file(path, flag)
-    elif not os.access(base, os.W_OK | os.X_OK):
-        raise SpecjaxError(f"{flag} {path}: cannot create {parent}: {base} is not writable")
-
-
 def parse_args(argv=None):
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
@@ -445,7 +426,7 @@ def parse_args(argv=None):
         ap.error("need --min-prompt <= --max-prompt <= the largest of --buckets")
     if args.json:
         try:
-            check_json_path(args.json)
+            check_output_file(args.json, "--json", create_parent=True)
         except SpecjaxError as e:
             ap.error(str(e))
     return args

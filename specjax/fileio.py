@@ -9,14 +9,26 @@ import os
 from specjax.errors import SpecjaxError
 
 
-def check_output_file(path: str, flag: str) -> None:
-    """Checks, before any work, that `path` can be written as a file: its directory
-    exists and is writable, and `path` is not a directory.
+def check_output_file(path: str, flag: str, *, create_parent: bool = False) -> None:
+    """Checks, before any work, that `path` can be written as a file: it is not a
+    directory, and its directory exists and is writable, or (create_parent: the caller
+    creates it when it writes the file) the nearest existing ancestor is a writable
+    directory. Creates nothing.
 
     Raises: SpecjaxError (one line naming `flag` and `path`) otherwise."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise SpecjaxError(f"{flag} {path} is a directory; pass a file name")
+    if create_parent and not os.path.isdir(parent):
+        base = parent
+        while not os.path.exists(base):
+            base = os.path.dirname(base)
+        if not os.path.isdir(base):
+            raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise SpecjaxError(f"{flag} {path}: cannot create {parent}: {base} is not "
+                               "writable")
+        return
     if not os.path.isdir(parent):
         raise SpecjaxError(f"{flag} {path}: its directory does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
