@@ -257,6 +257,8 @@ def test_a_held_run_dir_refuses_the_whole_job(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
+    (tmp_path / "never_read.npy").write_bytes(b"not an npy file")  # exists (train.py checks
+    # data paths before the lock), and reading it would fail with another message
     lock = RunDirLock(str(run))
     try:
         job = Job(TINY, run, [f"data.tokens_npy={tmp_path}/never_read.npy"])
