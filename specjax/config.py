@@ -22,7 +22,7 @@ FAMILIES = ("qwen3", "llama")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder hyper-parameters (shape letters from DESIGN.md section 2).
+    """Decoder hyper-parameters (shape letters from docs/design.md section 2).
 
     Attributes:
       family: "qwen3" (per-head q/k RMSNorm) or "llama".

@@ -7,7 +7,7 @@
 
 The corpus is every `*.py` under the running interpreter's standard library (tests
 included, site-packages excluded): about 1,790 files and 31.5 MB on every machine
-(DESIGN.md section 9). Files are named by their path relative to the root with '/'
+(docs/design.md section 9). Files are named by their path relative to the root with '/'
 separators, and the split hashes that name, so it is the same on every machine.
 
 A token stream is a flat 1-D array: the files of one split in sorted path order,

@@ -4,7 +4,7 @@ State lives in fixed-size buffers (gemma's sampler is the template): the token
 buffer i32[B,S'], per-row lengths, the target KV cache, the drafter state, the RNG
 key and the counters. Row b's committed tokens are tokens[b, :lengths[b]]; the last
 one is *pending*: its target K/V is not cached yet, so the next target forward
-starts with it (DESIGN.md section 3). Rows that stopped (EOS or budget) keep
+starts with it (docs/design.md section 3). Rows that stopped (EOS or budget) keep
 running inside the batch but write nothing more.
 
 Per speculative step: the drafter proposes G tokens and their q; the target
@@ -340,7 +340,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
     `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
-    output follows the filtered target distribution (DESIGN.md section 4).
+    output follows the filtered target distribution (docs/design.md section 4).
     """
     model = nnx.merge(graphdef, params)
     G = drafter.gamma

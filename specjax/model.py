@@ -3,7 +3,7 @@
 One code path serves prefill, single-token decoding and multi-token verification:
 `Transformer.__call__(tokens[B,T], positions[B,T], cache)`. Layers run under
 `lax.scan` over weights stacked on a leading L axis; weights keep HF's `[out, in]`
-layout and every projection contracts the last axis (fast on XLA:CPU, DESIGN.md 9).
+layout and every projection contracts the last axis (fast on XLA:CPU, docs/design.md 9).
 
 Sources: transformers `models/qwen3/modeling_qwen3.py` and
 `models/llama/modeling_llama.py` (RMSNorm in f32, rotate-half RoPE, GQA by

@@ -1,5 +1,5 @@
 """Regenerated drafter training data: the target's own greedy continuations of prompts
-cut from TRAINING files (DESIGN.md section 6; SpecForge recommends regenerating data so
+cut from TRAINING files (docs/design.md section 6; SpecForge recommends regenerating data so
 the drafter trains on the text the target actually writes).
 
     python -m specjax.regenerate --out runs/data/regen --prompts-per-file 4

@@ -1,6 +1,6 @@
 """Filtered next-token distributions (temperature, top-k, top-p) and sampling.
 
-Losslessness is with respect to the FILTERED target distribution (DESIGN.md 4): the
+Losslessness is with respect to the FILTERED target distribution (docs/design.md 4): the
 loop turns target and drafter logits into probabilities with the same
 `SamplingParams` before verification. Temperature 0 means greedy: the distribution
 is one-hot at the argmax (first index on ties, as `jnp.argmax`).

@@ -8,7 +8,7 @@ All three take the same arguments, for a batch of B rows and draft length G:
 and return `Verdict(num_accepted i32[B] in 0..G, next_token i32[B])`: the row
 emits x_1..x_tau and then `next_token` (the correction, or the bonus if tau == G).
 
-Rules exactly as DESIGN.md section 4 states them:
+Rules exactly as docs/design.md section 4 states them:
 - greedy: longest prefix with x_i == argmax p_i.
 - token: Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1); Chen et al. 2023.
 - block: Sun et al., "Block Verification Accelerates Speculative Decoding"

@@ -2,7 +2,7 @@
 
 Nothing here calls `specjax.sampling` or `specjax.verify`: the filters (temperature,
 top-k, top-p) and the verification rules' exact outcome probabilities are written
-again from their documented semantics (specjax/sampling.py docstring, DESIGN.md
+again from their documented semantics (specjax/sampling.py docstring, docs/design.md
 section 4), so a test compares the code under test against an independent reference.
 """
 
@@ -247,7 +247,7 @@ def _residual(p, q, w=1.0):
 
 
 def exact_verdict(rule: str, draft, q, p):
-    """f64[G+1, V]: P(tau = i, next = y | draft) for one row under the rule as DESIGN.md
+    """f64[G+1, V]: P(tau = i, next = y | draft) for one row under the rule as docs/design.md
     section 4 states it. draft i32[G]; q f64[G,V]; p f64[G+1,V] (p_i in the context of
     x_1..x_{i-1}). rule: "token" or "block"."""
     G = len(draft)

@@ -1,4 +1,4 @@
-"""Exact-distribution tests of the verification rules (DESIGN.md section 4).
+"""Exact-distribution tests of the verification rules (docs/design.md section 4).
 
 Two levels:
 - Through the real speculative loop (`speculative_loop` + `DraftLMDrafter`): the

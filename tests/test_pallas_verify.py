@@ -145,7 +145,7 @@ def _law_case(mode, G, seed=0):
     ("block", "logits", 2), ("block", "onehot", 3)])
 def test_verdict_law_matches_enumeration(rule, mode, G):
     """The empirical law of (tau, next) over N_LAW rows equals the exact law, computed in
-    float64 from DESIGN.md section 4 by enumerating the drafts (tests/_dist_utils.py)."""
+    float64 from docs/design.md section 4 by enumerating the drafts (tests/_dist_utils.py)."""
     T, tl, dl, p, q = _law_case(mode, G)
     rng = np.random.default_rng(1)
     if mode == "onehot":  # a deterministic drafter: always the same draft

@@ -1,6 +1,6 @@
 """Fused verification from logits: greedy, token-level and block verification.
 
-`verify_logits` applies the rules of DESIGN.md section 4 (greedy; Leviathan et al. 2023
+`verify_logits` applies the rules of docs/design.md section 4 (greedy; Leviathan et al. 2023
 token-level rejection sampling; Sun et al. 2024, arXiv 2403.10444, Algorithm 2 block
 verification) to target LOGITS, without materialising the [B, G+1, V] probabilities that
 `specjax.verify` takes. Two passes over the vocabulary, in tiles:
@@ -36,7 +36,7 @@ from pallas_kernels.verify import kernel, reference, tiles
 
 RULES = ("greedy", "token", "block")
 DRAFT_MODES = ("probs", "logits", "onehot")
-DEFAULT_TILE = 8192  # vLLM's vocabulary tile (DESIGN.md section 10); clipped to V
+DEFAULT_TILE = 8192  # vLLM's vocabulary tile (docs/design.md section 10); clipped to V
 
 
 class Verdict(NamedTuple):

@@ -1,4 +1,4 @@
-"""The drafter interface the speculative loop calls (DESIGN.md section 5).
+"""The drafter interface the speculative loop calls (docs/design.md section 5).
 
 A drafter is a frozen, hashable object (a static argument of `jax.jit`) plus a
 params pytree (a jit argument) and a state pytree it threads through the loop. The

@@ -1,4 +1,4 @@
-"""DFlash-style parallel block drafter (z-lab/dflash; DESIGN.md section 5): ONE forward
+"""DFlash-style parallel block drafter (z-lab/dflash; docs/design.md section 5): ONE forward
 drafts all G tokens.
 
 The block is [pending token, G mask tokens] at positions lengths-1 .. lengths-1+G (the
@@ -83,7 +83,7 @@ class BlockNet(nnx.Module):
         return out
 
     def blocks(self, contexts, anchors, tokens, embed, inv_freq, gamma: int):
-        """Packed training blocks (DFlash; DESIGN.md section 6): block j of row b is
+        """Packed training blocks (DFlash; docs/design.md section 6): block j of row b is
         [tokens[b, anchors[b,j]], G mask tokens] at positions anchor .. anchor+G; it sees
         context positions strictly before its anchor and its own block (bidirectional).
 

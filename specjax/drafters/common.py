@@ -10,7 +10,7 @@
   newly verified positions of the target cache in place;
 - `context_kv`: the block drafter's context K/V from target hidden states (DFlash).
 
-Shapes follow DESIGN.md section 2; keys and values are [B,K,S,H] like one layer of the
+Shapes follow docs/design.md section 2; keys and values are [B,K,S,H] like one layer of the
 target cache.
 """
 
@@ -279,7 +279,7 @@ def merge_init(cfg: DrafterConfig, dtype) -> tuple[nnx.Param, nnx.Param]:
 
 
 def merge_kv(wk, wv, k_src, v_src, cos, sin):
-    """One merged memory from target K/V at Ls layers (KVShot; DESIGN.md section 5).
+    """One merged memory from target K/V at Ls layers (KVShot; docs/design.md section 5).
 
     Args:
       wk, wv: [K*H, Ls*K*H] merge maps.

@@ -1,4 +1,4 @@
-"""Configuration of the drafters that read the target (DESIGN.md section 5), and the
+"""Configuration of the drafters that read the target (docs/design.md section 5), and the
 `config.json` of an exported drafter directory.
 
     cfg = DrafterConfig.for_target(target_cfg, "block", context="kv", num_layers=2)
@@ -36,7 +36,7 @@ def evenly_spaced_layers(num_layers: int, n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Hyper-parameters of one learned drafter (shape letters: DESIGN.md section 2).
+    """Hyper-parameters of one learned drafter (shape letters: docs/design.md section 2).
 
     Attributes:
       kind: "eagle3" (hidden states), "kv" (KVShot KV-only), "hybrid" (both, gated), or
@@ -171,7 +171,7 @@ class DrafterConfig:
                    num_layers: int | None = None, intermediate_size: int | None = None,
                    context: str | None = None, num_kv_layers: int = 3,
                    mask_token_id: int | None = None, qk_norm: bool = True) -> DrafterConfig:
-        """A drafter config sized for `target` with the defaults of DESIGN.md section 5:
+        """A drafter config sized for `target` with the defaults of docs/design.md section 5:
         eagle3 captures the inputs of layers {2, L/2, L-3}; kv has Ld = 2 layers over
         Ls = 3 target layers; block has Ld = 2 layers, context "hidden"; F defaults to
         the target's."""

@@ -1,5 +1,5 @@
 """EAGLE-3 drafter (hidden states only; Li et al. 2025, arXiv 2503.01840; layout of
-SafeAILab/EAGLE and SpecForge, DESIGN.md section 5).
+SafeAILab/EAGLE and SpecForge, docs/design.md section 5).
 
 One decoder layer over x_t = [embed_norm(embed(token_{t+1})) ; hidden_norm(h_t)] (2D
 features), with h as its residual: h_0 = fc(concat of target features at 3 depths),
@@ -70,7 +70,7 @@ class Eagle3(nnx.Module):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
     def ttt(self, hidden, tokens, embed, inv_freq, steps: int, memory=None, anchors=None):
-        """Training-time-test unroll (EAGLE-3; DESIGN.md section 6).
+        """Training-time-test unroll (EAGLE-3; docs/design.md section 6).
 
         Step 0 runs on fc(target features) with a causal mask over all T positions; step
         k at anchor t reads the embedding of token t+k+1 and step k-1's output at t, uses

@@ -1,6 +1,6 @@
 """Drafters trained elsewhere: EAGLE-3 heads (SafeAILab/EAGLE, SpecForge) and DFlash
 heads (z-lab/dflash), read from local directories into specjax's eagle3 and block
-drafters (DESIGN.md section 5, "Checkpoint layouts").
+drafters (docs/design.md section 5, "Checkpoint layouts").
 
     layout = detect_layout("heads/qwen3-8b-eagle3")          # "eagle3-hf", "dflash", None
     drafter, params = load_external("heads/qwen3-8b-eagle3", target)

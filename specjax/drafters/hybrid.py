@@ -1,4 +1,4 @@
-"""KVShot hybrid drafter (arXiv 2604.26412; DESIGN.md section 5): the EAGLE-3 path n plus
+"""KVShot hybrid drafter (arXiv 2604.26412; docs/design.md section 5): the EAGLE-3 path n plus
 a cross-attention path o over a merged memory M of the target's K/V, mixed by a gate:
 
     o = n + cross_o(attend(rope(q_norm(cross_q(cross_norm(n)))), M[positions <= t]))

@@ -1,4 +1,4 @@
-"""KVShot KV-only drafter (arXiv 2604.26412; DESIGN.md section 5): a small causal decoder
+"""KVShot KV-only drafter (arXiv 2604.26412; docs/design.md section 5): a small causal decoder
 whose input is the token embedding alone and whose every layer attends to a memory M_l
 merged from the target's K/V at Ls layers (positions <= the last committed entry),
 followed by its own K/V for the tokens it is drafting.
@@ -44,7 +44,7 @@ class KVOnly(nnx.Module):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
     def ttt(self, memory, tokens, embed, inv_freq, steps: int, anchors=None):
-        """Training-time-test unroll (DESIGN.md section 6).
+        """Training-time-test unroll (docs/design.md section 6).
 
         Args:
           memory: (k, v) [Ld,B,K,T,H], merged from the target at positions 0..T-1.

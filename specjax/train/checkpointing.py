@@ -4,7 +4,7 @@ A checkpoint at step s is the directory `<run_dir>/checkpoints/<s>` with two ite
   state  the TrainState: parameters, optimizer state, step, RNG (sharded arrays)
   meta   JSON: {"step", "data_position", "tokens_seen"}
 orbax writes into `<s>.orbax-checkpoint-tmp-*` and renames when complete, so a
-checkpoint is never half-written (DESIGN.md 9); a crash leaves only a temporary
+checkpoint is never half-written (docs/design.md 9); a crash leaves only a temporary
 directory that `latest_step` ignores. Restoring uses an abstract target of
 ShapeDtypeStructs with the run's shardings: the same tree comes back, resharded to
 the current mesh (a run may resume on a different mesh).

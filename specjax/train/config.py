@@ -9,7 +9,7 @@ and `--set` overrides use the same dotted names (`train.batch_size=16`, `mesh.fs
 or an inconsistent combination raises SpecjaxError with a one-line message; the CLI
 turns it into exit code 2.
 
-    objective: lm            # lm (a language model), ttt or block (a drafter, DESIGN.md 6)
+    objective: lm            # lm (a language model), ttt or block (a drafter, docs/design.md 6)
     run_dir: runs/NAME       # checkpoints, metrics.jsonl, config.yaml, hf/ or drafter/
     model:  specjax.config.ModelConfig fields (family, vocab_size, hidden_size, ...); lm only
     target: DIR              # ttt / block: the frozen target's HF directory
@@ -35,7 +35,7 @@ from specjax.errors import SpecjaxError
 
 OBJECTIVES = ("lm", "ttt", "block")  # lm trains a Transformer; ttt and block a drafter
 DRAFTER_OBJECTIVES = ("ttt", "block")
-# Which drafter kinds each drafter objective trains (DESIGN.md 6): training-time test
+# Which drafter kinds each drafter objective trains (docs/design.md 6): training-time test
 # unrolls the chain drafters; block-wise training is the parallel block drafter's.
 OBJECTIVE_KINDS = {"ttt": ("eagle3", "kv", "hybrid"), "block": ("block",)}
 DEFAULT_TARGET = "checkpoints/demo/target"  # the bundled demo target (relative to the cwd)
@@ -227,7 +227,7 @@ class ExportConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainConfig:
-    """The drafter a `ttt` / `block` run trains, and its loss (DESIGN.md 5 and 6).
+    """The drafter a `ttt` / `block` run trains, and its loss (docs/design.md 5 and 6).
 
     The drafter's shapes follow the target (`DrafterConfig.for_target`); these fields
     choose the rest.

@@ -12,7 +12,7 @@ Files in `cfg.run_dir` besides the loop's (see loop.py):
 With several processes the run dir must be on a filesystem every process sees (as orbax
 checkpoints need): process 0 writes the snapshots, every process reads the best record.
 
-Validation (DESIGN.md 6): the objective's stats over the fixed validation batches are
+Validation (docs/design.md 6): the objective's stats over the fixed validation batches are
 summed and summarized (objectives.summarize): alpha_0..alpha_{G-1} (simulated greedy
 acceptance per draft position), tau, and the hybrid's mean gate.
 """

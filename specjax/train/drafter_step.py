@@ -1,5 +1,5 @@
 """The drafter trainer (objectives ttt and block): a drafter network learns against a
-frozen target that runs inside the same jitted step (DESIGN.md section 6).
+frozen target that runs inside the same jitted step (docs/design.md section 6).
 
     trainer = DrafterTrainer(dcfg, target, "ttt", opts, dtype, tx, schedule, mesh, ...)
     state, metrics = trainer.train_step(state, batch)        # as `Trainer.train_step`

@@ -5,7 +5,7 @@
 
 With "pallas" the attention of every training forward goes through
 `pallas_kernels.attention.packed_attention` (flash attention with a per-query limit,
-forward and backward as Pallas kernels, DESIGN.md section 10):
+forward and backward as Pallas kernels, docs/design.md section 10):
 - the target's cache-free causal forward (objective lm, and the frozen target inside the
   drafter objectives): `specjax.model.Transformer(..., self_attention=fn)`;
 - the drafters' attention over their context (TTT: step-0 keys at positions <= t and,

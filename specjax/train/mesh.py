@@ -1,6 +1,6 @@
 """The device mesh, the one table of logical-axis rules, and the NamedShardings they give.
 
-Mesh axes (jax.make_mesh, all `AxisType.Auto`, DESIGN.md 9):
+Mesh axes (jax.make_mesh, all `AxisType.Auto`, docs/design.md 9):
   data   pure data parallelism: parameters replicated, batch rows split
   fsdp   batch rows split AND parameters split along their embed (D) axis (ZeRO-3)
   model  tensor parallelism: heads, MLP width F and vocabulary V split
@@ -63,7 +63,7 @@ PARAM_AXES: dict[str, tuple[str, ...] | tuple[tuple[str, ...], ...]] = {
     "k_bias": ("layers", "kv_heads"),  # [L, K*H]
     "v_bias": ("layers", "kv_heads"),  # [L, K*H]
     "o_bias": ("layers", "norm"),  # [L, D]
-    # drafters only (DESIGN.md 5)
+    # drafters only (docs/design.md 5)
     "fc": ("embed", "features"),  # [D, C*D]: target features -> D
     "embed_norm": (("norm",), ("layers", "norm")),  # [D]
     "hidden_norm": (("norm",), ("layers", "norm")),  # [D]

@@ -12,7 +12,7 @@ progress bar and the export; every process writes its shards of the orbax checkp
 so the run dir must be on a filesystem all of them see.
 
 On CPU (tests, several processes on one machine) the cross-process collectives go
-through gloo (DESIGN.md 9).
+through gloo (docs/design.md 9).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The model is split once (`nnx.split(model, nnx.Param, ...)`): the parameters live in
 the TrainState; the graph definition and the non-trainable rest (RoPE frequencies)
 are closed over, and a pure loss function `nnx.merge`s them inside `jax.jit`
-(DESIGN.md 9: nnx.jit would copy every weight per call).
+(docs/design.md 9: nnx.jit would copy every weight per call).
 
 The `lm` objective is next-token cross-entropy averaged over all B*T target tokens:
 inputs rows[:, :-1], targets rows[:, 1:]. The forward uses a throwaway KV cache of

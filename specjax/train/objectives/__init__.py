@@ -1,4 +1,4 @@
-"""Training objectives of drafters against a frozen target (DESIGN.md section 6).
+"""Training objectives of drafters against a frozen target (docs/design.md section 6).
 
 Contract between the trainer and the objectives (each a pure function, jit-able):
 

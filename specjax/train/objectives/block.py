@@ -1,4 +1,4 @@
-"""Block-wise training (DFlash; DESIGN.md section 6) for the parallel block drafter.
+"""Block-wise training (DFlash; docs/design.md section 6) for the parallel block drafter.
 
 Per row, A anchors are drawn without replacement from positions 1 .. T-G (resampled
 every step from the step's key); block j = [token at anchor_j, G mask tokens] sees the

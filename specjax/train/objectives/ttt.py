@@ -1,4 +1,4 @@
-"""Training-time test (EAGLE-3; DESIGN.md section 6) for the autoregressive drafters that
+"""Training-time test (EAGLE-3; docs/design.md section 6) for the autoregressive drafters that
 read the target: eagle3, hybrid and kv.
 
 Step k = 0..G-1 at anchor t predicts the target's distribution at position t+k+1 (the
