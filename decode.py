@@ -23,11 +23,16 @@ import os
 import sys
 
 from specjax import cli
+from specjax.loading import (  # noqa: F401 - re-exported for scripts and tests
+    DEFAULT_GAMMA,
+    DEMO_DIR,
+    DEMO_DRAFTERS,
+    drafter_matmul_dtype,
+    flag_dtype,
+    load_learned_drafter,
+)
+from specjax.prompts import read_prompts  # noqa: F401 - re-exported (decode.read_prompts)
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "demo")
-# The default drafter: the first of these under DEMO_DIR that exists.
-DEMO_DRAFTERS = ("drafters/eagle3", "drafters/block", "draft")
-DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
 # jax's persistent compilation cache when neither --compile-cache nor
 # JAX_COMPILATION_CACHE_DIR names one
 DEFAULT_COMPILE_CACHE = os.path.join(
@@ -176,189 +181,19 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--output and --summary both name {args.output}; pass two files")
 
 
-def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
-                 path: str | None = None, target: str | None = None
-                 ) -> list[tuple[str, list[int]]]:
-    """[(id, input_ids)] from the text `prompt` (--prompt) or else the JSONL `path`
-    (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed); `target` names
-    the tokenizer's directory in errors.
-
-    Raises: SpecjaxError (one line naming the file and line, or --prompt) for an
-      unreadable file, a line that is not UTF-8 or not a JSON object with "prompt" or
-      "input_ids", text with lone surrogates (not Unicode: a --prompt argument holding
-      bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
-      or a token id outside [0, vocab_size)."""
-    from specjax.errors import SpecjaxError
-
-    def check_text(text, where, what="the prompt"):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise SpecjaxError(
-                f"{where}: {what} holds a lone surrogate (U+{ord(text[e.start]):04X} at "
-                f"character {e.start}), which is not Unicode text; pass UTF-8 text"
-                + ("" if where == "--prompt" else " (a JSON \\udXXX escape needs its pair)")
-            ) from None
-
-    def encode(text, where):
-        check_text(text, where)
-        if tokenizer is None:
-            raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
-                               f"{target}; give \"input_ids\" instead")
-        return list(tokenizer.encode(text))
-
-    items = []
-    if prompt is not None:
-        items.append(("0", encode(prompt, "--prompt"), "--prompt"))
-    else:
-        file = path or os.path.join(DEMO_DIR, "prompts.jsonl")
-        try:
-            with open(file, "rb") as f:
-                lines = f.read().splitlines()
-        except OSError as e:
-            raise SpecjaxError(f"--prompts {file} is unreadable ({e.strerror}); "
-                               "pass a JSONL file or --prompt TEXT") from None
-        for n, raw in enumerate(lines, 1):
-            where = f"{file} line {n}"
-            try:
-                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise SpecjaxError(f"{where}: byte 0x{raw[e.start]:02x} at column "
-                                   f"{e.start + 1} is not UTF-8; save the file as UTF-8 "
-                                   "JSONL") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecjaxError(f"{where}: malformed JSON ({e.msg}); each line must be "
-                                   "one JSON object") from None
-            if not isinstance(obj, dict) or ("prompt" not in obj and "input_ids" not in obj):
-                raise SpecjaxError(f"{where}: needs a \"prompt\" (text) or \"input_ids\" "
-                                   "(list of ints) field")
-            if "input_ids" in obj:
-                ids = obj["input_ids"]
-                if not isinstance(ids, list) or not all(
-                        isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise SpecjaxError(f"{where}: \"input_ids\" must be a list of ints")
-            else:
-                if not isinstance(obj["prompt"], str):
-                    raise SpecjaxError(f"{where}: \"prompt\" must be a string")
-                ids = encode(obj["prompt"], where)
-            pid = str(obj.get("id", len(items)))
-            check_text(pid, where, "the \"id\"")
-            items.append((pid, ids, where))
-    if not items:
-        raise SpecjaxError(f"--prompts {path or os.path.join(DEMO_DIR, 'prompts.jsonl')}: "
-                           "no prompts found")
-    for _, ids, where in items:
-        if not ids:
-            raise SpecjaxError(f"{where}: the prompt is empty")
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise SpecjaxError(f"{where}: token id {bad[0]} is outside the vocabulary "
-                               f"[0, {vocab_size})")
-    return [(pid, ids) for pid, ids, _ in items]
-
-
 def make_drafter_from_args(args, target, sampling, dtype):
-    """(drafter, params, name) for args.drafter (None: the default demo drafter; "none":
-    (None, None, "none"); a directory: an EAGLE-3 or DFlash head (`drafters.external`), a
-    specjax drafter, or an HF draft LM, told apart by config.json); sets args.gamma to
-    the G used (a learned drafter's trained G unless --gamma is given, else
-    DEFAULT_GAMMA)."""
-    from specjax.checkpoint import load_model
-    from specjax.drafters.config import DrafterConfig
-    from specjax.drafters.draft_lm import DraftLMDrafter
-    from specjax.drafters.external import detect_layout, load_external
-    from specjax.drafters.ngram import NgramDrafter
-    from specjax.errors import SpecjaxError
+    """(drafter, params, name) for the flags in `args` (--drafter, --target, --gamma,
+    --drafter-dtype, --draft-vocab, --draft-stop) and `target` (a loaded
+    `specjax.model.Transformer` of --target): `specjax.loading.load_drafter`, which
+    this wraps; `args` is not changed (the G used is the drafter's `gamma`)."""
+    from specjax.loading import Target, load_drafter
 
-    name = args.drafter
-    if name is None:
-        found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
-        name = os.path.join(DEMO_DIR, found[0]) if found else "ngram"
-    V = target.cfg.vocab_size
-    if getattr(args, "draft_stop", 0.0) and not DrafterConfig.is_drafter_dir(name):
-        raise SpecjaxError(f"--draft-stop: only learned eagle3 and hybrid drafters stop "
-                           f"early, not --drafter {name}")
-    if name == "none":
-        return None, None, name
-    if name == "ngram":
-        args.gamma = args.gamma or DEFAULT_GAMMA
-        return NgramDrafter(args.gamma, V, sampling=sampling), (), name
-    if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
-        drafter, dparams = load_external(
-            name, target, gamma=args.gamma, sampling=sampling, dtype=dtype,
-            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")),
-            draft_vocab=getattr(args, "draft_vocab", "auto"))
-        args.gamma = drafter.gamma
-        return drafter, dparams, name
-    if DrafterConfig.is_drafter_dir(name):
-        drafter, dparams = load_learned_drafter(
-            name, target, args.target, args.gamma, sampling, dtype,
-            matmul_dtype=drafter_matmul_dtype(getattr(args, "drafter_dtype", "auto")),
-            draft_vocab=getattr(args, "draft_vocab", "auto"),
-            stop_below=getattr(args, "draft_stop", 0.0))
-        args.gamma = drafter.gamma
-        return drafter, dparams, name
-    args.gamma = args.gamma or DEFAULT_GAMMA
-    drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), args.gamma,
-                                             sampling, V)
-    return drafter, dparams, name
-
-
-def flag_dtype(name: str, auto=None):
-    """A dtype flag's value ("auto", "float32", "bfloat16") -> a jnp dtype; "auto" -> `auto`.
-    --matmul-dtype: auto None (the model's --dtype); --drafter-dtype: auto bfloat16."""
-    import jax.numpy as jnp
-
-    return {"auto": auto, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
-
-
-def drafter_matmul_dtype(name: str):
-    """--drafter-dtype -> the matmul dtype for make_drafter (auto: bfloat16)."""
-    import jax.numpy as jnp
-
-    return flag_dtype(name, auto=jnp.bfloat16)
-
-
-def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
-                         draft_vocab="full", stop_below=0.0):
-    """(drafter, params) from a drafter directory written by train.py, checked against the
-    target: same shapes, and trained against these weights (the fingerprint recorded at
-    export). draft_vocab: "auto" drafts over the directory's hot vocabulary
-    (draft_vocab.json, `specjax.drafters.vocab`) when it has one, "full" over all ids.
-    stop_below: early stop of drafting (`specjax.drafters.make_drafter`).
-    Raises SpecjaxError naming both directories otherwise."""
-    from flax import nnx
-
-    from specjax.checkpoint import fingerprint
-    from specjax.drafters import build_network, make_drafter
-    from specjax.drafters.io import load_drafter
-    from specjax.errors import SpecjaxError
-
-    dcfg, params, record = load_drafter(path, dtype=dtype)
-    trained_on = record.get("path", "an unrecorded target")
-    recorded = record.get("weights_fingerprint")
-    if recorded is not None and recorded != fingerprint(target_dir):
-        raise SpecjaxError(f"drafter {path} was trained against target {trained_on}, not "
-                           f"--target {target_dir} (other weights); pass --target "
-                           f"{trained_on} or train a drafter for this target")
-    try:
-        dcfg.check_target(target.cfg, where=f"drafter {path}")
-    except SpecjaxError as e:
-        raise SpecjaxError(f"{e}: it was trained against {trained_on}, not --target "
-                           f"{target_dir}") from None
-    net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
-    nnx.update(net, params)
-    hot = None
-    if draft_vocab == "auto":
-        from specjax.drafters.vocab import load_draft_vocab
-
-        hot = load_draft_vocab(path, target.cfg.vocab_size)
-    return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling,
-                        matmul_dtype=matmul_dtype, draft_vocab=hot, stop_below=stop_below)
+    t = Target(target, target.cfg, None, args.target, dtype)
+    d = load_drafter(args.drafter, t, gamma=args.gamma, sampling=sampling, dtype=dtype,
+                     matmul_dtype=getattr(args, "drafter_dtype", "auto"),
+                     draft_vocab=getattr(args, "draft_vocab", "auto"),
+                     draft_stop=getattr(args, "draft_stop", 0.0))
+    return d.drafter, d.params, d.name
 
 
 def _format_table(summary: dict) -> str:
@@ -427,22 +262,19 @@ def _show(rec: dict, prompt_ids: list[int], tokenizer, context_lines: int = 4) -
 
 def run(args) -> int:
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.checkpoint import load_tokenizer
     from specjax.config import ModelConfig
     from specjax.engine import Engine, Stats, prompt_width_for
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write_all
+    from specjax.loading import load_drafter, load_target, resolve_dtype
     from specjax.sampling import SamplingParams
 
     validate_flags(args)
     enable_compile_cache(args.compile_cache)
-    dtype_name = args.dtype
-    if dtype_name == "auto":
-        dtype_name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
+    dtype = resolve_dtype(args.dtype)
     cfg = ModelConfig.from_dir(args.target)  # config.json only: no weights read yet
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(tokenizer, cfg.vocab_size, prompt=args.prompt, path=args.prompts,
@@ -471,9 +303,13 @@ def run(args) -> int:
 
         mesh = decode_mesh(args.mesh)
         check_batch(mesh, args.batch_size)
-    target = load_model(args.target, dtype=dtype, matmul_dtype=flag_dtype(args.matmul_dtype))
-
-    drafter, dparams, drafter_arg = make_drafter_from_args(args, target, sampling, dtype)
+    target = load_target(args.target, dtype=dtype, matmul_dtype=args.matmul_dtype, cfg=cfg,
+                         tokenizer=tokenizer)
+    loaded = load_drafter(args.drafter, target, gamma=args.gamma, sampling=sampling,
+                          dtype=dtype, matmul_dtype=args.drafter_dtype,
+                          draft_vocab=args.draft_vocab, draft_stop=args.draft_stop)
+    drafter, dparams, drafter_arg = loaded.drafter, loaded.params, loaded.name
+    target = target.model
     eos = () if args.ignore_eos else cfg.eos_token_ids
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
@@ -501,7 +337,7 @@ def run(args) -> int:
                "tokens_per_s": st.tokens_per_s,
                "tau": st.tau if drafter is not None else None,
                "alpha": st.alpha if drafter is not None else [],
-               "drafter": drafter_arg, "gamma": args.gamma if drafter is not None else 0,
+               "drafter": drafter_arg, "gamma": loaded.gamma if drafter is not None else 0,
                "verify": "greedy" if sampling.greedy else args.verify,
                "kernels": engines["main"].cfg.kernels,
                "batch_size": args.batch_size, "prompts": len(prompts),

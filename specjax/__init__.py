@@ -10,3 +10,18 @@ keeps their own value).
 import os
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# The library's decoding entry points (`specjax.loading`, `specjax.prompts`), imported on
+# first use: `import specjax` stays free of jax for tools such as `python -m specjax.plan`.
+_LAZY = {"load_target": "specjax.loading", "load_drafter": "specjax.loading",
+         "Target": "specjax.loading", "LoadedDrafter": "specjax.loading",
+         "DEMO_DIR": "specjax.loading", "read_prompts": "specjax.prompts"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

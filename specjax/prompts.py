@@ -11,6 +11,9 @@ How a prompt is chosen (deterministic for a given standard library and seed):
      the function body.
   4. One prompt per file, until `n` prompts; prompts over `max_chars` are trimmed from the
      front at a line boundary.
+
+`read_prompts` reads a prompts file (or one text prompt) as decode.py's --prompts and
+--prompt do.
 """
 
 from __future__ import annotations
@@ -89,6 +92,93 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
         if len(out) == n:
             break
     return out
+
+
+def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
+                 path: str | None = None, target: str | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """[(id, input_ids)] from the text `prompt` (--prompt) or else the JSONL `path`
+    (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed), as decode.py
+    reads them: JSON objects with "prompt" (text, encoded with `tokenizer`) or
+    "input_ids" (a list of ints) and an optional "id"; `vocab_size` bounds the ids and
+    `target` names the tokenizer's directory in errors. Nothing is changed.
+
+    Raises: SpecjaxError (one line naming the file and line, or --prompt) for an
+      unreadable file, a line that is not UTF-8 or not a JSON object with "prompt" or
+      "input_ids", text with lone surrogates (not Unicode: a --prompt argument holding
+      bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
+      or a token id outside [0, vocab_size)."""
+    from specjax.loading import DEMO_PROMPTS
+
+    def check_text(text, where, what="the prompt"):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise SpecjaxError(
+                f"{where}: {what} holds a lone surrogate (U+{ord(text[e.start]):04X} at "
+                f"character {e.start}), which is not Unicode text; pass UTF-8 text"
+                + ("" if where == "--prompt" else " (a JSON \\udXXX escape needs its pair)")
+            ) from None
+
+    def encode(text, where):
+        check_text(text, where)
+        if tokenizer is None:
+            raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
+                               f"{target}; give \"input_ids\" instead")
+        return list(tokenizer.encode(text))
+
+    items = []
+    if prompt is not None:
+        items.append(("0", encode(prompt, "--prompt"), "--prompt"))
+    else:
+        file = path or DEMO_PROMPTS
+        try:
+            with open(file, "rb") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise SpecjaxError(f"--prompts {file} is unreadable ({e.strerror}); "
+                               "pass a JSONL file or --prompt TEXT") from None
+        for n, raw in enumerate(lines, 1):
+            where = f"{file} line {n}"
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecjaxError(f"{where}: byte 0x{raw[e.start]:02x} at column "
+                                   f"{e.start + 1} is not UTF-8; save the file as UTF-8 "
+                                   "JSONL") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecjaxError(f"{where}: malformed JSON ({e.msg}); each line must be "
+                                   "one JSON object") from None
+            if not isinstance(obj, dict) or ("prompt" not in obj and "input_ids" not in obj):
+                raise SpecjaxError(f"{where}: needs a \"prompt\" (text) or \"input_ids\" "
+                                   "(list of ints) field")
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(
+                        isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise SpecjaxError(f"{where}: \"input_ids\" must be a list of ints")
+            else:
+                if not isinstance(obj["prompt"], str):
+                    raise SpecjaxError(f"{where}: \"prompt\" must be a string")
+                ids = encode(obj["prompt"], where)
+            pid = str(obj.get("id", len(items)))
+            check_text(pid, where, "the \"id\"")
+            items.append((pid, ids, where))
+    if not items:
+        raise SpecjaxError(f"--prompts {path or DEMO_PROMPTS}: "
+                           "no prompts found")
+    for _, ids, where in items:
+        if not ids:
+            raise SpecjaxError(f"{where}: the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise SpecjaxError(f"{where}: token id {bad[0]} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+    return [(pid, ids) for pid, ids, _ in items]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,229 @@
+"""Loading a target and a drafter for decoding, as decode.py does, from plain arguments.
+
+    from specjax import load_target, load_drafter, read_prompts
+    from specjax.engine import Engine
+
+    target = load_target("checkpoints/demo/target")            # dtype "auto": f32 on CPU
+    prompts = read_prompts(target.tokenizer, target.cfg.vocab_size, prompt="def f(x):")
+    d = load_drafter("checkpoints/demo/drafters/eagle3", target)  # or None: the default
+    engine = Engine(target.model, drafter=d.drafter, drafter_params=d.params,
+                    max_length=256, eos_token_ids=target.cfg.eos_token_ids)
+    out = engine.run([ids for _, ids in prompts], 128, jax.random.key(0))
+
+Nothing here reads or writes an argparse namespace, and no function changes its
+arguments. jax is imported inside the functions, so importing this module (and
+`specjax`) stays cheap for tools that never decode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+# The repository checkout: the bundled demo lives in its checkpoints/demo.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo")
+DEMO_TARGET = os.path.join(DEMO_DIR, "target")
+DEMO_PROMPTS = os.path.join(DEMO_DIR, "prompts.jsonl")
+# The default drafter: the first of these under DEMO_DIR that exists.
+DEMO_DRAFTERS = ("drafters/eagle3", "drafters/block", "draft")
+DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trained G)
+
+
+class Target(NamedTuple):
+    """A loaded target: `model` (a `specjax.model.Transformer`), its `cfg`
+    (`specjax.config.ModelConfig`), its `tokenizer` (transformers' AutoTokenizer, or None
+    where the directory has no tokenizer files), the directory `path` and the parameter
+    `dtype` (a jnp dtype) it was loaded with."""
+
+    model: Any
+    cfg: Any
+    tokenizer: Any
+    path: str
+    dtype: Any
+
+
+class LoadedDrafter(NamedTuple):
+    """What `load_drafter` resolved: `drafter` and `params` for `specjax.engine.Engine`
+    (both None for "none"), `name` (the drafter argument, or the default drafter it
+    chose: a directory or "ngram") and `gamma` (the G it uses: the given one, a learned
+    drafter's trained G, else DEFAULT_GAMMA; None for "none")."""
+
+    drafter: Any
+    params: Any
+    name: str
+    gamma: int | None
+
+
+def default_drafter() -> str:
+    """The default drafter: the first of DEMO_DRAFTERS under DEMO_DIR, else "ngram"."""
+    found = [d for d in DEMO_DRAFTERS if os.path.isdir(os.path.join(DEMO_DIR, d))]
+    return os.path.join(DEMO_DIR, found[0]) if found else "ngram"
+
+
+def resolve_dtype(dtype):
+    """"auto" -> float32 on CPU, bfloat16 on TPU/GPU; "float32" / "bfloat16" -> that jnp
+    dtype; anything else (a jnp dtype) is returned as it is."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    return dtype
+
+
+def flag_dtype(name, auto=None):
+    """A dtype flag's value ("auto", "float32", "bfloat16") -> a jnp dtype; "auto" -> `auto`.
+    --matmul-dtype: auto None (the model's --dtype); --drafter-dtype: auto bfloat16. A
+    value that is not a string (a jnp dtype, or None) is returned as it is."""
+    import jax.numpy as jnp
+
+    if not isinstance(name, str):
+        return name
+    return {"auto": auto, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+def drafter_matmul_dtype(name):
+    """--drafter-dtype -> the matmul dtype for make_drafter (auto: bfloat16)."""
+    import jax.numpy as jnp
+
+    return flag_dtype(name, auto=jnp.bfloat16)
+
+
+def load_target(path: str = DEMO_TARGET, *, dtype="auto", matmul_dtype="auto", cfg=None,
+                tokenizer="auto") -> Target:
+    """The target in HF checkpoint directory `path` (Qwen3 / Llama-3), as decode.py loads
+    --target.
+
+    Args:
+      dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU), "float32", "bfloat16" or a jnp
+        dtype: the parameters' dtype.
+      matmul_dtype: "auto" (= dtype), "float32", "bfloat16" or a jnp dtype / None: the
+        weight matrices' dtype (`specjax.checkpoint.load_model`).
+      cfg: its ModelConfig when the caller has already read config.json (else read here).
+      tokenizer: "auto" loads the directory's tokenizer (None when it has none); any
+        other value (a tokenizer already loaded, or None) is used as it is.
+    Raises: SpecjaxError as `specjax.checkpoint.load_model` and `load_tokenizer`.
+    """
+    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.config import ModelConfig
+
+    dtype = resolve_dtype(dtype)
+    if cfg is None:
+        cfg = ModelConfig.from_dir(path)
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        tokenizer = load_tokenizer(path)
+    model = load_model(path, dtype=dtype, matmul_dtype=flag_dtype(matmul_dtype))
+    return Target(model, cfg, tokenizer, path, dtype)
+
+
+def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
+                         draft_vocab="full", stop_below=0.0):
+    """(drafter, params) from a drafter directory written by train.py, checked against the
+    target (a `specjax.model.Transformer` loaded from `target_dir`): same shapes, and
+    trained against these weights (the fingerprint recorded at export). draft_vocab:
+    "auto" drafts over the directory's hot vocabulary (draft_vocab.json,
+    `specjax.drafters.vocab`) when it has one, "full" over all ids. stop_below: early
+    stop of drafting (`specjax.drafters.make_drafter`).
+    Raises SpecjaxError naming both directories otherwise."""
+    from flax import nnx
+
+    from specjax.checkpoint import fingerprint
+    from specjax.drafters import build_network, make_drafter
+    from specjax.drafters.io import load_drafter as read_drafter
+    from specjax.errors import SpecjaxError
+
+    dcfg, params, record = read_drafter(path, dtype=dtype)
+    trained_on = record.get("path", "an unrecorded target")
+    recorded = record.get("weights_fingerprint")
+    if recorded is not None and recorded != fingerprint(target_dir):
+        raise SpecjaxError(f"drafter {path} was trained against target {trained_on}, not "
+                           f"--target {target_dir} (other weights); pass --target "
+                           f"{trained_on} or train a drafter for this target")
+    try:
+        dcfg.check_target(target.cfg, where=f"drafter {path}")
+    except SpecjaxError as e:
+        raise SpecjaxError(f"{e}: it was trained against {trained_on}, not --target "
+                           f"{target_dir}") from None
+    net = build_network(dcfg, dtype=dtype, rngs=nnx.Rngs(0))
+    nnx.update(net, params)
+    hot = None
+    if draft_vocab == "auto":
+        from specjax.drafters.vocab import load_draft_vocab
+
+        hot = load_draft_vocab(path, target.cfg.vocab_size)
+    return make_drafter(dcfg, net, target, gamma=gamma, sampling=sampling,
+                        matmul_dtype=matmul_dtype, draft_vocab=hot, stop_below=stop_below)
+
+
+def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
+                 sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
+                 draft_stop: float = 0.0) -> LoadedDrafter:
+    """The drafter `spec` names, for `target`, as decode.py's --drafter takes it.
+
+    Args:
+      spec: None (the default: the first bundled demo drafter, else "ngram"), "none"
+        (autoregressive: drafter and params None), "ngram" (prompt lookup), or a
+        directory: an EAGLE-3 or DFlash head trained elsewhere (`drafters.external`), a
+        specjax drafter written by train.py (eagle3, kv, hybrid, block), or an HF draft
+        LM, told apart by its config.json.
+      target: from `load_target` (a learned drafter is checked against its weights).
+      gamma: G (None: a learned or external drafter's own, else DEFAULT_GAMMA).
+      sampling: SamplingParams (None: greedy).
+      dtype: the drafter's parameter dtype (None: the target's; "auto", "float32",
+        "bfloat16" as `resolve_dtype`).
+      matmul_dtype: a learned or external drafter's matmul inputs: "auto" (bfloat16),
+        "float32", "bfloat16", or a jnp dtype / None (`drafters.make_drafter`).
+      draft_vocab: "auto" (a directory's draft_vocab.json when it has one) or "full".
+      draft_stop: eagle3/hybrid early stop of drafting (0: off).
+    Returns: LoadedDrafter(drafter, params, name, gamma); the arguments are not changed.
+    Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
+      the target, or a draft_stop given to a drafter that cannot stop early.
+    """
+    from specjax.drafters.config import DrafterConfig
+    from specjax.errors import SpecjaxError
+    from specjax.sampling import SamplingParams
+
+    sampling = SamplingParams() if sampling is None else sampling
+    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
+    name = default_drafter() if spec is None else spec
+    V = target.cfg.vocab_size
+    learned = name not in ("none", "ngram") and DrafterConfig.is_drafter_dir(name)
+    if draft_stop and not learned:
+        raise SpecjaxError(f"--draft-stop: only learned eagle3 and hybrid drafters stop "
+                           f"early, not --drafter {name}")
+    if name == "none":
+        return LoadedDrafter(None, None, name, None)
+    if name == "ngram":
+        from specjax.drafters.ngram import NgramDrafter
+
+        G = gamma or DEFAULT_GAMMA
+        return LoadedDrafter(NgramDrafter(G, V, sampling=sampling), (), name, G)
+    mm = drafter_matmul_dtype(matmul_dtype)
+    if not learned:
+        from specjax.drafters.external import detect_layout, load_external
+
+        if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
+            drafter, dparams = load_external(name, target.model, gamma=gamma,
+                                             sampling=sampling, dtype=dtype,
+                                             matmul_dtype=mm, draft_vocab=draft_vocab)
+            return LoadedDrafter(drafter, dparams, name, drafter.gamma)
+    else:
+        drafter, dparams = load_learned_drafter(
+            name, target.model, target.path, gamma, sampling, dtype, matmul_dtype=mm,
+            draft_vocab=draft_vocab, stop_below=draft_stop)
+        return LoadedDrafter(drafter, dparams, name, drafter.gamma)
+    from specjax.checkpoint import load_model
+    from specjax.drafters.draft_lm import DraftLMDrafter
+
+    G = gamma or DEFAULT_GAMMA
+    drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), G, sampling, V)
+    return LoadedDrafter(drafter, dparams, name, G)
+
+
+__all__ = ["DEFAULT_GAMMA", "DEMO_DIR", "DEMO_DRAFTERS", "DEMO_PROMPTS", "DEMO_TARGET",
+           "LoadedDrafter", "Target", "default_drafter", "drafter_matmul_dtype",
+           "flag_dtype", "load_drafter", "load_learned_drafter", "load_target",
+           "resolve_dtype"]
