@@ -77,7 +77,7 @@ def fmt_bytes(n: float) -> str:
 # ------------------------------------------------------------------ per-device plan
 
 class _Mesh:
-    """Axis sizes only: enough for `specjax.train.mesh.logical_spec` (no devices)."""
+    """Axis sizes only: enough for `specjax.mesh.logical_spec` (no devices)."""
 
     def __init__(self, data: int = 1, fsdp: int = 1, model: int = 1):
         self.shape = {"data": data, "fsdp": fsdp, "model": model}
@@ -86,7 +86,7 @@ class _Mesh:
 def _local_bytes(shape, logical, mesh: _Mesh, dtype) -> int:
     """Bytes of one device's shard of an array of `shape` with logical axes `logical`
     (None: replicated), under the training rules (`logical_spec`)."""
-    from specjax.train.mesh import logical_spec
+    from specjax.mesh import logical_spec
 
     n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     if logical is None:
@@ -103,13 +103,13 @@ def _local_bytes(shape, logical, mesh: _Mesh, dtype) -> int:
 
 def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype, heads=None) -> int:
     """Per-device bytes of an nnx.State of parameters (abstract is enough) sharded by
-    `specjax.train.mesh.PARAM_AXES` / LOGICAL_RULES; with heads=(N, K), as decoding
+    `specjax.mesh.PARAM_AXES` / LOGICAL_RULES; with heads=(N, K), as decoding
     shards them (`specjax.sharding`: heads kept whole, replicated where `model` does not
     divide N or K)."""
     from flax import nnx
 
+    from specjax.mesh import PARAM_AXES, param_axes
     from specjax.sharding import whole_heads
-    from specjax.train.mesh import PARAM_AXES, param_axes
 
     total = 0
     for path, var in nnx.to_flat_state(abstract_params):

@@ -1,6 +1,6 @@
 """Decoding over a device mesh: the target's weights and KV cache sharded over the
 `model` axis (heads, MLP width F, vocabulary V) and batch rows over `data`, by the same
-logical-axis rules as training (`specjax.train.mesh.LOGICAL_RULES`, the only table).
+logical-axis rules as training (`specjax.mesh.LOGICAL_RULES`, the only table).
 
     mesh = decode_mesh("data=2,model=4")            # over the first 8 devices
     engine = Engine(target, ..., mesh=mesh)          # weights, cache and rows placed
@@ -25,8 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax.errors import SpecjaxError
-from specjax.train.config import MeshConfig
-from specjax.train.mesh import LOGICAL_RULES, _param_name, logical_spec, make_mesh, param_axes
+from specjax.mesh import LOGICAL_RULES, MeshConfig, logical_spec, make_mesh, param_axes, param_name
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "norm")  # k, v [L,B,K,S,H]
 
@@ -85,12 +84,12 @@ def whole_heads(axes, mesh, num_heads: int, num_kv_heads: int):
 
 def param_shardings(mesh, params, num_heads: int, num_kv_heads: int):
     """NamedShardings for a decoding params tree (a target's or a drafter's nnx.State):
-    the training rules (`specjax.train.mesh.PARAM_AXES`), also for layer weights that
+    the training rules (`specjax.mesh.PARAM_AXES`), also for layer weights that
     `specjax.model.decoding_params` unstacked into per-layer tuples (their rule minus the
     leading layer axis); heads kept whole (see `whole_heads`); the rest replicated."""
 
     def one(path, leaf):
-        name = _param_name(path)
+        name = param_name(path)
         shape = tuple(leaf.shape)
         unstacked = any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
         axes = None if name is None else param_axes(name, len(shape) + unstacked)

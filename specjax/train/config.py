@@ -32,6 +32,7 @@ import yaml
 
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
+from specjax.mesh import MeshConfig  # noqa: F401  (part of the train config)
 
 OBJECTIVES = ("lm", "ttt", "block")  # lm trains a Transformer; ttt and block a drafter
 DRAFTER_OBJECTIVES = ("ttt", "block")
@@ -95,23 +96,6 @@ class DataConfig:
             raise SpecjaxError(f"data.seed={self.seed} must be >= 0")
         if not 0.0 < self.val_fraction < 1.0:
             raise SpecjaxError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh (data, fsdp, model). At most one axis may be -1: all remaining
-    devices. The product must divide the device count; a smaller mesh uses the first
-    devices (one process only)."""
-
-    data: int = -1
-    fsdp: int = 1
-    model: int = 1
-
-    def __post_init__(self):
-        sizes = (self.data, self.fsdp, self.model)
-        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-            raise SpecjaxError(f"mesh {self.data}x{self.fsdp}x{self.model}: each axis must be "
-                               ">= 1, and at most one may be -1 (all remaining devices)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,7 +77,7 @@ def packed_attention_fn(mesh=None, *, backend: str | None = None,
 
         B, N, K = q.shape[0], q.shape[2], k.shape[1]
         batch = tuple(a for a in mesh_lib.LOGICAL_RULES["batch"] if mesh.shape[a] > 1)
-        rows = batch if batch and B % mesh_lib._axis_size(mesh, batch) == 0 else None
+        rows = batch if batch and B % mesh_lib.axis_size(mesh, batch) == 0 else None
         rows = rows[0] if rows and len(rows) == 1 else rows
         M = mesh.shape["model"]
         heads = "model" if M > 1 and N % M == 0 and K % M == 0 else None

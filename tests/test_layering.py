@@ -1,0 +1,46 @@
+"""The package's layering (issue 28): decoding never imports training code.
+
+Read from the source with `ast` (every import statement, those inside functions too), so
+the test sees lazy imports that an import-time check of sys.modules would miss."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Everything `python decode.py` can run: the library outside specjax/train, the kernels.
+TRAINING = ("specjax/train/", "specjax/plan.py", "specjax/testing/", "specjax/regenerate.py",
+            "specjax/data.py", "specjax/packing.py")
+
+
+def _decoding_files():
+    yield os.path.join(ROOT, "decode.py")
+    for top in ("specjax", "pallas_kernels"):
+        for dirpath, _, names in os.walk(os.path.join(ROOT, top)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+                if name.endswith(".py") and not rel.startswith(TRAINING):
+                    yield path
+
+
+def _imports(path):
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def test_decoding_imports_no_training_code():
+    bad = [(os.path.relpath(p, ROOT), m) for p in _decoding_files() for m in _imports(p)
+           if m == "specjax.train" or m.startswith("specjax.train.")]
+    assert not bad, bad
+
+
+def test_the_scan_sees_lazy_imports(tmp_path):
+    """The scan must be able to fail: an import inside a function is found."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from specjax.train.config import LoopConfig\n")
+    assert "specjax.train.config" in set(_imports(str(f)))
