@@ -44,9 +44,6 @@ NAME_TABLES = {
     "qwen3": {**_LAYER_NAMES, "self_attn.q_norm.weight": "q_norm",
               "self_attn.k_norm.weight": "k_norm"},
 }
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-                 "lm_head.weight": "lm_head"}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32,
            "bf16": jnp.bfloat16}

@@ -1,14 +1,17 @@
 """Building blocks shared by the learned drafters (eagle3, kv, hybrid, block).
 
-- `DrafterWeights`: the stacked per-layer weights of Ld decoder layers (HF [out, in]
-  layout, the same names as the target's, so the mesh rules shard them alike);
+- `layer_weights` / `layer`: the stacked per-layer weights of Ld decoder layers (HF
+  [out, in] layout, the same names as the target's, so the mesh rules shard them alike);
 - `qkv` / `attend` / `mlp`: one decoder layer's pieces, where attention takes several
   key/value sources at once (a memory, a causal self block, a "diagonal" of
   training-time-test steps) under one softmax;
 - `merge_kv`: KVShot's learned merge of the target's K/V at Ls layers into one memory
   (de-rotate, linear map over layers, re-rotate), and `gather_positions` to read the
   newly verified positions of the target cache in place;
-- `context_kv`: the block drafter's context K/V from target hidden states (DFlash).
+- `memory_from_target` / `memory_update`: the merged memory of the committed positions,
+  built at prefill and extended after each verification;
+- `LearnedDrafter` and `hot_to_target`: the loop adapter the learned drafters share, and
+  the map from a hot draft vocabulary back to the target's ids.
 
 Shapes follow docs/design.md section 2; keys and values are [B,K,S,H] like one layer of the
 target cache.
