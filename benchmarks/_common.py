@@ -75,9 +75,9 @@ def environment(threads: list[int]) -> dict:
 def prompt_ids(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
                ) -> list[list[int]]:
     """The first `n` prompts of the JSONL `path` as token ids, read and checked as
-    decode.py reads --prompts (`decode.read_prompts`: "prompt" text or "input_ids";
+    decode.py reads --prompts (`specjax.read_prompts`: "prompt" text or "input_ids";
     SpecjaxError on bad lines)."""
-    import decode
+    from specjax.prompts import read_prompts
 
-    return [ids for _, ids in decode.read_prompts(tokenizer, vocab_size, path=path,
-                                                  target=target_dir)[:n]]
+    return [ids for _, ids in read_prompts(tokenizer, vocab_size, path=path,
+                                           target=target_dir)[:n]]

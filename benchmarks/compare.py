@@ -41,12 +41,12 @@ excluded) and runs once untimed (warm-up); then --repeats timed runs per system,
 its wall is the sum of `time.perf_counter()` around each generate call (prefill included,
 for every system alike); tokens/s = new tokens of all prompts / that wall (median, min and
 max over repeats). tau = 1 + accepted / target steps and alpha_k = accepted at draft
-position k / steps reaching k (engine.Stats, DESIGN.md section 7); for transformers'
+position k / steps reaching k (engine.Stats, docs/design.md section 7); for transformers'
 speculative systems tau = new tokens / target forwards (counted in the warm-up).
 Progress goes to stderr, markdown tables to stdout; --json writes every raw figure and
 --plot a PNG. Bad input exits with code 2 and one line on stderr, writing nothing.
 
-CPU figures do not predict accelerator speedups (DESIGN.md section 9): on CPU a
+CPU figures do not predict accelerator speedups (docs/design.md section 9): on CPU a
 (G+1)-token f32 verification costs about 1.8x a one-token step (2-2.5x before
 `specjax.model.linear` took few-row products weight-major, 2026-11-25).
 """
@@ -206,12 +206,12 @@ def validate(args) -> None:
 
 
 def run(args) -> dict:
-    import decode
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.engine import Engine, prompt_width_for
     from specjax.fileio import atomic_write
+    from specjax.loading import Target, load_drafter
     from specjax.sampling import SamplingParams
 
     validate(args)
@@ -236,12 +236,10 @@ def run(args) -> dict:
     learned = {}  # name -> (T=0 drafter, params, T=1 drafter, params); checks each target
     for path in args.drafters:
         name = os.path.basename(os.path.normpath(path))
-        mm = decode.drafter_matmul_dtype("auto")  # decode.py's default --drafter-dtype
-        d0, p0 = decode.load_learned_drafter(path, target, args.target, None, greedy,
-                                             jnp.float32, matmul_dtype=mm,
-                                             draft_vocab=args.draft_vocab)
-        d1, p1 = decode.load_learned_drafter(path, target, args.target, None, t1, jnp.float32,
-                                             matmul_dtype=mm, draft_vocab=args.draft_vocab)
+        # decode.py's loader and its default --drafter-dtype (auto: bfloat16 matmuls)
+        t = Target(target, target.cfg, tokenizer, args.target, jnp.float32)
+        d0, p0, _, _ = load_drafter(path, t, sampling=greedy, draft_vocab=args.draft_vocab)
+        d1, p1, _, _ = load_drafter(path, t, sampling=t1, draft_vocab=args.draft_vocab)
         learned[name] = (d0, p0, d1, p1)
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:

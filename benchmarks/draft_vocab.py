@@ -67,11 +67,11 @@ def _run(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    import decode
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters import make_drafter
     from specjax.drafters.vocab import corpus_counts, hot_ids, stream_counts
     from specjax.engine import Engine, Stats, prompt_width_for
+    from specjax.loading import load_learned_drafter
     from specjax.sampling import SamplingParams
 
     mm = jnp.bfloat16 if args.matmul_dtype == "bfloat16" else None
@@ -80,7 +80,7 @@ def _run(args) -> int:
     tok = load_tokenizer(args.target)
     prompts = prompt_ids(args.prompts_file, tok, target.cfg.vocab_size, args.prompts,
                          args.target)
-    drafter, full = decode.load_learned_drafter(
+    drafter, full = load_learned_drafter(
         args.drafter, target, args.target, args.gamma, SamplingParams(), jnp.float32,
         matmul_dtype=jnp.bfloat16, draft_vocab="full")
     if args.tokens_npy:  # after the drafter: a bad directory fails before any counting

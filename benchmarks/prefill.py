@@ -77,18 +77,15 @@ def _run(args) -> int:
     import jax
     from tqdm import tqdm
 
-    import decode
-    from specjax.checkpoint import load_model, load_tokenizer
     from specjax.engine import Engine, prompt_width_for
+    from specjax.loading import load_drafter, load_target
     from specjax.sampling import SamplingParams
 
-    target = load_model(args.target)
-    tok = load_tokenizer(args.target)
-    prompts = prompt_ids(args.prompts_file, tok, target.cfg.vocab_size, args.prompts,
-                         args.target)
-    dargs = decode.build_parser().parse_args(
-        ["--target", args.target] + ([] if args.drafter is None else ["--drafter", args.drafter]))
-    drafter, dparams, name = decode.make_drafter_from_args(dargs, target, SamplingParams(), None)
+    loaded = load_target(args.target, dtype="float32")
+    target = loaded.model
+    prompts = prompt_ids(args.prompts_file, loaded.tokenizer, target.cfg.vocab_size,
+                         args.prompts, args.target)
+    drafter, dparams, name, _ = load_drafter(args.drafter, loaded, sampling=SamplingParams())
     if drafter is None:
         raise SpecjaxError("--drafter none: nothing to compare against autoregressive decoding")
     longest = max(map(len, prompts))

@@ -42,6 +42,7 @@ from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
+from specjax.loading import DEMO_PROMPTS, DEMO_TARGET  # noqa: E402
 
 SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update",
           "prefill", "drafter_init")
@@ -52,10 +53,8 @@ def log(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import decode
-
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
+    ap.add_argument("--target", default=DEMO_TARGET)
     ap.add_argument("--drafter", default=None,
                     help="drafter directory, draft LM directory or ngram (default: decode.py's)")
     ap.add_argument("--gamma", type=int, default=None, help="G (default: decode.py's)")
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a learned drafter's matmul inputs (decode.py's flag)")
     ap.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                     help="as decode.py: the drafter's hot vocabulary (auto) or all ids")
-    ap.add_argument("--prompts", default=os.path.join(decode.DEMO_DIR, "prompts.jsonl"))
+    ap.add_argument("--prompts", default=DEMO_PROMPTS)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="traced passes over the prompts")
@@ -194,25 +193,23 @@ def trace_op_times(log_dir: str, names: dict[str, str],
 def run(args) -> dict:
     import jax.numpy as jnp
 
-    import decode
-    from specjax.checkpoint import load_model, load_tokenizer
     from specjax.engine import Engine, Stats, prompt_width_for
+    from specjax.loading import load_drafter, load_target
     from specjax.sampling import SamplingParams
 
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
     if args.json:  # before any work: a bad path fails now, not after the run
         check_output_file(args.json, "--json")
-    target = load_model(args.target, dtype=jnp.float32,
-                        matmul_dtype=decode.flag_dtype(args.matmul_dtype))
-    prompts = prompt_ids(args.prompts, load_tokenizer(args.target), target.cfg.vocab_size,
+    loaded = load_target(args.target, dtype=jnp.float32, matmul_dtype=args.matmul_dtype)
+    target = loaded.model
+    prompts = prompt_ids(args.prompts, loaded.tokenizer, target.cfg.vocab_size,
                          args.num_prompts, args.target)
     sampling = SamplingParams()
-    d_args = argparse.Namespace(drafter=args.drafter, gamma=args.gamma, target=args.target,
-                                drafter_dtype=args.drafter_dtype,
-                                draft_vocab=args.draft_vocab)
-    drafter, dparams, name = decode.make_drafter_from_args(d_args, target, sampling,
-                                                           jnp.float32)
+    drafter, dparams, name, _ = load_drafter(args.drafter, loaded, gamma=args.gamma,
+                                             sampling=sampling,
+                                             matmul_dtype=args.drafter_dtype,
+                                             draft_vocab=args.draft_vocab)
     if drafter is None:
         raise SpecjaxError("--drafter none has no speculative step to profile")
     longest = max(len(p) for p in prompts)

@@ -47,7 +47,6 @@ Progress goes to stderr (tqdm), a markdown table to stdout, and --json writes ev
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -58,18 +57,18 @@ import time
 if __name__ == "__main__":  # one CPU device, as decode.py runs (tests that import this
     os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # module keep their own setting)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(ROOT)  # decode.py and an uninstalled checkout
+sys.path.append(ROOT)  # an uninstalled checkout
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import decode  # noqa: E402
 from benchmarks._common import usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.engine import Engine, Stats  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
+from specjax.loading import DEMO_TARGET  # noqa: E402
 from specjax.sampling import SamplingParams  # noqa: E402
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch, jax 0.10.2
@@ -392,7 +391,7 @@ def render(result: dict) -> str:
 
 def parse_args(argv=None):
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=os.path.join(decode.DEMO_DIR, "target"))
+    ap.add_argument("--target", default=DEMO_TARGET)
     ap.add_argument("--drafter", default=None,
                     help="none, ngram or a drafter directory (default: decode.py's, the "
                          "bundled eagle3)")
@@ -441,11 +440,10 @@ def main(argv=None) -> int:
         print(f"[soak] {msg}", file=sys.stderr, flush=True)
 
     start_mem = memory()
-    import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    from specjax.checkpoint import load_model
     from specjax.config import ModelConfig
+    from specjax.loading import load_drafter, load_target
 
     try:
         cfg = ModelConfig.from_dir(args.target)
@@ -454,16 +452,17 @@ def main(argv=None) -> int:
                                    args.prompts, args.seed, args.min_prompt, args.max_prompt,
                                    args.eos_share)
         log(f"{len(prompts)} prompts; loading {args.target}")
-        target = load_model(args.target)  # decode.py's defaults: f32 on CPU
+        loaded = load_target(args.target, dtype="float32", cfg=cfg, tokenizer=None)
+        target = loaded.model  # decode.py's defaults: f32 on CPU
     except (SpecjaxError, ValueError, OSError) as e:
         print(f"soak.py: error: {e}", file=sys.stderr)
         return 2
-    dargs = argparse.Namespace(drafter=args.drafter, target=args.target, gamma=args.gamma,
-                               drafter_dtype="auto")
+    resolved = {"path": None, "gamma": args.gamma}
 
     def make_drafter(sampling):  # decode.py's loader: the same drafter object and params
-        d, dp, dargs.path = decode.make_drafter_from_args(dargs, target, sampling, jnp.float32)
-        return d, dp
+        d = load_drafter(args.drafter, loaded, gamma=args.gamma, sampling=sampling)
+        resolved.update(path=d.name, gamma=d.gamma)
+        return d.drafter, d.params
 
     modes = {m: (args.temperature if MODES[m] is None else MODES[m]) for m in args.modes}
     result = soak(target, make_drafter, prompts, buckets=args.buckets,
@@ -475,9 +474,9 @@ def main(argv=None) -> int:
         "config": {k: getattr(args, k) for k in (
             "target", "prompts", "min_prompt", "max_prompt", "eos_share", "buckets",
             "batch_size", "max_new_tokens", "modes", "temperature", "verify", "ar_every",
-            "rss_slack_mib", "seed")} | {"drafter": dargs.drafter or "default",
-                                        "drafter_path": dargs.path,
-                                        "gamma": dargs.gamma or 0},
+            "rss_slack_mib", "seed")} | {"drafter": args.drafter or "default",
+                                        "drafter_path": resolved["path"],
+                                        "gamma": resolved["gamma"] or 0},
         "environment": {"python": platform.python_version(), "jax": jax.__version__,
                         "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
                         "usable_cores": usable_cores(), "machine": platform.machine(),
