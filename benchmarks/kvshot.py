@@ -22,21 +22,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
+from benchmarks.kvshot_runs import CONFIG_DIR, RUN_ROOT, RUNS, finished  # noqa: E402
 from specjax import cli  # noqa: E402
-
-CONFIG_DIR = os.path.join(ROOT, "configs", "study")
-RUN_ROOT = os.path.join(ROOT, "runs", "study")
-# Training order: hybrid_from_eagle3 starts from eagle3's export, so eagle3 comes first.
-RUNS = ("eagle3", "kv2", "block_kv", "hybrid_from_eagle3", "hybrid", "kv1", "kv4",
-        "block_hidden", "block_both")
 
 
 def log(msg: str) -> None:
     print(f"[kvshot] {msg}", file=sys.stderr, flush=True)
-
-
-def finished(name: str) -> bool:
-    return os.path.isfile(os.path.join(RUN_ROOT, name, "drafter", "config.json"))
 
 
 def train_matrix(names: list[str]) -> int:

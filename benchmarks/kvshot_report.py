@@ -29,7 +29,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)
 
-from benchmarks.kvshot import RUN_ROOT, RUNS, finished  # noqa: E402
+from benchmarks.kvshot_runs import RUN_ROOT, RUNS, finished  # noqa: E402
 from specjax import cli  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "kvshot.md")
