@@ -104,11 +104,10 @@ def default_prefill_chunk() -> int:
     """The largest piece of a prefill (and of a learned drafter's pass over the prompt)
     when `LoopConfig.prefill_chunk` is None: 256 on the CPU backend, 512 elsewhere.
 
-    On XLA:CPU a forward's cost grows with its rows, but less than in proportion (the
-    demo target's jitted forward into a 600-slot cache, one row of a batch, min of 10
-    calls, 2026-11-26: 16 rows 12.4 ms, 32 rows 16.7, 64 rows 27.2, 128 rows 46.9, 256
-    rows 77.3), so a prompt is best covered by few large pieces with little padding past
-    its end; see `prefill_pieces`."""
+    On XLA:CPU a forward's cost grows with its rows, but much less than in proportion (a
+    fixed cost per forward dominates small pieces), so a prompt is best covered by few
+    large pieces with little padding past its end; see `prefill_pieces`. Measured by
+    `python benchmarks/prefill.py` (docs/benchmarks.md)."""
     return 256 if jax.default_backend() == "cpu" else 512
 
 
@@ -118,12 +117,10 @@ def default_prefill_min_chunk(chunk: int) -> int:
     after its whole chunks of 256 runs as one piece of 64, 128 or 256 rows; `chunk`
     elsewhere, where pieces are not measured: whole chunks only.
 
-    Estimated from the figures in `default_prefill_chunk` for the 50 bundled prompts (253
-    tokens on average): 93.6 ms of target forwards per prompt, against 123.8 in whole
-    chunks of 64 (the default before 2026-11-26) and 91.9 with a smallest piece of 32,
-    not worth one more compiled forward (1-2 s of compile time each). Measured with
-    `benchmarks/prefill.py` (README, "Prefill in pieces"): the first token 8% sooner on
-    those prompts, 27% on prompts of 1.7k tokens."""
+    A smaller piece would save little padding on prompts of a few hundred tokens and cost
+    one more compiled forward (1-2 s of compile time each); whole chunks of 64 spend more
+    time in fixed per-forward costs. `python benchmarks/prefill.py --settings 64:64 default
+    256:32` compares these settings in one process (docs/benchmarks.md)."""
     return 64 if jax.default_backend() == "cpu" else chunk
 
 
@@ -201,11 +198,9 @@ CPU_WEIGHT_MAJOR_PAD_ROWS = (5, 16)
 
 def _weight_major_width(rows: int) -> int:
     """Columns of the weight-major product for `rows` rows: 5-16 rows are padded to a
-    multiple of 8, since XLA:CPU's f32 GEMM takes 5-7 columns at more than 8 and 9-12 at
-    more than 16 (`python benchmarks/matmul_rows.py --rows 6 7 8 9 16`, columns "f32" and
-    "f32 unpadded"; quiet machine, 2026-11-25, ms per forward of the demo target's
-    matmuls, unpadded / padded: 6 rows 7.81 / 6.87, 7 rows 8.01 / 7.16, 9 rows 10.53 /
-    9.47, 12 rows 11.59 / 10.07, against 6.73 at 8 rows)."""
+    multiple of 8, since XLA:CPU's f32 GEMM takes longer for 5-7 columns than for 8, and
+    for 9-12 than for 16 (`python benchmarks/matmul_rows.py --rows 6 7 8 9 16`, columns
+    "f32" and "f32 unpadded", measures it)."""
     lo, hi = CPU_WEIGHT_MAJOR_PAD_ROWS
     return -(-rows // 8) * 8 if lo <= rows <= hi else rows
 
@@ -217,8 +212,9 @@ def linear(x, w, out_dtype=None):
     With bf16 weights and f32 activations (`load_model(..., matmul_dtype=jnp.bfloat16)`,
     `make_drafter(..., matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and
     accumulates in f32, the TPU convention. On CPU a single row (M = 1) is padded to
-    two: XLA:CPU's bf16 path for one row is about 10x slower than for two (measured
-    here, 2026-11-23); rows of a batch stay independent, so the padding changes nothing.
+    two: XLA:CPU's bf16 path for one row is about 10x slower than for two (`python
+    benchmarks/matmul_rows.py`, column "bf16"); rows of a batch stay independent, so the
+    padding changes nothing.
 
     On CPU, 2 <= M <= `CPU_WEIGHT_MAJOR_MAX_ROWS` rows (a verification of G+1 tokens, a
     drafter's update, a short prefill) are computed weight-major: `w @ x.T` -> [O, M]
