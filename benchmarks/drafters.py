@@ -73,7 +73,7 @@ DOCS = {
     "checkpoints/demo/drafters/hybrid/README.md": ["hybrid"],
     "checkpoints/demo/README.md": ["draft"],
     "docs/kvshot.md": ["kvshot"],
-    "README.md": ["eagle3", "readme"],
+    "README.md": ["eagle3", "table"],
 }
 KVSHOT_ROWS = {"eagle3": "eagle3 (hidden)", "kv1": "kv1 (KV, 1 layer)",
                "hybrid": "hybrid (hidden + KV, from eagle3)",
