@@ -195,7 +195,7 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
       matmul_dtype: None (= dtype) or jnp.bfloat16 with dtype float32: the weight
         matrices (projections, embedding, LM head) are kept in bf16 and every matmul,
         attention dots included, takes bf16 inputs with f32 accumulation
-        (`model.linear`); norms, softmax, activations and the KV cache stay f32. On
+        (`specjax.matmul.linear`); norms, softmax, activations and the KV cache stay f32. On
         XLA:CPU this makes a forward of a few tokens about 2x cheaper than f32
         (benchmarks/matmul_rows.py). A one-token and an 8-token forward give bitwise-equal
         rows there at most positions but not all (measured on the demo target: 40 of

@@ -29,7 +29,7 @@ from flax import nnx, struct
 from specjax.drafters.base import Drafter, LoopView
 from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
-from specjax.model import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
+from specjax.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
@@ -60,17 +60,17 @@ class LoopConfig:
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
     prefill_chunk: prompts wider than this many tokens are prefilled in pieces of at
-      most this many (`specjax.model.scan_prompt_pieces`: whole chunks in a `lax.scan`,
+      most this many (`specjax.prefill.scan_prompt_pieces`: whole chunks in a `lax.scan`,
       then the rest as one piece of the smallest size in `prefill_pieces` that covers
       it), each writing its K/V before the next attends to them, so activation memory
       follows the chunk, not the prompt: a 32k-token prompt needs scores for one chunk
       of tokens against one chunk of cache slots at a time. Pieces wholly past every
       row's prompt are skipped, so a short prompt padded to a wide Tp pays for its own
-      pieces only. None: `specjax.model.default_prefill_chunk()` (256 on the CPU
+      pieces only. None: `specjax.prefill.default_prefill_chunk()` (256 on the CPU
       backend, 512 elsewhere).
     prefill_min_chunk: the smallest piece: the sizes are prefill_chunk and its exact
-      halves down to the smallest >= this (`specjax.model.prefill_pieces`). None:
-      `specjax.model.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
+      halves down to the smallest >= this (`specjax.prefill.prefill_pieces`). None:
+      `specjax.prefill.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
       elsewhere the chunk itself, whole chunks only).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
@@ -98,7 +98,7 @@ class LoopConfig:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
 
     def prefill_sizes(self) -> tuple[int, ...]:
-        """The prefill's static piece sizes, largest first (`specjax.model.prefill_pieces`)."""
+        """The prefill's static piece sizes, largest first (`specjax.prefill.prefill_pieces`)."""
         return prefill_pieces(self.prefill_chunk, self.prefill_min_chunk)
 
     def fused_verify(self) -> Callable | None:
@@ -257,7 +257,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
 
 def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
     """The prefill forward over Tp > sizes[0] prompt tokens, in the pieces of
-    `specjax.model.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
+    `specjax.prefill.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
     piece of the smallest size in `sizes` that covers it).
 
     Returns (logits f32[B,V] at each row's last prompt token, hidden [C,B,Tp,D] or None,

@@ -23,6 +23,15 @@ from flax import nnx
 from specjax.attention import DEFAULT_CHUNK, cache_attention
 from specjax.config import ModelConfig
 from specjax.kv_cache import KVCache
+from specjax.matmul import CPU_WEIGHT_MAJOR_MAX_ROWS, linear  # noqa: F401  (re-exported)
+from specjax.prefill import (  # noqa: F401  (re-exported for the drafters' imports)
+    default_prefill_chunk,
+    default_prefill_min_chunk,
+    pad_rows,
+    padded_width,
+    prefill_pieces,
+    scan_prompt_pieces,
+)
 
 # Stacked per-layer weights: name -> shape as a function of the config (HF [out, in]).
 LAYER_SHAPES = {
@@ -98,152 +107,6 @@ def decoding_params(state, layer_loop: str = "auto"):
     if layer_loop != "scan":
         raise ValueError(f"layer_loop={layer_loop!r}; expected auto, scan or unroll")
     return state
-
-
-def default_prefill_chunk() -> int:
-    """The largest piece of a prefill (and of a learned drafter's pass over the prompt)
-    when `LoopConfig.prefill_chunk` is None: 256 on the CPU backend, 512 elsewhere.
-
-    On XLA:CPU a forward's cost grows with its rows, but much less than in proportion (a
-    fixed cost per forward dominates small pieces), so a prompt is best covered by few
-    large pieces with little padding past its end; see `prefill_pieces`. Measured by
-    `python benchmarks/prefill.py` (docs/benchmarks.md)."""
-    return 256 if jax.default_backend() == "cpu" else 512
-
-
-def default_prefill_min_chunk(chunk: int) -> int:
-    """The smallest piece of a prefill of chunks of `chunk` when
-    `LoopConfig.prefill_min_chunk` is None: 64 on the CPU backend, so the rest of a prompt
-    after its whole chunks of 256 runs as one piece of 64, 128 or 256 rows; `chunk`
-    elsewhere, where pieces are not measured: whole chunks only.
-
-    A smaller piece would save little padding on prompts of a few hundred tokens and cost
-    one more compiled forward (1-2 s of compile time each); whole chunks of 64 spend more
-    time in fixed per-forward costs. `python benchmarks/prefill.py --settings 64:64 default
-    256:32` compares these settings in one process (docs/benchmarks.md)."""
-    return 64 if jax.default_backend() == "cpu" else chunk
-
-
-def prefill_pieces(chunk: int | None = None, min_chunk: int | None = None) -> tuple[int, ...]:
-    """The static piece sizes of a prefill: `chunk`, then its exact halves down to the
-    smallest one >= `min_chunk` (at least one size). 256, 32 -> (256, 128, 64, 32);
-    64, 64 -> (64,): whole chunks only; 24, 5 -> (24, 12, 6). None: the backend's
-    `default_prefill_chunk()` and `default_prefill_min_chunk(chunk)`.
-
-    Raises ValueError for sizes < 1."""
-    chunk = default_prefill_chunk() if chunk is None else chunk
-    min_chunk = default_prefill_min_chunk(chunk) if min_chunk is None else min_chunk
-    if chunk < 1 or min_chunk < 1:
-        raise ValueError(f"prefill chunk sizes must be >= 1, got {chunk} and {min_chunk}")
-    sizes = [chunk]
-    while sizes[-1] % 2 == 0 and sizes[-1] // 2 >= min_chunk:
-        sizes.append(sizes[-1] // 2)
-    return tuple(sizes)
-
-
-def pad_rows(x, axis: int, width: int):
-    """x [..., T, ...] zero padded along `axis` to `width` >= T positions."""
-    return jnp.pad(x, [(0, width - x.shape[axis] if a == axis else 0) for a in range(x.ndim)])
-
-
-def padded_width(T: int, sizes: tuple[int, ...]) -> int:
-    """Positions the inputs of `scan_prompt_pieces` over a T-wide prompt are padded to:
-    whole chunks of sizes[0]."""
-    return -(-T // sizes[0]) * sizes[0]
-
-
-def scan_prompt_pieces(forward, carry, T: int, sizes: tuple[int, ...], last):
-    """Runs carry = forward(carry, start, size) over positions 0..N-1 of a T-wide
-    prompt, N = max(last) + 1 (last: i32[B], each row's last position that needs
-    processing), in pieces of the static `sizes` (`prefill_pieces`): whole chunks of
-    sizes[0] while they fit in N (a `lax.scan` over the ceil(T / sizes[0]) chunks, each a
-    `lax.cond`), then the rest, if any, as ONE piece of the smallest size that covers it
-    (`lax.switch`). The pieces run in order and cover each position once; what they
-    cover past N is padding. Chunks past N are skipped and the carry passes through, so
-    a short prompt padded to a wide T pays for its own pieces only.
-
-    forward slices its own inputs: start is an i32 scalar, size a Python int, and
-    `lax.dynamic_slice_in_dim(x, start, size, axis)` stays in bounds for inputs padded to
-    `padded_width(T, sizes)` positions (`pad_rows`). The chunked prefill and a learned
-    drafter's pass over the prompt both run this way. Returns the carry."""
-    chunk = sizes[0]
-    need = jnp.max(last) + 1
-    full = need // chunk  # whole chunks
-
-    def whole(carry, c):
-        run = lambda carry: forward(carry, c * chunk, chunk)  # noqa: E731
-        return jax.lax.cond(c < full, run, lambda carry: carry, carry), None
-
-    carry, _ = jax.lax.scan(whole, carry, jnp.arange(-(-T // chunk), dtype=jnp.int32))
-    start, rest = full * chunk, need - full * chunk  # 0 <= rest < chunk
-    # branch 0: nothing left; branch k: a piece of sizes[k - 1], the smallest >= rest
-    branches = [lambda carry: carry] + [
-        lambda carry, size=size: forward(carry, start, size) for size in sizes]
-    k = jnp.where(rest > 0, sum((rest <= s).astype(jnp.int32) for s in sizes), 0)
-    return jax.lax.switch(k, branches, carry)
-
-
-# XLA:CPU only: products of up to this many rows (B*T) are taken weight-major (see `linear`).
-CPU_WEIGHT_MAJOR_MAX_ROWS = 128
-
-
-def _weight_major(rows: int) -> bool:
-    return 2 <= rows <= CPU_WEIGHT_MAJOR_MAX_ROWS and jax.default_backend() == "cpu"
-
-
-# XLA:CPU only: weight-major products of this many rows (inclusive range) are padded with
-# zero rows to a multiple of 8 (see `_weight_major_width`).
-CPU_WEIGHT_MAJOR_PAD_ROWS = (5, 16)
-
-
-def _weight_major_width(rows: int) -> int:
-    """Columns of the weight-major product for `rows` rows: 5-16 rows are padded to a
-    multiple of 8, since XLA:CPU's f32 GEMM takes longer for 5-7 columns than for 8, and
-    for 9-12 than for 16 (`python benchmarks/matmul_rows.py --rows 6 7 8 9 16`, columns
-    "f32" and "f32 unpadded", measures it)."""
-    lo, hi = CPU_WEIGHT_MAJOR_PAD_ROWS
-    return -(-rows // 8) * 8 if lo <= rows <= hi else rows
-
-
-def linear(x, w, out_dtype=None):
-    """x [..., I] times w [O, I] (HF [out, in] layout) -> [..., O] in x's dtype (or
-    `out_dtype`).
-
-    With bf16 weights and f32 activations (`load_model(..., matmul_dtype=jnp.bfloat16)`,
-    `make_drafter(..., matmul_dtype=jnp.bfloat16)`) the product takes bf16 inputs and
-    accumulates in f32, the TPU convention. On CPU a single row (M = 1) is padded to
-    two: XLA:CPU's bf16 path for one row is about 10x slower than for two (`python
-    benchmarks/matmul_rows.py`, column "bf16"); rows of a batch stay independent, so the
-    padding changes nothing.
-
-    On CPU, 2 <= M <= `CPU_WEIGHT_MAJOR_MAX_ROWS` rows (a verification of G+1 tokens, a
-    drafter's update, a short prefill) are computed weight-major: `w @ x.T` -> [O, M]
-    behind an `optimization_barrier`, then transposed. XLA otherwise folds the transpose
-    back into the `[M, O]` product, whose small-M GEMM costs about 2.1x a one-row
-    product at M = 8; weight-major costs about 1.4x (f32, the demo target's shapes,
-    `python benchmarks/matmul_rows.py`); 5-16 rows are padded with zero rows to a
-    multiple of 8 first (`_weight_major_width`). One row stays a matrix-vector product and other
-    backends keep the plain product: TPU and GPU have no such gap, and the barrier
-    would only stop fusion there.
-    """
-    out_dtype = out_dtype or x.dtype
-    lead = x.shape[:-1]
-    rows = int(np.prod(lead, dtype=np.int64))
-    if w.dtype == x.dtype:
-        if not _weight_major(rows):
-            return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=out_dtype)
-        flat = x.reshape(rows, x.shape[-1])
-        width = _weight_major_width(rows)
-        if width > rows:  # zero columns: each output row is still its own dot product
-            flat = jnp.pad(flat, ((0, width - rows), (0, 0)))
-        y = jnp.einsum("OI,MI->OM", w, flat, preferred_element_type=out_dtype)
-        return jax.lax.optimization_barrier(y).T[:rows].reshape(*lead, w.shape[0])
-    flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"
-    if pad:
-        flat = jnp.concatenate([flat, flat], axis=0)
-    y = jnp.einsum("MI,OI->MO", flat, w, preferred_element_type=jnp.float32)
-    return (y[:1] if pad else y).astype(out_dtype).reshape(*lead, w.shape[0])
 
 
 def rms_norm(x, weight, eps):
