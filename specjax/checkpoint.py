@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.config import ModelConfig
+from specjax.dtypes import parse_dtype  # noqa: F401  (re-exported: its callers import it here)
 from specjax.errors import SpecjaxError
 from specjax.model import Transformer, layer_shapes
 
@@ -44,18 +45,6 @@ NAME_TABLES = {
     "qwen3": {**_LAYER_NAMES, "self_attn.q_norm.weight": "q_norm",
               "self_attn.k_norm.weight": "k_norm"},
 }
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32,
-           "bf16": jnp.bfloat16}
-
-
-def parse_dtype(name: str):
-    """'float32'/'f32' or 'bfloat16'/'bf16' -> jnp dtype; SpecjaxError otherwise."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise SpecjaxError(f"unknown dtype {name!r}; use float32 or bfloat16") from None
-
 
 def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[str, int | None, tuple]]:
     """HF name -> (specjax name, layer index or None, expected shape)."""

@@ -72,6 +72,7 @@ def abstract_engine(args):
     from specjax.config import ModelConfig
     from specjax.drafters.config import DrafterConfig
     from specjax.drafters.ngram import NgramDrafter
+    from specjax.dtypes import parse_dtype
     from specjax.errors import SpecjaxError
     from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
     from specjax.model import Transformer, decoding_params
@@ -87,7 +88,7 @@ def abstract_engine(args):
         with open(os.path.join(args.drafter, "config.json")) as f:
             dcfg = DrafterConfig.from_json_dict(json.load(f), where=f"drafter {args.drafter}")
         dcfg.check_target(cfg, where=f"drafter {args.drafter}")
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    dtype = parse_dtype(args.dtype)
     sampling = SamplingParams(temperature=args.temperature)
     held = {}
 

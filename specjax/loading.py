@@ -64,13 +64,10 @@ def default_drafter() -> str:
 def resolve_dtype(dtype):
     """"auto" -> float32 on CPU, bfloat16 on TPU/GPU; "float32" / "bfloat16" -> that jnp
     dtype; anything else (a jnp dtype) is returned as it is."""
-    import jax
-    import jax.numpy as jnp
+    from specjax.dtypes import backend_default, parse_dtype
 
     if isinstance(dtype, str):
-        if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+        return backend_default() if dtype == "auto" else parse_dtype(dtype)
     return dtype
 
 
@@ -78,11 +75,11 @@ def flag_dtype(name, auto=None):
     """A dtype flag's value ("auto", "float32", "bfloat16") -> a jnp dtype; "auto" -> `auto`.
     --matmul-dtype: auto None (the model's --dtype); --drafter-dtype: auto bfloat16. A
     value that is not a string (a jnp dtype, or None) is returned as it is."""
-    import jax.numpy as jnp
+    from specjax.dtypes import parse_dtype
 
     if not isinstance(name, str):
         return name
-    return {"auto": auto, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+    return auto if name == "auto" else parse_dtype(name)
 
 
 def drafter_matmul_dtype(name):

@@ -427,11 +427,11 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
 
 def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None,
            progress: bool) -> RunResult:
-    import jax.numpy as jnp
+    from specjax.dtypes import parse_dtype
 
     loop, is_main = cfg.train, jax.process_index() == 0
     tx, schedule = make_optimizer(cfg.optim, loop.steps)
-    dtype = jnp.bfloat16 if loop.dtype == "bfloat16" else jnp.float32
+    dtype = parse_dtype(loop.dtype)
     if cfg.trains_drafter:
         from specjax.train.drafter_run import DrafterRun
 

@@ -1,0 +1,29 @@
+"""The one table of dtype names: what `--dtype`-style flags and config fields may say,
+and the jnp dtype each means. specjax computes in float32 or bfloat16 only."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from specjax.errors import SpecjaxError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "f32": jnp.float32,
+          "bf16": jnp.bfloat16}
+
+
+def parse_dtype(name: str):
+    """'float32'/'f32' or 'bfloat16'/'bf16' -> the jnp dtype.
+
+    Raises: SpecjaxError (one line) for any other name."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise SpecjaxError(f"unknown dtype {name!r}; use float32 or bfloat16") from None
+
+
+def backend_default(backend: str | None = None):
+    """The compute dtype "auto" means: float32 on the CPU backend (bfloat16 is slower
+    there), bfloat16 on TPU and GPU."""
+    import jax
+
+    return jnp.float32 if (backend or jax.default_backend()) == "cpu" else jnp.bfloat16
