@@ -41,13 +41,16 @@ DEFAULT_COMPILE_CACHE = os.path.join(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specjax.drafters import registry
+
+    kinds, stoppers = ", ".join(registry.kinds()), "/".join(registry.early_stop_kinds())
     ap = cli.ArgumentParser(prog="decode.py",
                             description="Lossless speculative decoding with specjax.")
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the bundled demo)")
     ap.add_argument("--drafter", default=None,
                     help="none (autoregressive), ngram (prompt lookup), a drafter directory "
-                         "written by train.py (eagle3, kv, hybrid, block), or a draft LM "
+                         f"written by train.py ({kinds}), or a draft LM "
                          "directory (default: the best bundled demo drafter)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL file of prompts (default: the bundled demo prompts)")
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "2.3); both engines use it, so their outputs match; it is a "
                          "slightly different model from the f32 run (README). auto: --dtype")
     ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                    help="matmul inputs of a learned drafter (eagle3, kv, hybrid, block); "
+                    help=f"matmul inputs of a learned drafter ({kinds}); "
                          "the target and so the output are unaffected. auto: bfloat16 "
                          "(bf16 inputs, f32 accumulation; faster on CPU, the TPU/GPU "
                          "default anyway)")
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "drafter directory's draft_vocab.json when there is one (a smaller "
                          "LM-head matmul per draft step; output unchanged), full = all ids")
     ap.add_argument("--draft-stop", type=float, default=0.0,
-                    help="eagle3/hybrid drafters: stop drafting a step once every row's "
+                    help=f"{stoppers} drafters: stop drafting a step once every row's "
                          "chain confidence (product of its drafts' top-1 draft "
                          "probabilities) is below this; the rest of the G positions get a "
                          "filler the target rejects unless it agrees (output unchanged). "

@@ -162,9 +162,7 @@ def decode_plan(cfg, mesh: _Mesh, batch: int, max_length: int, dtype, *, dcfg=No
     if dcfg is not None:
         out["drafter weights"] = params_bytes_per_device(
             abstract_drafter(dcfg), mesh, dtype, (dcfg.num_heads, dcfg.num_kv_heads))
-        layers = max(dcfg.num_memories, 0) + (1 if dcfg.kind in ("eagle3", "hybrid") else 0)
-        if dcfg.kind == "block":
-            layers = dcfg.num_layers * (2 if dcfg.context == "both" else 1)
+        layers = dcfg.spec.state_layers(dcfg)  # the kind's decoding-state caches
         out["drafter state"] = 2 * _local_bytes((max(layers, 1), batch, cfg.num_kv_heads, S,
                                                  cfg.head_dim), kv_logical, mesh, dtype)
     rows = max(batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
@@ -253,8 +251,11 @@ def main(argv=None) -> int:
         prog="python -m specjax.plan",
         description="Per-device memory of decoding and of training, from configs alone.")
     ap.add_argument("--config", required=True, help="the target's HF config.json (or its dir)")
-    ap.add_argument("--drafter", help="a drafter directory, or a kind: eagle3, kv, hybrid, "
-                                      "block, block:kv, block:both")
+    from specjax.drafters import registry
+
+    ap.add_argument("--drafter", help="a drafter directory, or a kind: "
+                                      f"{', '.join(registry.kinds())} (block:kv, block:both: "
+                                      "a block drafter's context)")
     ap.add_argument("--mesh", default="data=1,model=1", help="data=D,model=M[,fsdp=F]")
     ap.add_argument("--max-length", type=int, default=4096, help="S: prompt + new tokens")
     ap.add_argument("--batch", type=int, default=1, help="decoding rows")
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
         sections = {"decoding": decode_plan(cfg, mesh, args.batch, args.max_length, dtype,
                                             dcfg=dcfg, gamma=args.gamma)}
         if args.train_batch:
-            objective = "lm" if dcfg is None else ("block" if dcfg.kind == "block" else "ttt")
+            objective = "lm" if dcfg is None else dcfg.spec.objective
             sections[f"training ({objective}, batch {args.train_batch} x T {args.seq_len})"] = \
                 train_plan(cfg, mesh, args.train_batch, args.seq_len, dcfg=dcfg,
                            objective=objective, dtype=dtype)

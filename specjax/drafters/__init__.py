@@ -1,5 +1,6 @@
 """Drafters: the loop interface (base), the draft LM and n-gram lookup, and the learned
-drafters that read the target (eagle3, kv, hybrid, block; DESIGN.md section 5).
+drafters that read the target (eagle3, kv, hybrid, block, and any kind registered with
+`specjax.drafters.registry`; docs/design.md sections 5 and 11).
 
     net = build_network(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     drafter, dparams = make_drafter(dcfg, net, target, gamma=dcfg.gamma,
@@ -13,19 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
 
 
 def network_class(kind: str):
-    """The nnx.Module class of a drafter kind."""
-    from specjax.drafters.block import BlockNet
-    from specjax.drafters.eagle3 import Eagle3
-    from specjax.drafters.hybrid import Hybrid
-    from specjax.drafters.kv import KVOnly
-
-    return {"eagle3": Eagle3, "hybrid": Hybrid, "kv": KVOnly, "block": BlockNet}[kind]
+    """The nnx.Module class of a drafter kind (`registry`)."""
+    return registry.get(kind).network
 
 
 def build_network(dcfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
@@ -51,7 +48,7 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
       vocabulary (`specjax.drafters.vocab`): the drafter's head is the target's head rows
       of those ids ([Vd, D]: each draft step's LM-head matmul shrinks by V/Vd) and q is 0
       outside them. Verification is unchanged, so the output is too.
-    stop_below: eagle3/hybrid only: end a step's drafting once every row's chain
+    stop_below: kinds that stop early only (eagle3, hybrid: `registry.early_stop_kinds`): end a step's drafting once every row's chain
       confidence (product of its drafts' top-1 draft probabilities) is below this, in
       [0, 1]; the rest of the G positions get a filler token with a one-hot q, which
       verification rejects unless the target agrees (lossless). 0: always draft G.
@@ -59,20 +56,16 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
     Raises: SpecjaxError if `target` has other shapes than the drafter was built for, or
     for a `stop_below` outside [0, 1] or given to another kind.
     """
-    from specjax.drafters.block import BlockDrafter
-    from specjax.drafters.eagle3 import Eagle3Drafter
-    from specjax.drafters.kv import KVDrafter
-
+    spec = registry.get(dcfg.kind)
     dcfg.check_target(target.cfg)
     if not 0.0 <= stop_below <= 1.0:
         raise SpecjaxError(f"--draft-stop {stop_below}: a confidence in [0, 1] (0: off)")
-    if stop_below > 0 and dcfg.kind not in ("eagle3", "hybrid"):
-        raise SpecjaxError(f"--draft-stop: only eagle3 and hybrid drafters stop early; this "
+    if stop_below > 0 and not spec.early_stop:
+        stoppers = " and ".join(registry.early_stop_kinds())
+        raise SpecjaxError(f"--draft-stop: only {stoppers} drafters stop early; this "
                            f"drafter is {dcfg.kind}")
     graphdef, state = nnx.split(net)
-    cls = {"eagle3": Eagle3Drafter, "hybrid": Eagle3Drafter, "kv": KVDrafter,
-           "block": BlockDrafter}[dcfg.kind]
-    drafter = cls(graphdef, dcfg, gamma or dcfg.gamma, sampling, stop_below)
+    drafter = spec.adapter(graphdef, dcfg, gamma or dcfg.gamma, sampling, stop_below)
     embed = target.embed[...]
     head = embed if target.lm_head is None else target.lm_head[...]
     if matmul_dtype is not None:

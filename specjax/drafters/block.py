@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common
-from specjax.drafters.config import DrafterConfig
+from specjax.drafters import common, registry
+from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers
+from specjax.errors import SpecjaxError
 from specjax.kv_cache import KVCache
 from specjax.model import rms_norm
 from specjax.sampling import sample_logits
@@ -182,3 +183,46 @@ class BlockDrafter(common.LearnedDrafter):
     def update(self, params, state, view, num_accepted):
         net = self.net(params)
         return self._extend(net, params, state, view)
+
+
+class BlockKind(registry.DrafterKind):
+    """block (DFlash-style): Ld = 2 layers by default; context "hidden" (Ld evenly spaced
+    layer outputs), "kv" (merged target K/V of Ls layers) or "both"; a mask token (the
+    target's pad id by default); block-wise training."""
+
+    name, network, adapter, objective = "block", BlockNet, BlockDrafter, "block"
+    settings = {"context": CONTEXTS, "mask_token_id": None}
+    default_num_layers = 2
+
+    def defaults(self, target, opts):
+        L, context = target.num_layers, opts["context"] or "hidden"
+        capture, kv_layers = (), ()
+        if context in ("hidden", "both"):
+            capture = tuple(i + 1 for i in evenly_spaced_layers(L, opts["num_layers"]))
+        if context in ("kv", "both"):
+            kv_layers = tuple(sorted(set(evenly_spaced_layers(L, opts["num_kv_layers"]))))
+        mask = opts["mask_token_id"]
+        if mask is None:
+            mask = target.pad_token_id if target.pad_token_id is not None else 0
+        return {"capture": capture, "kv_layers": kv_layers, "context": context,
+                "mask_token_id": mask}
+
+    def validate(self, cfg):
+        if cfg.context not in CONTEXTS:
+            raise SpecjaxError(f"block drafter context {cfg.context!r}; use one of "
+                               f"{CONTEXTS}")
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            raise SpecjaxError(f"block drafter mask_token_id={cfg.mask_token_id} must be "
+                               f"a token id in [0, {cfg.vocab_size})")
+
+    def uses_hidden(self, cfg):
+        return cfg.context in ("hidden", "both")
+
+    def uses_kv(self, cfg):
+        return cfg.context in ("kv", "both")
+
+    def state_layers(self, cfg):
+        return cfg.num_layers * (2 if cfg.context == "both" else 1)
+
+
+registry.register(BlockKind())

@@ -414,3 +414,12 @@ def memory_update(module, cfg: DrafterConfig, memory, target_cache, positions, i
     mk, mv = memory_from_target(module, cfg, k_new[idx], v_new[idx], cos, sin)
     return memory.replace(k=scatter_positions(memory.k, mk, positions[:, 0]),
                           v=scatter_positions(memory.v, mv, positions[:, 0]))
+
+
+def ttt_memory(module, cfg: DrafterConfig, kv, inv_freq):
+    """Training (TTT): the merged memories of every position 0..T-1 from the target K/V
+    kv = (k, v) [Ls,B,K,T,H] at `cfg.kv_layers`: (k, v) each [Lm,B,K,T,H]."""
+    B, T = kv[0].shape[1], kv[0].shape[3]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos, sin = rope(inv_freq, pos, module.dtype)
+    return memory_from_target(module, cfg, kv[0], kv[1], cos, sin)

@@ -17,7 +17,6 @@ import os
 from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 
-KINDS = ("eagle3", "kv", "hybrid", "block")
 CONTEXTS = ("hidden", "kv", "both")
 CONFIG_NAME = "config.json"
 FORMAT = "specjax-drafter"
@@ -109,23 +108,18 @@ class DrafterConfig:
             raise SpecjaxError(f"drafter num_heads={self.num_heads} must be a multiple of "
                                f"num_kv_heads={self.num_kv_heads} and head_dim="
                                f"{self.head_dim} even")
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise SpecjaxError(f"drafter kind {self.kind!r}; use one of {KINDS}")
+        from specjax.drafters import registry
+
+        if not registry.is_kind(self.kind):
+            raise SpecjaxError(f"drafter kind {self.kind!r}; use one of {registry.kinds()}")
         if self.gamma < 1 or self.num_layers < 1:
             raise SpecjaxError(f"drafter gamma={self.gamma} and num_layers={self.num_layers} "
                                "must be >= 1")
-        if self.kind in ("eagle3", "hybrid") and self.num_layers != 1:
-            raise SpecjaxError(f"{self.kind} drafters have one layer, got num_layers="
-                               f"{self.num_layers}")
-        if self.kind == "block":
-            if self.context not in CONTEXTS:
-                raise SpecjaxError(f"block drafter context {self.context!r}; use one of "
-                                   f"{CONTEXTS}")
-            if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
-                raise SpecjaxError(f"block drafter mask_token_id={self.mask_token_id} must be "
-                                   f"a token id in [0, {self.vocab_size})")
-        elif self.context is not None:
-            raise SpecjaxError(f"context={self.context!r} is a block drafter setting")
+        spec = registry.get(self.kind)
+        spec.validate(self)
+        if self.context is not None and "context" not in spec.settings:
+            owners = "/".join(registry.setting_kinds("context"))
+            raise SpecjaxError(f"context={self.context!r} is a {owners} drafter setting")
         if self.uses_hidden and not self.capture:
             raise SpecjaxError(f"{self.kind} drafter needs capture depths")
         if self.uses_kv and not self.kv_layers:
@@ -140,23 +134,28 @@ class DrafterConfig:
     # ------------------------------------------------------------------ derived
 
     @property
+    def spec(self):
+        """The registered `registry.DrafterKind` of this config's kind."""
+        from specjax.drafters import registry
+
+        return registry.get(self.kind)
+
+    @property
     def uses_hidden(self) -> bool:
-        """Reads target hidden states (eagle3, hybrid, block hidden/both)."""
-        return self.kind in ("eagle3", "hybrid") or (
-            self.kind == "block" and self.context in ("hidden", "both"))
+        """Reads target hidden states (eagle3, hybrid, block hidden/both: the kind says)."""
+        return self.spec.uses_hidden(self)
 
     @property
     def uses_kv(self) -> bool:
-        """Reads the target KV cache (kv, hybrid, block kv/both)."""
-        return self.kind in ("kv", "hybrid") or (
-            self.kind == "block" and self.context in ("kv", "both"))
+        """Reads the target KV cache (kv, hybrid, block kv/both: the kind says)."""
+        return self.spec.uses_kv(self)
 
     @property
     def num_memories(self) -> int:
         """Merged target-KV memories: one per drafter layer (kv, block), one for hybrid."""
         if not self.uses_kv:
             return 0
-        return 1 if self.kind == "hybrid" else self.num_layers
+        return self.spec.num_memories(self)
 
     def merge_sources(self) -> tuple[int, ...]:
         """For each memory, the index into kv_layers that its merge map starts as (an
@@ -175,38 +174,29 @@ class DrafterConfig:
         eagle3 captures the inputs of layers {2, L/2, L-3}; kv has Ld = 2 layers over
         Ls = 3 target layers; block has Ld = 2 layers, context "hidden"; F defaults to
         the target's."""
-        L = target.num_layers
+        from specjax.drafters import registry
+
+        spec = registry.get(kind)
         if num_layers is None:
-            num_layers = 2 if kind in ("kv", "block") else 1
-        if kind == "block" and context is None:
-            context = "hidden"
-        capture: tuple[int, ...] = ()
-        if kind in ("eagle3", "hybrid"):
-            capture = tuple(sorted({min(2, L), L // 2, max(L - 3, 0)}))
-            if len(capture) < 3:  # shallow targets: any three depths
-                capture = tuple(sorted({0, L // 2, L}))
-        elif kind == "block" and context in ("hidden", "both"):
-            capture = tuple(i + 1 for i in evenly_spaced_layers(L, num_layers))
-        kv_layers = ()
-        if kind in ("kv", "hybrid") or (kind == "block" and context in ("kv", "both")):
-            kv_layers = tuple(sorted(set(evenly_spaced_layers(L, num_kv_layers))))
-        if kind == "block" and mask_token_id is None:
-            mask_token_id = target.pad_token_id if target.pad_token_id is not None else 0
+            num_layers = spec.default_num_layers
+        picked = spec.defaults(target, dict(num_layers=num_layers, context=context,
+                                            num_kv_layers=num_kv_layers,
+                                            mask_token_id=mask_token_id))
+        extra = {name: picked.get(name) for name in ("context", "mask_token_id")}
         return cls(kind=kind, hidden_size=target.hidden_size, num_heads=target.num_heads,
                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
                    intermediate_size=intermediate_size or target.intermediate_size,
-                   vocab_size=target.vocab_size, target_num_layers=L, gamma=gamma,
-                   num_layers=num_layers, rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=target.rope_theta, capture=capture, kv_layers=kv_layers,
-                   context=context if kind == "block" else None,
-                   mask_token_id=mask_token_id if kind == "block" else None, qk_norm=qk_norm)
+                   vocab_size=target.vocab_size, target_num_layers=target.num_layers,
+                   gamma=gamma, num_layers=num_layers, rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta, capture=tuple(picked.get("capture", ())),
+                   kv_layers=tuple(picked.get("kv_layers", ())), qk_norm=qk_norm, **extra)
 
     def check_target(self, target: ModelConfig, where: str = "drafter") -> None:
         """Raises SpecjaxError unless `target` has the shapes this drafter was built for
         (an eagle3 drafter reads no target K/V: its own N, K, H may differ)."""
         want = dict(hidden_size=self.hidden_size, vocab_size=self.vocab_size,
                     num_layers=self.target_num_layers)
-        if self.kind != "eagle3":
+        if self.spec.reads_target_kv_shapes:
             want.update(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                         head_dim=self.head_dim)
         diff = [f"{k} {getattr(target, k)} != {v}" for k, v in want.items()

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common
+from specjax.drafters import common, registry
 from specjax.drafters.config import DrafterConfig
+from specjax.errors import SpecjaxError
 from specjax.kv_cache import KVCache
 from specjax.model import pad_rows, padded_width, prefill_pieces, rms_norm, scan_prompt_pieces
 from specjax.sampling import sample_logits
@@ -69,7 +70,7 @@ class Eagle3(nnx.Module):
     def logits(self, out, head):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, hidden, tokens, embed, inv_freq, steps: int, memory=None, anchors=None):
+    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None):
         """Training-time-test unroll (EAGLE-3; docs/design.md section 6).
 
         Step 0 runs on fc(target features) with a causal mask over all T positions; step
@@ -79,14 +80,19 @@ class Eagle3(nnx.Module):
 
         Args:
           hidden: [C,B,T,D] target features at `cfg.capture` depths for positions 0..T-1.
+          kv: hybrid only (else unused): (k, v) [Ls,B,K,T,H] target K/V at
+            `cfg.kv_layers`, merged here into the memory of positions 0..T-1.
           tokens: i32[B,T+1] rows (indices past T are clipped; those outputs are unused).
           embed: [V,D]; inv_freq: f32[H/2].
-          memory: hybrid only: (k, v) [B,K,T,H] merged target K/V at positions 0..T-1.
           anchors: i32[B,P] positions whose chains are unrolled (None: all T). Steps
             k >= 1 cost P instead of T positions.
         Returns: (outputs [steps,B,P,D] pre-norm, gates [steps,B,P,D] or None); step k
           at anchor t predicts token t+k+2 (the target's distribution at t+k+1).
         """
+        memory = None
+        if self.cfg.uses_kv:
+            mk, mv = common.ttt_memory(self, self.cfg, kv, inv_freq)
+            memory = (mk[0], mv[0])
         B, T = tokens.shape[0], tokens.shape[1] - 1
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if anchors is None:
@@ -325,3 +331,43 @@ def _index(x, idx):
 
 def _at(x, idx):
     return _index(x, jnp.clip(idx, 0, x.shape[1] - 1))
+
+
+# ----------------------------------------------------------------------------- the kind
+
+def eagle3_capture(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's capture depths: the inputs of layers {2, L/2, L-3} (any three depths of a
+    shallow target)."""
+    L = num_layers
+    capture = tuple(sorted({min(2, L), L // 2, max(L - 3, 0)}))
+    if len(capture) < 3:  # shallow targets: any three depths
+        capture = tuple(sorted({0, L // 2, L}))
+    return capture
+
+
+class Eagle3Kind(registry.DrafterKind):
+    """eagle3: one layer over target features at three depths; TTT; stops early. Its
+    attention reads no target K/V, so an imported head's N, K, H may differ from the
+    target's."""
+
+    name, network, adapter, objective = "eagle3", Eagle3, Eagle3Drafter, "ttt"
+    early_stop = True
+    reads_target_kv_shapes = False
+    default_num_layers = 1
+
+    def defaults(self, target, opts):
+        return {"capture": eagle3_capture(target.num_layers), "kv_layers": ()}
+
+    def validate(self, cfg):
+        if cfg.num_layers != 1:
+            raise SpecjaxError(f"{cfg.kind} drafters have one layer, got num_layers="
+                               f"{cfg.num_layers}")
+
+    def uses_hidden(self, cfg):
+        return True
+
+    def state_layers(self, cfg):
+        return 1 + cfg.num_memories  # its own one-layer cache (+ the hybrid's memory)
+
+
+registry.register(Eagle3Kind())

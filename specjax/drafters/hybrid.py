@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters import common
-from specjax.drafters.config import DrafterConfig
-from specjax.drafters.eagle3 import Eagle3
+from specjax.drafters import common, registry
+from specjax.drafters.config import DrafterConfig, evenly_spaced_layers
+from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind, eagle3_capture
 from specjax.model import apply_rope, rms_norm
 
 
@@ -59,3 +59,25 @@ class Hybrid(Eagle3):
         g = jax.nn.sigmoid(common.linear(jnp.concatenate([n, o, o - n], -1),
                                          self.gate_w[...]) + self.gate_b[...])
         return n + g * common.linear(o - n, self.gate_d[...]), g
+
+
+class HybridKind(Eagle3Kind):
+    """hybrid: eagle3 plus one merged target-KV memory (Ls = num_kv_layers layers) behind
+    a gate; decodes with the eagle3 adapter; TTT; stops early."""
+
+    name, network, adapter, objective = "hybrid", Hybrid, Eagle3Drafter, "ttt"
+    reads_target_kv_shapes = True
+
+    def defaults(self, target, opts):
+        return {"capture": eagle3_capture(target.num_layers),
+                "kv_layers": tuple(sorted(set(evenly_spaced_layers(
+                    target.num_layers, opts["num_kv_layers"]))))}
+
+    def uses_kv(self, cfg):
+        return True
+
+    def num_memories(self, cfg):
+        return 1
+
+
+registry.register(HybridKind())

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common
-from specjax.drafters.config import DrafterConfig
+from specjax.drafters import common, registry
+from specjax.drafters.config import DrafterConfig, evenly_spaced_layers
 from specjax.kv_cache import KVCache
 from specjax.sampling import sample_logits
 
@@ -43,17 +43,19 @@ class KVOnly(nnx.Module):
     def logits(self, out, head):
         return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, memory, tokens, embed, inv_freq, steps: int, anchors=None):
+    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None):
         """Training-time-test unroll (docs/design.md section 6).
 
         Args:
-          memory: (k, v) [Ld,B,K,T,H], merged from the target at positions 0..T-1.
+          hidden: unused (a KV-only drafter reads no target features).
+          kv: (k, v) [Ls,B,K,T,H] target K/V at `cfg.kv_layers` for positions 0..T-1,
+            merged here into the Ld memories.
           tokens: i32[B,T+1] rows; step k at anchor t reads token t+k+1 (clipped past T).
           embed: [V,D] target embedding; inv_freq: f32[H/2].
           anchors: i32[B,P] anchors whose chains are unrolled (None: all T positions).
-        Returns: outputs [steps,B,P,D] (pre-norm); step k at t predicts token t+k+2.
+        Returns: (outputs [steps,B,P,D] pre-norm, None); step k at t predicts token t+k+2.
         """
-        mk, mv = memory
+        mk, mv = common.ttt_memory(self, self.cfg, kv, inv_freq)
         B, T = tokens.shape[0], tokens.shape[1] - 1
         if anchors is None:
             anchors = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -70,7 +72,7 @@ class KVOnly(nnx.Module):
                 attn = common.attend(q, [(mk[i], mv[i], visible)], own[i])
                 x = common.layer_out(self, i, x, attn)
             outs.append(x)
-        return jnp.stack(outs)
+        return jnp.stack(outs), None
 
 
 @struct.dataclass
@@ -124,3 +126,21 @@ class KVDrafter(common.LearnedDrafter):
         net = self.net(params)
         return KVState(common.memory_update(net, self.cfg, state.memory, view.target_cache,
                                             view.positions, params["inv_freq"]))
+
+
+class KVKind(registry.DrafterKind):
+    """kv (KVShot KV-only): Ld = 2 layers by default, each over its merged memory of Ls =
+    num_kv_layers target layers; TTT."""
+
+    name, network, adapter, objective = "kv", KVOnly, KVDrafter, "ttt"
+    default_num_layers = 2
+
+    def defaults(self, target, opts):
+        return {"capture": (), "kv_layers": tuple(sorted(set(evenly_spaced_layers(
+            target.num_layers, opts["num_kv_layers"]))))}
+
+    def uses_kv(self, cfg):
+        return True
+
+
+registry.register(KVKind())

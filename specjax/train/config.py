@@ -36,9 +36,9 @@ from specjax.mesh import MeshConfig  # noqa: F401  (part of the train config)
 
 OBJECTIVES = ("lm", "ttt", "block")  # lm trains a Transformer; ttt and block a drafter
 DRAFTER_OBJECTIVES = ("ttt", "block")
-# Which drafter kinds each drafter objective trains (docs/design.md 6): training-time test
-# unrolls the chain drafters; block-wise training is the parallel block drafter's.
-OBJECTIVE_KINDS = {"ttt": ("eagle3", "kv", "hybrid"), "block": ("block",)}
+# Which drafter kinds each drafter objective trains (docs/design.md 6): each kind declares
+# it (`specjax.drafters.registry.objective_kinds`): training-time test unrolls the chain
+# drafters; block-wise training is the parallel block drafter's.
 DEFAULT_TARGET = "checkpoints/demo/target"  # the bundled demo target (relative to the cwd)
 CORPORA = ("stdlib",)
 DTYPES = ("float32", "bfloat16")
@@ -217,7 +217,8 @@ class DrafterTrainConfig:
     choose the rest.
 
     Attributes:
-      kind: eagle3 | kv | hybrid (objective ttt) or block (objective block).
+      kind: a registered drafter kind (`specjax.drafters.registry`): eagle3 | kv | hybrid
+        (objective ttt) or block (objective block) built in.
       gamma: G, draft length: TTT unroll steps, or mask tokens per block.
       num_layers: Ld, drafter layers (None: the kind's default; eagle3/hybrid: 1).
       intermediate_size: F of the drafter MLP (None: the target's).
@@ -253,24 +254,28 @@ class DrafterTrainConfig:
     qk_norm: bool = True
 
     def __post_init__(self):
-        from specjax.drafters.config import CONTEXTS, KINDS
+        from specjax.drafters import registry
 
-        if self.kind not in KINDS:
-            raise SpecjaxError(f"drafter.kind={self.kind!r} is unknown; use one of {KINDS}")
+        if not registry.is_kind(self.kind):
+            raise SpecjaxError(f"drafter.kind={self.kind!r} is unknown; use one of "
+                               f"{registry.kinds()}")
         for name in ("gamma", "num_kv_layers", "num_anchors"):
             _check_positive(f"drafter.{name}", getattr(self, name))
         for name in ("num_layers", "intermediate_size"):
             if getattr(self, name) is not None:
                 _check_positive(f"drafter.{name}", getattr(self, name))
-        if self.kind == "block":
-            if self.context is not None and self.context not in CONTEXTS:
-                raise SpecjaxError(f"drafter.context={self.context!r} is unknown; use one of "
-                                   f"{CONTEXTS}")
-        else:
-            for name in ("context", "mask_token_id"):
-                if getattr(self, name) is not None:
-                    raise SpecjaxError(f"drafter.{name} is a block drafter setting; remove it "
-                                       f"for drafter.kind={self.kind}")
+        settings = registry.get(self.kind).settings
+        for name in ("context", "mask_token_id"):
+            value = getattr(self, name)
+            if name in settings:
+                choices = settings[name]
+                if value is not None and choices is not None and value not in choices:
+                    raise SpecjaxError(f"drafter.{name}={value!r} is unknown; use one of "
+                                       f"{choices}")
+            elif value is not None:
+                owners = "/".join(registry.setting_kinds(name))
+                raise SpecjaxError(f"drafter.{name} is a {owners} drafter setting; remove it "
+                                   f"for drafter.kind={self.kind}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise SpecjaxError(f"drafter.mask_token_id={self.mask_token_id} must be >= 0")
         if not self.gamma_w > 0:
@@ -336,9 +341,11 @@ class TrainConfig:
         if self.model is not None:
             raise SpecjaxError(f"objective={self.objective} takes the model from the target "
                                "directory; remove the model section (set target instead)")
-        kinds = OBJECTIVE_KINDS[self.objective]
+        from specjax.drafters import registry
+
+        kinds = registry.objective_kinds(self.objective)
         if self.drafter.kind not in kinds:
-            other = next(o for o, k in OBJECTIVE_KINDS.items() if self.drafter.kind in k)
+            other = registry.get(self.drafter.kind).objective
             raise SpecjaxError(f"objective={self.objective} trains drafter kinds {kinds}, not "
                                f"drafter.kind={self.drafter.kind}; use objective={other}")
 

@@ -1,5 +1,5 @@
 """Training-time test (EAGLE-3; docs/design.md section 6) for the autoregressive drafters that
-read the target: eagle3, hybrid and kv.
+read the target: the kinds registered with objective "ttt" (eagle3, hybrid, kv, ...).
 
 Step k = 0..G-1 at anchor t predicts the target's distribution at position t+k+1 (the
 token t+k+2). Loss: sum_k decay^k * mean over valid t of CE(label, draft logits), with
@@ -13,24 +13,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from specjax.drafters import common
-
 
 def draft_outputs(net, tgt, rows, frozen, steps: int, anchors=None):
     """(outputs [steps,B,P,D], gates [steps,B,P,D] | None) of the TTT unroll at `anchors`
-    i32[B,P] (None: every position, P = T)."""
-    cfg = net.cfg
-    B, T = rows.shape[0], rows.shape[1] - 1
-    memory = None
-    if cfg.uses_kv:
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        cos, sin = common.rope(frozen.inv_freq, pos, net.dtype)
-        memory = common.memory_from_target(net, cfg, tgt.kv[0], tgt.kv[1], cos, sin)
-    if cfg.kind == "kv":
-        return net.ttt(memory, rows, frozen.embed, frozen.inv_freq, steps, anchors), None
-    if memory is not None:
-        memory = (memory[0][0], memory[1][0])
-    return net.ttt(tgt.hidden, rows, frozen.embed, frozen.inv_freq, steps, memory, anchors)
+    i32[B,P] (None: every position, P = T): the network's `ttt`, one signature for every
+    kind that trains with TTT (`registry.DrafterKind`)."""
+    return net.ttt(tgt.hidden, tgt.kv, rows, frozen.embed, frozen.inv_freq, steps, anchors)
 
 
 def sample_positions(key, batch: int, seq_len: int, count: int):
@@ -45,7 +33,7 @@ def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
     """Weighted TTT loss and acceptance statistics.
 
     Args:
-      net: Eagle3, Hybrid or KVOnly network; tgt: the target's cache-free ForwardOutput on
+      net: the network of a ttt kind (Eagle3, Hybrid, KVOnly, ...); tgt: the target's cache-free ForwardOutput on
         rows[:, :T] (hidden at net.cfg.capture, kv at net.cfg.kv_layers); rows i32[B,T+1];
         frozen: objectives.Frozen; steps: G.
       key, num_positions: unroll the chains of num_positions random anchors per row
