@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "its weight matrices in bf16 and accumulates in f32 (a few-token "
                          "verification then costs about 1.2 one-token forwards on CPU, not "
                          "2.3); both engines use it, so their outputs match; it is a "
-                         "slightly different model from the f32 run (README). auto: --dtype")
+                         "slightly different model from the f32 run (docs/decode.md). auto: --dtype")
     ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help=f"matmul inputs of a learned drafter ({kinds}); "
                          "the target and so the output are unaffected. auto: bfloat16 "

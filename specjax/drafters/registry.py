@@ -169,10 +169,5 @@ def setting_kinds(field: str) -> tuple[str, ...]:
     return tuple(k for k in kinds() if field in _KINDS[k].settings)
 
 
-def describe() -> str:
-    """One line for help texts: the kinds by objective."""
-    return ", ".join(kinds())
-
-
-__all__ = ["DrafterKind", "describe", "early_stop_kinds", "get", "is_kind", "kinds",
+__all__ = ["DrafterKind", "early_stop_kinds", "get", "is_kind", "kinds",
            "objective_kinds", "register", "setting_kinds", "unregister"]
