@@ -14,7 +14,7 @@ Systems (batch 1, f32, greedy, EOS disabled so each generates exactly --new-toke
   specjax-self-G `Engine` with the target itself as a `DraftLMDrafter` of G tokens:
                  every draft is accepted (tau = G+1), so this bounds the loop's
                  overhead; on CPU it costs MORE than AR (G drafter forwards + one
-                 (G+1)-token verification per step, DESIGN.md section 9)
+                 (G+1)-token verification per step, docs/design.md section 9)
   floor          memory bandwidth (jitted sum over a large f32 array, measured in this
                  run) / weight bytes (num_params * 4; a tied embedding is read once
                  per token by the LM head, the embedding gather reads one row)
@@ -28,7 +28,7 @@ Weights are random, re-drawn at a scale where greedy decoding does not repeat on
 (`--init varied`), so the parity check (specjax AR tokens == transformers tokens, and
 every speculative run == AR) compares a varied sequence.
 
-CPU figures do not predict accelerator speedups (DESIGN.md section 9).
+CPU figures do not predict accelerator speedups (docs/design.md section 9).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Host-side driver: pads prompts into fixed-shape batches, compiles each loop once,
-runs it, and turns the loop's counters into tau and alpha_k (DESIGN.md section 7).
+runs it, and turns the loop's counters into tau and alpha_k (docs/design.md section 7).
 
     engine = Engine(target, drafter=drafter, drafter_params=dparams,
                     sampling=SamplingParams(), verify="block", max_length=512,
@@ -46,7 +46,7 @@ class BatchOutput:
 
 @dataclasses.dataclass
 class Stats:
-    """Totals over batches; `tau` and `alpha` follow DESIGN.md section 7."""
+    """Totals over batches; `tau` and `alpha` follow docs/design.md section 7."""
 
     new_tokens: int = 0
     wall_s: float = 0.0

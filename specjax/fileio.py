@@ -9,6 +9,15 @@ import os
 from specjax.errors import SpecjaxError
 
 
+def existing_ancestor(path: str) -> str:
+    """The absolute `path` if it exists (a dangling link counts), else its nearest
+    ancestor that does: where `os.makedirs(path)` would start creating."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    return probe
+
+
 def check_output_file(path: str, flag: str, *, create_parent: bool = False) -> None:
     """Checks, before any work, that `path` can be written as a file: it is not a
     directory, and its directory exists and is writable, or (create_parent: the caller
@@ -20,9 +29,7 @@ def check_output_file(path: str, flag: str, *, create_parent: bool = False) -> N
     if os.path.isdir(path):
         raise SpecjaxError(f"{flag} {path} is a directory; pass a file name")
     if create_parent and not os.path.isdir(parent):
-        base = parent
-        while not os.path.exists(base):
-            base = os.path.dirname(base)
+        base = existing_ancestor(parent)
         if not os.path.isdir(base):
             raise SpecjaxError(f"{flag} {path}: {base} is not a directory")
         if not os.access(base, os.W_OK | os.X_OK):

@@ -199,18 +199,16 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         G = gamma or DEFAULT_GAMMA
         return LoadedDrafter(NgramDrafter(G, V, sampling=sampling), (), name, G)
     mm = drafter_matmul_dtype(matmul_dtype)
-    if not learned:
-        from specjax.drafters.external import detect_layout, load_external
-
-        if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
-            drafter, dparams = load_external(name, target.model, gamma=gamma,
-                                             sampling=sampling, dtype=dtype,
-                                             matmul_dtype=mm, draft_vocab=draft_vocab)
-            return LoadedDrafter(drafter, dparams, name, drafter.gamma)
-    else:
+    if learned:
         drafter, dparams = load_learned_drafter(
             name, target.model, target.path, gamma, sampling, dtype, matmul_dtype=mm,
             draft_vocab=draft_vocab, stop_below=draft_stop)
+        return LoadedDrafter(drafter, dparams, name, drafter.gamma)
+    from specjax.drafters.external import detect_layout, load_external
+
+    if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
+        drafter, dparams = load_external(name, target.model, gamma=gamma, sampling=sampling,
+                                         dtype=dtype, matmul_dtype=mm, draft_vocab=draft_vocab)
         return LoadedDrafter(drafter, dparams, name, drafter.gamma)
     from specjax.checkpoint import load_model
     from specjax.drafters.draft_lm import DraftLMDrafter

@@ -40,7 +40,7 @@ import numpy as np
 from specjax import cli
 from specjax.data import corpus_files, read_source, split_of, stdlib_root
 from specjax.errors import SpecjaxError
-from specjax.fileio import atomic_write
+from specjax.fileio import atomic_write, existing_ancestor
 from specjax.prompts import _candidates, prompt_text
 
 GENERATIONS = "generations.jsonl"
@@ -125,9 +125,7 @@ def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
 def _check_out_dir(out_dir: str) -> None:
     """SpecjaxError unless `out_dir` is a directory or could be made one (creates
     nothing)."""
-    probe = os.path.abspath(out_dir)
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
+    probe = existing_ancestor(out_dir)
     if not os.path.isdir(probe):
         what = "is a file" if probe == os.path.abspath(out_dir) else f"is under a file, {probe}"
         raise SpecjaxError(f"--out {out_dir} {what}; pass a directory")

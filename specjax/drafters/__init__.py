@@ -48,9 +48,9 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
       vocabulary (`specjax.drafters.vocab`): the drafter's head is the target's head rows
       of those ids ([Vd, D]: each draft step's LM-head matmul shrinks by V/Vd) and q is 0
       outside them. Verification is unchanged, so the output is too.
-    stop_below: kinds that stop early only (eagle3, hybrid: `registry.early_stop_kinds`): end a step's drafting once every row's chain
-      confidence (product of its drafts' top-1 draft probabilities) is below this, in
-      [0, 1]; the rest of the G positions get a filler token with a one-hot q, which
+    stop_below: kinds that stop early only (`registry.early_stop_kinds`: eagle3, hybrid):
+      end a step's drafting once every row's chain confidence (product of its drafts'
+      top-1 draft probabilities) is below this, in [0, 1]; the rest of the G positions get a filler token with a one-hot q, which
       verification rejects unless the target agrees (lossless). 0: always draft G.
 
     Raises: SpecjaxError if `target` has other shapes than the drafter was built for, or

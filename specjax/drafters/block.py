@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.drafters import common, registry
-from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers
+from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.errors import SpecjaxError
 from specjax.kv_cache import KVCache
 from specjax.model import rms_norm
@@ -200,7 +200,7 @@ class BlockKind(registry.DrafterKind):
         if context in ("hidden", "both"):
             capture = tuple(i + 1 for i in evenly_spaced_layers(L, opts["num_layers"]))
         if context in ("kv", "both"):
-            kv_layers = tuple(sorted(set(evenly_spaced_layers(L, opts["num_kv_layers"]))))
+            kv_layers = kv_layer_set(L, opts["num_kv_layers"])
         mask = opts["mask_token_id"]
         if mask is None:
             mask = target.pad_token_id if target.pad_token_id is not None else 0

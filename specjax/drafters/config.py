@@ -33,6 +33,12 @@ def evenly_spaced_layers(num_layers: int, n: int) -> tuple[int, ...]:
     return tuple(int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n))
 
 
+def kv_layer_set(num_layers: int, n: int) -> tuple[int, ...]:
+    """The distinct target layers, ascending, whose K/V a drafter merges: n evenly spaced
+    (`evenly_spaced_layers`; a shallow target may give fewer than n)."""
+    return tuple(sorted(set(evenly_spaced_layers(num_layers, n))))
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """Hyper-parameters of one learned drafter (shape letters: docs/design.md section 2).
@@ -153,8 +159,6 @@ class DrafterConfig:
     @property
     def num_memories(self) -> int:
         """Merged target-KV memories: one per drafter layer (kv, block), one for hybrid."""
-        if not self.uses_kv:
-            return 0
         return self.spec.num_memories(self)
 
     def merge_sources(self) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters import common, registry
-from specjax.drafters.config import DrafterConfig, evenly_spaced_layers
+from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind, eagle3_capture
 from specjax.model import apply_rope, rms_norm
 
@@ -70,8 +70,7 @@ class HybridKind(Eagle3Kind):
 
     def defaults(self, target, opts):
         return {"capture": eagle3_capture(target.num_layers),
-                "kv_layers": tuple(sorted(set(evenly_spaced_layers(
-                    target.num_layers, opts["num_kv_layers"]))))}
+                "kv_layers": kv_layer_set(target.num_layers, opts["num_kv_layers"])}
 
     def uses_kv(self, cfg):
         return True

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.drafters import common, registry
-from specjax.drafters.config import DrafterConfig, evenly_spaced_layers
+from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.kv_cache import KVCache
 from specjax.sampling import sample_logits
 
@@ -136,8 +136,8 @@ class KVKind(registry.DrafterKind):
     default_num_layers = 2
 
     def defaults(self, target, opts):
-        return {"capture": (), "kv_layers": tuple(sorted(set(evenly_spaced_layers(
-            target.num_layers, opts["num_kv_layers"]))))}
+        return {"capture": (), "kv_layers": kv_layer_set(target.num_layers,
+                                                          opts["num_kv_layers"])}
 
     def uses_kv(self, cfg):
         return True

@@ -38,6 +38,7 @@ import numpy as np
 import yaml
 
 from specjax.errors import SpecjaxError
+from specjax.fileio import existing_ancestor
 from specjax.train import mesh as mesh_lib
 from specjax.train import multihost
 from specjax.train.checkpointing import Checkpoints, Preemption
@@ -263,13 +264,11 @@ def _remove_stale_temps(run_dir: str) -> None:
 def _topmost_missing(path: str) -> str | None:
     """The outermost directory that `os.makedirs(path)` would create, or None if `path`
     exists."""
-    path, top = os.path.abspath(path), None
-    while not os.path.lexists(path):
-        top, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return top
+    path = os.path.abspath(path)
+    base = existing_ancestor(path)
+    if base == path:
+        return None
+    return os.path.join(base, os.path.relpath(path, base).split(os.sep)[0])
 
 
 class _NewFiles:
@@ -328,9 +327,7 @@ def _check_creatable(path: str, what: str) -> None:
     directory in its nearest existing ancestor, removed at once)."""
     import tempfile
 
-    probe = os.path.abspath(path)
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
+    probe = existing_ancestor(path)
     if not os.path.isdir(probe):
         raise SpecjaxError(f"{what} {path} cannot be created ({probe} is not a directory); "
                            "choose a writable directory")
