@@ -175,7 +175,8 @@ def _natural_key(name):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
+def load_model(path: str, dtype=jnp.float32, matmul_dtype=None,
+               cfg: ModelConfig | None = None) -> Transformer:
     """Loads a local HF Qwen3 / Llama-3 checkpoint directory into a `Transformer`.
 
     Args:
@@ -191,12 +192,14 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None) -> Transformer:
         42 positions equal), so speculative output can differ from the bf16 target's
         own autoregressive output at near-ties; decode.py reports it
         ("identical to AR"). f32 stays exact.
+      cfg: `path`'s ModelConfig when the caller has read its config.json already.
 
     Raises:
       SpecjaxError: missing directory or files, unsupported architecture, unknown or
         missing tensor, shape mismatch, NaN or Inf values.
     """
-    cfg = ModelConfig.from_dir(path)
+    if cfg is None:
+        cfg = ModelConfig.from_dir(path)
     weights = load_weights(path, cfg)
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     # eval_shape gives abstract arrays; fill every parameter from the checkpoint.

@@ -112,7 +112,7 @@ def load_target(path: str = DEMO_TARGET, *, dtype="auto", matmul_dtype="auto", c
         cfg = ModelConfig.from_dir(path)
     if isinstance(tokenizer, str) and tokenizer == "auto":
         tokenizer = load_tokenizer(path)
-    model = load_model(path, dtype=dtype, matmul_dtype=flag_dtype(matmul_dtype))
+    model = load_model(path, dtype=dtype, matmul_dtype=flag_dtype(matmul_dtype), cfg=cfg)
     return Target(model, cfg, tokenizer, path, dtype)
 
 
