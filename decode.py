@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="verification: pallas = the fused Pallas kernel from the target's "
                          "logits (interpret mode on CPU: slow), reference = its jnp twin "
                          "(identical output for a seed), off = specjax.verify on "
-                         "probabilities; auto: pallas on TPU, reference elsewhere. pallas "
+                         "probabilities; auto: pallas on TPU and GPU, reference on CPU. pallas "
                          "also runs the target's and the learned drafters' attention "
                          "through pallas_kernels.attention")
     ap.add_argument("--mesh", default=None,

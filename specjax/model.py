@@ -96,12 +96,15 @@ def decoding_params(state, layer_loop: str = "auto"):
     """Params laid out for a decoding loop.
 
     layer_loop: "scan" (stacked weights under `lax.scan`: one compiled layer, the layout
-      that scales to 80-layer models on TPU/GPU), "unroll" (per-layer arrays, see
-      `unstack_layers`: about 1.7x faster per token on XLA:CPU, compile time grows with
-      L), or "auto" (unroll on the CPU backend, scan elsewhere).
+      that compiles one layer whatever L), "unroll" (per-layer arrays, see
+      `unstack_layers`: about 1.7x faster per token on XLA:CPU, and 2.1x on an H100 at
+      Qwen3-8B's shapes, where the scan's per-layer weight slices cost extra HBM
+      traffic; compile time grows with L), or "auto" (scan on TPU, where it is
+      unmeasured, unroll elsewhere; H100 figures in
+      benchmarks/results/device/h100-2026-11-26).
     """
     if layer_loop == "auto":
-        layer_loop = "unroll" if jax.default_backend() == "cpu" else "scan"
+        layer_loop = "scan" if jax.default_backend() == "tpu" else "unroll"
     if layer_loop == "unroll":
         return unstack_layers(state)
     if layer_loop != "scan":

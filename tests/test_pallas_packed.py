@@ -321,3 +321,9 @@ def test_bad_arguments_raise():
     assert pick_blocks(68, 4096, 128) == (72, 128)
     assert pick_blocks(68, 100, 128, backend="triton") == (128, 128)
     assert pick_blocks(2048, 40, 64, 256, 64, "triton") == (256, 64)
+    # triton tiles that did not fit an H100's shared memory are halved, the larger first:
+    # f32 at H 64 asked 320 KiB with 128 x 128 tiles; bf16 at H 128 ran
+    assert pick_blocks(4096, 1024, 64, backend="triton", itemsize=4) == (64, 64)
+    assert pick_blocks(4096, 1024, 128, backend="triton", itemsize=4) == (32, 32)
+    assert pick_blocks(4096, 4096, 128, backend="triton", itemsize=2) == (128, 128)
+    assert pick_blocks(4096, 4096, 256, backend="triton", itemsize=2) == (64, 64)

@@ -145,6 +145,13 @@ def test_num_splits_rule_and_errors():
     assert pick_num_splits(1, 2, 1000, 128) == 2  # nS = cdiv(1000, 128) = 8
     assert pick_num_splits(7, 1, 12 * 128, 128) == 3
     assert pick_num_splits(1, 1, 3 * 128, 128) == 1  # too few tiles to split
+    # triton: enough splits for B*K*P to reach 132 programs (the SMs of an H100), at most
+    # 32, at most nS // 4 (measured on an H100: benchmarks/results/device/h100-2026-11-26).
+    assert pick_num_splits(1, 8, 32768, 128, "triton") == 17  # cdiv(132, 8)
+    assert pick_num_splits(8, 8, 32768, 128, "triton") == 3
+    assert pick_num_splits(1, 1, 32768, 128, "triton") == 32
+    assert pick_num_splits(1, 8, 1024, 128, "triton") == 2  # nS 8 -> at most 2
+    assert pick_num_splits(33, 4, 32768, 128, "triton") == 1  # 132 programs already
     # The split grid, as `split_tiles` documents: chunk = cdiv(nS, P), P' = cdiv(nS, chunk).
     assert kernel.split_tiles(7, 3) == (3, 3) and kernel.split_tiles(10, 6) == (2, 5)
     assert kernel.split_tiles(5, 4) == (2, 3) and kernel.split_tiles(1, 8) == (1, 1)

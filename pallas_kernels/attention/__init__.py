@@ -35,6 +35,12 @@ DEFAULT_BLOCK_S = 128
 SPLIT_BELOW_PROGRAMS = 8
 MAX_SPLITS = 8
 MIN_TILES_PER_SPLIT = 4
+# backend "triton": split until B*K*P reaches the streaming multiprocessors of an H100 /
+# H200 (132), at most 32 splits: one split per (row, KV head) left 124 of them idle and
+# read a 32K-token context at 4% of the H100's bandwidth
+# (benchmarks/results/device/h100-2026-11-26).
+GPU_PROGRAMS = 132
+MAX_SPLITS_GPU = 32
 
 
 def pick_block_s(S: int, block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -> int:
@@ -62,20 +68,29 @@ def pick_block_s(S: int, block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -
     return min(block_s, max(16, int(2 ** np.ceil(np.log2(max(S, 1))))))
 
 
-def pick_num_splits(B: int, K: int, S: int, block_s: int) -> int:
+def pick_num_splits(B: int, K: int, S: int, block_s: int, backend: str = "tpu") -> int:
     """The number of S splits `decode_attention(num_splits=None)` asks for.
 
-    With nS = cdiv(S, block_s) tiles (block_s the tile `pick_block_s` returned): 1 when
-    B*K >= SPLIT_BELOW_PROGRAMS (8), i.e. the (row, KV head) programs alone fill the
-    machine; else min(MAX_SPLITS, max(1, nS // MIN_TILES_PER_SPLIT)) = min(8, max(1,
-    nS // 4)), so every split gets at least 4 tiles of the longest possible row. The rule
-    looks at the capacity S, not the lengths (static shapes only); the kernels then skip
-    the tiles past each row's length whatever P is.
+    With nS = cdiv(S, block_s) tiles (block_s the tile `pick_block_s` returned) and at
+    most nS // MIN_TILES_PER_SPLIT splits (every split gets at least 4 tiles of the
+    longest possible row):
+    tpu: 1 when B*K >= SPLIT_BELOW_PROGRAMS (8), i.e. the (row, KV head) programs alone
+      fill the chip's cores; else min(MAX_SPLITS, max(1, nS // 4)) = min(8, ...).
+    triton: 1 when B*K >= GPU_PROGRAMS (132, the SMs of an H100 / H200); else
+      min(MAX_SPLITS_GPU, max(1, nS // 4), cdiv(132, B*K)), enough programs to occupy
+      every SM.
+    The rule looks at the capacity S, not the lengths (static shapes only); the kernels
+    then skip the tiles past each row's length whatever P is.
     """
+    nS = -(-S // block_s)
+    most = max(1, nS // MIN_TILES_PER_SPLIT)
+    if backend == "triton":
+        if B * K >= GPU_PROGRAMS:
+            return 1
+        return min(MAX_SPLITS_GPU, most, -(-GPU_PROGRAMS // (B * K)))
     if B * K >= SPLIT_BELOW_PROGRAMS:
         return 1
-    nS = -(-S // block_s)
-    return min(MAX_SPLITS, max(1, nS // MIN_TILES_PER_SPLIT))
+    return min(MAX_SPLITS, most)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
@@ -103,8 +118,9 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
         layers) naming the layer of a [L, B, K, S, H] cache to attend over: the kernels
         read that layer's tiles in place (scalar prefetch on TPU, pointer offsets in
         Triton), so no copy of the layer is made.
-      num_splits: split-S (flash-decoding): None picks `pick_num_splits(B, K, S, tile)`
-        (1 unless B*K < 8, then min(8, max(1, cdiv(S, tile) // 4))); an int P >= 1 cuts
+      num_splits: split-S (flash-decoding): None picks `pick_num_splits(B, K, S, tile,
+        backend)` (tpu: 1 unless B*K < 8, then min(8, max(1, cdiv(S, tile) // 4)); triton:
+        enough splits for B*K*P to reach 132 programs, at most 32); an int P >= 1 cuts
         the cdiv(S, tile) S tiles into chunks of cdiv(nS, P) whole tiles run by
         independent programs (at most P of them: cdiv(nS, chunk), none past S), each
         writing partial (m, l, acc) f32 [B, K, P, T*R, 1 | H] that a jnp log-sum-exp
@@ -130,7 +146,7 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     bs = pick_block_s(S, block_s, backend)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
     if num_splits is None:
-        num_splits = pick_num_splits(q.shape[0], k_cache.shape[-3], S, bs)
+        num_splits = pick_num_splits(q.shape[0], k_cache.shape[-3], S, bs, backend)
     kernel.split_tiles(-(-S // bs), num_splits)  # raises on a bad num_splits
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new,

@@ -37,6 +37,12 @@ BACKENDS = ("tpu", "triton")
 IMPLS = ("pallas", "reference")
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_S = 128
+# triton: the most bytes of one query tile and one key tile, (bq + bs) * H * itemsize, per
+# itemsize. On an H100 (227 KiB of shared memory per block) bq = bs = 128 compiled and ran
+# forward and backward at H 128 in bf16 (64 KiB) but not at H 64 in f32 (also 64 KiB: the
+# kernels asked for 320 KiB), so f32 gets half the bytes
+# (benchmarks/results/device/h100-2026-11-26).
+TRITON_TILE_BYTES = {2: 64 * 1024, 4: 32 * 1024}
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -44,14 +50,18 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 def pick_blocks(M: int, S: int, H: int, block_q: int = DEFAULT_BLOCK_Q,
-                block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu") -> tuple[int, int]:
+                block_s: int = DEFAULT_BLOCK_S, backend: str = "tpu",
+                itemsize: int = 2) -> tuple[int, int]:
     """The (row tile, slot tile) the kernels use for M = T*R folded query rows and S slots.
 
     tpu: the row tile is `block_q` if it is < M (then a multiple of 128: the dk/dv kernel
     holds per-row values as lane vectors), else M rounded up to a multiple of 8 (one
     tile); the slot tile is `block_s` if < S (then a multiple of 8), else S.
     triton: both powers of two >= 16 (Triton's shape rules), capped at M resp. S rounded
-    up to one; H must be a power of two >= 16 too.
+    up to one; H must be a power of two >= 16 too; then the larger of the two is halved
+    (down to 16) while (bq + bs) * H * itemsize > TRITON_TILE_BYTES[itemsize] (64 KiB
+    for bf16, 32 KiB for f32), so that the kernels fit a GPU's shared memory (itemsize:
+    bytes per element of q, k and v).
     Raises ValueError on a non-positive block, one that breaks these rules, a bad H for
     triton, or an unknown backend.
     """
@@ -80,7 +90,14 @@ def pick_blocks(M: int, S: int, H: int, block_q: int = DEFAULT_BLOCK_Q,
             raise ValueError(f"{name}={b} must be a power of two >= 16 for triton")
     if H < 16 or H & (H - 1):
         raise ValueError(f"head dim H={H} must be a power of two >= 16 for triton")
-    return min(block_q, _pow2_at_least(M, 16)), min(block_s, _pow2_at_least(S, 16))
+    bq, bs = min(block_q, _pow2_at_least(M, 16)), min(block_s, _pow2_at_least(S, 16))
+    budget = TRITON_TILE_BYTES.get(itemsize, TRITON_TILE_BYTES[4])
+    while (bq + bs) * H * itemsize > budget and max(bq, bs) > 16:
+        if bq >= bs:
+            bq //= 2
+        else:
+            bs //= 2
+    return bq, bs
 
 
 class _Config(NamedTuple):
@@ -175,7 +192,7 @@ def packed_attention(q, k, v, limit, *, block_q=DEFAULT_BLOCK_Q, block_s=DEFAULT
     limit = jnp.clip(jnp.asarray(limit).astype(jnp.int32), 0, S)
     if impl == "reference":
         return packed_attention_reference(q, k, v, limit)
-    bq, bs = pick_blocks(T * R, S, H, block_q, block_s, backend)
+    bq, bs = pick_blocks(T * R, S, H, block_q, block_s, backend, q.dtype.itemsize)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     elif isinstance(interpret, bool | np.bool_):

@@ -1,0 +1,650 @@
+"""One device round: every Pallas kernel compiled for this device and checked against its
+jnp reference, timed against the jnp path with bytes moved and roofline fraction, then
+decode.py with and without the kernels on the demo, then a Qwen3-8B-shaped target with
+random bf16 weights (autoregressive tokens/s against the bandwidth roofline, and the
+speculative loop's cost per step beyond its forwards, the target drafting for itself).
+
+    python benchmarks/device_round.py --out DIR --budget SECONDS   # on a GPU / TPU
+    python benchmarks/device_round.py --out DIR --dry-run          # CPU: interpret mode,
+                                                                   # tiny shapes (CI runs it)
+
+scripts/device_round.sh wraps it (and is what a device session runs). Every step writes
+its records into DIR/device_round.json as soon as it ends (a step that raises is recorded
+with its error and the round goes on; a step that would not fit the budget is recorded as
+skipped), so a round cut off by its time limit still returns what it measured.
+
+Checks. Verification (greedy, token, block; probabilities and one-hot drafts): the Pallas
+verdict equals the jnp reference's for the same key (same tile functions, same order).
+Attention (decode_attention causal and block, one pass and split-S, a layer-major cache;
+packed_attention forward and backward): the largest error relative to the largest
+magnitude of the reference run at matmul precision "highest", at most 5e-3 for float32
+(TF32 dots on GPU tensor cores carry 10 mantissa bits) and 3e-2 for bfloat16.
+Timings: median of --repeats calls after one compile call, wall clock with
+block_until_ready; roofline fraction = (bytes the call must move / the device's vendor
+bandwidth) / measured time (benchmarks/kernels.py counts the bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)  # uninstalled checkout
+
+from benchmarks import kernels as kb  # noqa: E402
+from specjax import cli  # noqa: E402
+from specjax.fileio import atomic_write  # noqa: E402
+
+TOL = {"float32": 5e-3, "bfloat16": 3e-2}
+DEMO_TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
+
+
+def log(msg: str) -> None:
+    print(f"[device_round {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Round:
+    """The results file and the budget: `step(name, est_s)` runs a step if it fits."""
+
+    def __init__(self, out: str, budget: float, dry_run: bool):
+        self.out, self.budget, self.dry_run = out, budget, dry_run
+        self.t0 = time.time()
+        self.results = {"started": datetime.datetime.now(datetime.UTC).isoformat(),
+                        "dry_run": dry_run, "budget_s": budget, "steps": {}}
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, "device_round.json")
+
+    def left(self) -> float:
+        return self.budget - (time.time() - self.t0)
+
+    def save(self) -> None:
+        self.results["elapsed_s"] = round(time.time() - self.t0, 1)
+        text = json.dumps(self.results, indent=1, default=str) + "\n"
+        atomic_write(self.path, lambda f: f.write(text.encode()))
+
+    def step(self, name: str, fn, est_s: float):
+        if self.left() < est_s:
+            log(f"skip {name}: {self.left():.0f} s left, needs about {est_s:.0f} s")
+            self.results["steps"][name] = {"skipped": f"{self.left():.0f} s left < {est_s} s"}
+            self.save()
+            return None
+        log(f"{name} ({self.left():.0f} s left)")
+        t = time.time()
+        rec: dict = {}
+        try:
+            fn(rec)
+        except Exception as e:  # a failing step is a result; the round goes on
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            rec["traceback"] = traceback.format_exc()[-4000:]
+            log(f"{name} FAILED: {rec['error'][:300]}")
+        rec["seconds"] = round(time.time() - t, 1)
+        self.results["steps"][name] = rec
+        self.save()
+        return rec
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def device_name() -> str:
+    """"H100", "H200", "TPU v5e"... (a key of benchmarks/kernels.BANDWIDTH) or the kind."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    for k in kb.BANDWIDTH:
+        if k.lower() in kind.lower() or kind.lower() in k.lower():
+            return k
+    return kind
+
+
+def bandwidth() -> float | None:
+    return kb.BANDWIDTH.get(device_name())
+
+
+def bench(fn, *args, repeats: int) -> float:
+    """Median ms per call of a jitted `fn` (one call first: compile and warm-up)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    finite = np.isfinite(b)
+    if not np.array_equal(finite, np.isfinite(a)):
+        return float("inf")
+    scale = max(float(np.max(np.abs(b[finite]), initial=0.0)), 1e-30)
+    return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0)) / scale
+
+
+def gpu_backend() -> str:
+    import jax
+
+    return "triton" if jax.default_backend() == "gpu" else "tpu"
+
+
+def shapes(dry_run: bool) -> dict:
+    """name -> (V, N, K, H): the demo target's and Qwen3-8B's (dry run: demo only, and a
+    reduced "qwen3-8b-heads" with V cut to 4096)."""
+    with open(os.path.join(DEMO_TARGET, "config.json")) as f:
+        c = json.load(f)
+    demo = (c["vocab_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+    q = kb.QWEN3_8B
+    if dry_run:
+        return {"demo": demo, "qwen3-8b-heads": (4096, q["N"], q["K"], q["H"])}
+    return {"demo": demo, "qwen3-8b": (q["V"], q["N"], q["K"], q["H"])}
+
+
+# ------------------------------------------------------------------------------ steps
+
+def step_environment(rec: dict) -> None:
+    import importlib.metadata as md
+
+    import jax
+
+    rec["python"] = platform.python_version()
+    rec["backend"] = jax.default_backend()
+    rec["devices"] = [str(d) for d in jax.devices()]
+    rec["device_kind"] = jax.devices()[0].device_kind
+    rec["device"] = device_name()
+    rec["vendor_bandwidth_Bps"] = bandwidth()
+    pkgs = {}
+    for p in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-cuda12-pjrt",
+              "jax-cuda13-pjrt", "libtpu", "flax", "optax", "orbax-checkpoint", "triton",
+              "numpy", "transformers", "tokenizers"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            pkgs[p] = md.version(p)
+    rec["packages"] = pkgs
+    with contextlib.suppress(Exception):
+        from jax._src.lib import triton as jt  # noqa: F401
+
+        rec["jaxlib_triton"] = True
+    with contextlib.suppress(Exception):
+        rec["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+
+
+def step_bandwidth(rec: dict, dry_run: bool) -> None:
+    """Measured copy bandwidth (read + write bytes / time of y = x + 1 on a big array)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = (1 << 20) if dry_run else (1 << 30)  # f32 elements: 4 MiB / 4 GiB
+    x = jnp.zeros((n,), jnp.float32)
+    ms = bench(jax.jit(lambda x: x + 1), x, repeats=3 if dry_run else 10)
+    rec["bytes"] = 8 * n
+    rec["ms"] = ms
+    rec["measured_Bps"] = 8 * n / (ms / 1e3)
+    bw = bandwidth()
+    if bw:
+        rec["fraction_of_vendor"] = rec["measured_Bps"] / bw
+
+
+def step_verify_check(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.verify import verify_logits
+
+    cases = []
+    B, G = (2, 4) if dry_run else (8, 8)
+    for sname, (V, *_rest) in shapes(dry_run).items():
+        for dt in ("float32", "bfloat16"):
+            k1, k2, k3, k4 = jax.random.split(jax.random.key(len(cases)), 4)
+            tl = (jax.random.normal(k1, (B, G + 1, V), jnp.float32) * 3).astype(dt)
+            q = jax.nn.softmax(jax.random.normal(k2, (B, G, V), jnp.float32) * 3, axis=-1)
+            # drafts from the target's own argmax for half the positions: some acceptance
+            x = jnp.where(jax.random.bernoulli(k3, 0.5, (B, G)),
+                          jnp.argmax(tl[:, :G].astype(jnp.float32), -1),
+                          jax.random.randint(k4, (B, G), 0, V))
+            for rule in ("greedy", "token", "block"):
+                for draft in (("onehot",) if rule == "greedy" else ("probs", "onehot")):
+                    kw = dict(rule=rule, temperature=0.0 if rule == "greedy" else 1.0,
+                              draft_probs=q if draft == "probs" else None, backend=gpu_backend())
+                    got = {}
+                    for impl in ("pallas", "reference"):
+                        f = jax.jit(lambda tl, x, key, impl=impl, kw=kw: verify_logits(
+                            tl, x, key, impl=impl, **kw))
+                        outs = [f(tl, x, jax.random.key(s)) for s in range(4)]
+                        got[impl] = [np.asarray(o.num_accepted).tolist() + np.asarray(
+                            o.next_token).tolist() for o in outs]
+                    ok = got["pallas"] == got["reference"]
+                    cases.append({"shape": sname, "V": V, "B": B, "G": G, "dtype": dt,
+                                  "rule": rule, "draft": draft, "identical": ok})
+                    if not ok:
+                        cases[-1]["pallas"], cases[-1]["reference"] = got["pallas"], got["reference"]
+    rec["cases"] = cases
+    rec["passed"] = all(c["identical"] for c in cases)
+
+
+def _attention_inputs(B, T, N, K, H, S, dt, seed=0, layers=None):
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(seed), 5)
+    cshape = (B, K, S, H) if layers is None else (layers, B, K, S, H)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
+    kc = jax.random.normal(ks[1], cshape, jnp.float32).astype(dt)
+    vc = jax.random.normal(ks[2], cshape, jnp.float32).astype(dt)
+    kn = jax.random.normal(ks[3], (B, T, K, H), jnp.float32).astype(dt)
+    vn = jax.random.normal(ks[4], (B, T, K, H), jnp.float32).astype(dt)
+    return q, kc, vc, kn, vn
+
+
+def step_attention_check(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import decode_attention
+
+    cases = []
+    B, T, S = (2, 4, 256) if dry_run else (4, 8, 4096)
+    for sname, (_V, N, K, H) in shapes(dry_run).items():
+        for dt in ("float32", "bfloat16"):
+            for mode in ("causal", "block"):
+                for splits, layered in ((1, False), (4, False), (1, True)):
+                    q, kc, vc, kn, vn = _attention_inputs(B, T, N, K, H, S, dt,
+                                                          layers=3 if layered else None)
+                    lengths = jnp.asarray([S // 3 + 5 * b for b in range(B)], jnp.int32)
+                    lengths = lengths.at[0].set(0)  # an empty row
+                    layer = 1 if layered else None
+                    kw = dict(mode=mode, layer=layer, num_splits=splits)
+                    got = jax.jit(lambda *a, kw=kw: decode_attention(
+                        *a, impl="pallas", backend=gpu_backend(), **kw))(q, kc, vc, lengths, kn, vn)
+                    with jax.default_matmul_precision("highest"):
+                        ref = jax.jit(lambda *a, kw=kw: decode_attention(
+                            *a, impl="reference", **kw))(q, kc, vc, lengths, kn, vn)
+                    err = rel_err(got, ref)
+                    cases.append({"shape": sname, "N": N, "K": K, "H": H, "B": B, "T": T,
+                                  "S": S, "dtype": dt, "mode": mode, "num_splits": splits,
+                                  "layer_major": layered, "rel_err": err,
+                                  "passed": err <= TOL[dt]})
+    rec["cases"] = cases
+    rec["tolerance"] = TOL
+    rec["passed"] = all(c["passed"] for c in cases)
+
+
+def step_packed_check(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import packed_attention
+
+    cases = []
+    B, T = (1, 256) if dry_run else (2, 1024)
+    for sname, (_V, N, K, H) in shapes(dry_run).items():
+        for dt in ("float32", "bfloat16"):
+            ks = jax.random.split(jax.random.key(1), 5)
+            q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
+            k = jax.random.normal(ks[1], (B, K, T, H), jnp.float32).astype(dt)
+            v = jax.random.normal(ks[2], (B, K, T, H), jnp.float32).astype(dt)
+            go = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dt)
+            causal = jnp.arange(1, T + 1, dtype=jnp.int32)
+            # row 0 causal, row 1 (if any) causal inside two packed documents
+            limit = jnp.stack([causal, jnp.where(causal > T // 2, causal, jnp.minimum(
+                causal, T // 2))][:B])
+
+            def fwd_bwd(q, k, v, impl, limit=limit, go=go):
+                def f(q, k, v):
+                    o, lse = packed_attention(q, k, v, limit, impl=impl, backend=gpu_backend())
+                    return o, lse
+                (o, lse), vjp = jax.vjp(f, q, k, v)
+                return (o, lse, *vjp((go, jnp.zeros_like(lse))))
+
+            got = jax.jit(lambda q, k, v: fwd_bwd(q, k, v, "pallas"))(q, k, v)
+            with jax.default_matmul_precision("highest"):
+                ref = jax.jit(lambda q, k, v: fwd_bwd(q, k, v, "reference"))(q, k, v)
+            errs = {n: rel_err(a, b) for n, a, b in zip(("o", "lse", "dq", "dk", "dv"), got,
+                                                          ref, strict=True)}
+            cases.append({"shape": sname, "N": N, "K": K, "H": H, "B": B, "T": T,
+                          "dtype": dt, "rel_err": errs,
+                          "passed": all(e <= TOL[dt] for e in errs.values())})
+    rec["cases"] = cases
+    rec["passed"] = all(c["passed"] for c in cases)
+
+
+def step_verify_time(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.verify import verify_logits
+    from specjax.verify import VERIFIERS
+
+    V = 4096 if dry_run else kb.QWEN3_8B["V"]
+    bw = bandwidth()
+    rows = []
+    for B in ((1, 2) if dry_run else (1, 8, 64)):
+        G = 4 if dry_run else 8
+        k1, k2, k3 = jax.random.split(jax.random.key(B), 3)
+        tl = jax.random.normal(k1, (B, G + 1, V), jnp.float32) * 3
+        q = jax.nn.softmax(jax.random.normal(k2, (B, G, V), jnp.float32) * 3, axis=-1)
+        x = jax.random.randint(k3, (B, G), 0, V)
+        for rule in ("greedy", "token", "block"):
+            temp = 0.0 if rule == "greedy" else 1.0
+
+            def off(tl, x, q, key, rule=rule, temp=temp):
+                p = (jax.nn.one_hot(jnp.argmax(tl, -1), V) if rule == "greedy"
+                     else jax.nn.softmax(tl / temp, axis=-1))
+                return VERIFIERS[rule](x, q, p, key)
+
+            fns = {"off": jax.jit(off)}
+            for impl in ("reference", "pallas"):
+                fns[impl] = jax.jit(lambda tl, x, q, key, impl=impl, rule=rule, temp=temp:
+                                    verify_logits(tl, x, key, rule=rule, temperature=temp,
+                                                  draft_probs=q, impl=impl,
+                                                  backend=gpu_backend()))
+            row = {"B": B, "G": G, "V": V, "rule": rule}
+            for name, f in fns.items():
+                row[f"{name}_ms"] = bench(f, tl, x, q, jax.random.key(0),
+                                          repeats=2 if dry_run else 20)
+            nbytes = kb.verify_bytes(B, G, V, rule, fused=True)
+            row["pallas_bytes"] = nbytes
+            row["off_bytes"] = kb.verify_bytes(B, G, V, rule, fused=False)
+            row["speedup_vs_off"] = row["off_ms"] / row["pallas_ms"]
+            if bw:
+                row["pallas_roofline_fraction"] = nbytes / bw * 1e3 / row["pallas_ms"]
+            rows.append(row)
+    rec["rows"] = rows
+
+
+def step_attention_time(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import decode_attention, pick_block_s, pick_num_splits
+
+    q8 = kb.QWEN3_8B
+    N, K, H = q8["N"], q8["K"], q8["H"]
+    S = 1024 if dry_run else 32768
+    bw = bandwidth()
+    be = gpu_backend()
+    rows = []
+    for B in ((1,) if dry_run else (1, 8)):
+        for T in ((1, 4) if dry_run else (1, 8, 16)):
+            q, kc, vc, kn, vn = _attention_inputs(B, T, N, K, H, S, "bfloat16")
+            bs = pick_block_s(S, backend=be)
+            # the split counts of the tpu rule (the triton default before 2026-11-26) and
+            # of this backend's rule
+            splits = sorted({pick_num_splits(B, K, S, bs, "tpu"),
+                             pick_num_splits(B, K, S, bs, be)})
+            for L in ((256, 1024) if dry_run else (1024, 8192, 32768)):
+                lengths = jnp.full((B,), L - T, jnp.int32)
+                row = {"B": B, "T": T, "context": L, "S": S, "block_s": bs,
+                       "default_num_splits": pick_num_splits(B, K, S, bs, be)}
+                f = jax.jit(lambda *a: decode_attention(*a, impl="reference"))
+                row["reference_ms"] = bench(f, q, kc, vc, lengths, kn, vn,
+                                            repeats=2 if dry_run else 20)
+                for P in splits:
+                    f = jax.jit(lambda *a, P=P: decode_attention(
+                        *a, impl="pallas", backend=be, num_splits=P))
+                    row[f"pallas_p{P}_ms"] = bench(f, q, kc, vc, lengths, kn, vn,
+                                                   repeats=2 if dry_run else 20)
+                row["pallas_ms"] = row[f"pallas_p{row['default_num_splits']}_ms"]
+                nbytes = kb.attention_bytes(B, T, L, S, N, K, H, fused=True)
+                row["pallas_bytes"] = nbytes
+                row["speedup_vs_reference"] = row["reference_ms"] / row["pallas_ms"]
+                if bw:
+                    row["pallas_roofline_fraction"] = nbytes / bw * 1e3 / row["pallas_ms"]
+                rows.append(row)
+    rec["rows"] = rows
+
+
+def step_packed_time(rec: dict, dry_run: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.attention import packed_attention
+    from specjax.drafters.common import attend
+
+    q8 = kb.QWEN3_8B
+    N, K, H = q8["N"], q8["K"], q8["H"]
+    rows = []
+    for T in ((256,) if dry_run else (2048, 4096)):
+        B = 1
+        ks = jax.random.split(jax.random.key(T), 3)
+        q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, K, T, H), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, K, T, H), jnp.bfloat16)
+        limit = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
+        mask = jnp.arange(T)[None, None, :] < limit[:, :, None]
+
+        def packed_loss(impl, limit=limit):
+            def loss(q_, k_, v_):
+                o, _ = packed_attention(q_, k_, v_, limit, impl=impl, backend=gpu_backend())
+                return jnp.sum(o.astype(jnp.float32))
+            return loss
+
+        losses = {"jnp": lambda q, k, v, mask=mask: jnp.sum(
+                      attend(q, [(k, v, mask)]).astype(jnp.float32)),
+                  "pallas": packed_loss("pallas")}
+        row = {"B": B, "T": T, "N": N, "K": K, "H": H, "dtype": "bfloat16"}
+        for name, f in losses.items():
+            row[f"{name}_fwd_ms"] = bench(jax.jit(f), q, k, v, repeats=2 if dry_run else 10)
+            row[f"{name}_fwd_bwd_ms"] = bench(jax.jit(jax.grad(f, argnums=(0, 1, 2))), q, k, v,
+                                              repeats=2 if dry_run else 10)
+        lim = kb.packed_limits("causal", T, T)
+        nb = kb.packed_train_bytes(lim, N, K, T, H)
+        fl = kb.packed_train_flops(lim, N, K, T, H)
+        row["pallas_bytes"], row["pallas_flops"] = list(nb), list(fl)
+        dev = device_name()
+        if dev in kb.BANDWIDTH:
+            row["roofline_ms"] = kb.roofline_ms(nb, fl, dev)
+            row["pallas_roofline_fraction"] = row["roofline_ms"] / row["pallas_fwd_bwd_ms"]
+        row["speedup_fwd_bwd_vs_jnp"] = row["jnp_fwd_bwd_ms"] / row["pallas_fwd_bwd_ms"]
+        rows.append(row)
+    rec["rows"] = rows
+
+
+def step_decode_demo(rec: dict, dry_run: bool, out: str) -> None:
+    """decode.py on the demo with --kernels pallas and --kernels off: same completions?"""
+    from specjax.loading import DEMO_PROMPTS
+
+    n = 4 if dry_run else 16
+    tmp = tempfile.mkdtemp()
+    pfile = os.path.join(tmp, "prompts.jsonl")
+    with open(DEMO_PROMPTS, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()][:n]
+    with open(pfile, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    runs = {}
+    for kernels in ("pallas", "off"):
+        summ, outp = os.path.join(tmp, f"{kernels}.json"), os.path.join(tmp, f"{kernels}.jsonl")
+        cmd = [sys.executable, os.path.join(ROOT, "decode.py"), "--prompts", pfile,
+               "--kernels", kernels, "--summary", summ, "--output", outp, "--show", "0",
+               "--max-new-tokens", "32" if dry_run else "128"]
+        if kernels == "off":
+            cmd.append("--no-compare-ar")
+        t = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        runs[kernels] = {"rc": p.returncode, "wall_s": round(time.time() - t, 1),
+                         "stderr_tail": p.stderr[-1500:]}
+        if p.returncode == 0:
+            with open(summ) as f:
+                runs[kernels]["summary"] = json.load(f)
+            with open(outp) as f:
+                runs[kernels]["completions"] = [json.loads(line) for line in f]
+    rec["runs"] = {k: {kk: vv for kk, vv in v.items() if kk != "completions"}
+                   for k, v in runs.items()}
+    if all(r["rc"] == 0 for r in runs.values()):
+        key = "completion_ids" if "completion_ids" in runs["off"]["completions"][0] else "completion"
+        rec["identical"] = ([c.get(key) for c in runs["pallas"]["completions"]]
+                            == [c.get(key) for c in runs["off"]["completions"]])
+        rec["compared_field"] = key
+
+
+def _big_config(dry_run: bool):
+    from specjax.config import ModelConfig
+    from specjax.testing import hf_configs
+
+    tmp = tempfile.mkdtemp()
+    hf_configs.write("Qwen3-8B", tmp)
+    if dry_run:  # 2 small layers, a small vocabulary
+        path = os.path.join(tmp, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+        hf.update(num_hidden_layers=2, hidden_size=512, intermediate_size=1024,
+                  vocab_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+        with open(path, "w") as f:
+            json.dump(hf, f)
+    return ModelConfig.from_dir(tmp)
+
+
+BIG_PLAN = "1:reference:scan,8:reference:scan,1:pallas:scan,8:pallas:scan"
+
+
+def step_big_target(rec: dict, dry_run: bool, plan_spec: str = BIG_PLAN) -> None:
+    """A Qwen3-8B-shaped target with random bf16 weights made on the device: AR tokens/s
+    (batch 1 and 8) against the roofline (weights + KV read once per step), and the
+    speculative loop with the target drafting for itself (greedy, every draft accepted):
+    its ms per step against (G + 1) autoregressive steps."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from specjax.drafters.draft_lm import DraftLMDrafter
+    from specjax.engine import Engine
+    from specjax.model import Transformer
+    from specjax.sampling import SamplingParams
+
+    cfg = _big_config(dry_run)
+    dt = jnp.float32 if dry_run else jnp.bfloat16
+    t = time.time()
+    target = Transformer(cfg, dtype=dt, rngs=nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(target))
+    rec["init_s"] = round(time.time() - t, 1)
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(target)))
+    rec["param_bytes"] = int(nbytes)
+    rec["config"] = {"layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size}
+    Tp, new = (16, 16) if dry_run else (128, 128)
+    G = 4
+    greedy = SamplingParams(temperature=0.0)
+    bw = bandwidth()
+    rng = np.random.default_rng(0)
+    rows = []
+    plan = [p.split(":") for p in plan_spec.split(",") if p]
+    for B, kernels, layer_loop, *what in plan:
+        B = int(B)
+        prompts = [rng.integers(1, cfg.vocab_size, Tp).tolist() for _ in range(B)]
+        row = {"B": B, "kernels": kernels, "layer_loop": layer_loop, "prompt": Tp,
+               "new_tokens": new}
+        rows.append(row)
+        rec["rows"] = rows
+        try:
+            modes = (("ar", False),) if what == ["ar"] else (("ar", False), ("self_draft", True))
+            for name, self_draft in modes:
+                kw = dict(sampling=greedy, max_length=Tp + new, prompt_width=Tp,
+                          batch_size=B, kernels=kernels, layer_loop=layer_loop)
+                if self_draft:
+                    d, p = DraftLMDrafter.create(target, G, greedy, cfg.vocab_size,
+                                                 layer_loop=layer_loop)
+                    kw.update(drafter=d, drafter_params=p)
+                eng = Engine(target, **kw)
+                row[f"{name}_compile_s"] = round(eng.compile(), 1)
+                eng.run(prompts, new, jax.random.key(0))  # warm
+                walls, steps, outs = [], 1, None
+                for r in range(1 if dry_run else 3):
+                    out = eng.run(prompts, new, jax.random.key(r))
+                    walls.append(out.wall_s)
+                    steps = int(np.asarray(out.steps).max())
+                    outs = out.outputs
+                wall = sorted(walls)[len(walls) // 2]
+                row[f"{name}_wall_s"] = wall
+                row[f"{name}_steps"] = steps
+                row[f"{name}_tokens_per_s"] = B * new / wall
+                row[f"{name}_ms_per_step"] = 1e3 * wall / max(steps, 1)
+                row[f"{name}_outputs_hash"] = hash(json.dumps(outs))
+                del eng
+            if len(modes) == 2:
+                row["self_draft_identical_to_ar"] = (row["ar_outputs_hash"]
+                                                     == row["self_draft_outputs_hash"])
+                row["self_draft_overhead_ms_per_step"] = (row["self_draft_ms_per_step"]
+                                                          - (G + 1) * row["ar_ms_per_step"])
+            kv = 2 * cfg.num_layers * B * cfg.num_kv_heads * (Tp + new // 2) * cfg.head_dim * 2
+            if bw:
+                row["ar_roofline_ms_per_step"] = (nbytes + kv) / bw * 1e3
+                row["ar_roofline_fraction"] = (row["ar_roofline_ms_per_step"]
+                                               / row["ar_ms_per_step"])
+        except Exception as e:  # one failing row does not lose the others
+            row["error"] = f"{type(e).__name__}: {e}"[:1500]
+            log(f"big_target B={B} {kernels} FAILED: {row['error'][:300]}")
+    rec["gamma"] = G
+    rec["passed"] = not any("error" in r for r in rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="results folder (device_round.json)")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the round")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: Pallas interpret mode, tiny shapes (what CI runs)")
+    ap.add_argument("--only", default="", help="comma-separated step names (default: all)")
+    ap.add_argument("--big-plan", default=BIG_PLAN,
+                    help="big_target rows: comma-separated B:kernels:layer_loop[:ar] "
+                         "(ar: no self-drafting run)")
+    return ap
+
+
+STEPS = ("environment", "bandwidth", "verify_check", "attention_check", "packed_check",
+         "verify_time", "attention_time", "packed_time", "decode_demo", "big_target")
+# rough seconds on an H100 (compiles included): a step starts only when this much is left
+EST = {"environment": 5, "bandwidth": 10, "verify_check": 60, "attention_check": 60,
+       "packed_check": 40, "verify_time": 60, "attention_time": 60, "packed_time": 40,
+       "decode_demo": 90, "big_target": 120}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    only = [s for s in args.only.split(",") if s]
+    for s in only:
+        if s not in STEPS:
+            ap.error(f"--only: unknown step {s!r}; steps: {', '.join(STEPS)}")
+    if args.budget <= 0:
+        ap.error(f"--budget={args.budget} must be > 0")
+    rnd = Round(args.out, args.budget, args.dry_run)
+    d = args.dry_run
+    fns = {"environment": step_environment,
+           "bandwidth": lambda r: step_bandwidth(r, d),
+           "verify_check": lambda r: step_verify_check(r, d),
+           "attention_check": lambda r: step_attention_check(r, d),
+           "packed_check": lambda r: step_packed_check(r, d),
+           "verify_time": lambda r: step_verify_time(r, d),
+           "attention_time": lambda r: step_attention_time(r, d),
+           "packed_time": lambda r: step_packed_time(r, d),
+           "decode_demo": lambda r: step_decode_demo(r, d, args.out),
+           "big_target": lambda r: step_big_target(r, d, args.big_plan)}
+    for name in STEPS:
+        if only and name not in only:
+            continue
+        rnd.step(name, fns[name], 0 if d else EST[name])
+    steps = rnd.results["steps"]
+    failed = [n for n, r in steps.items() if "error" in r or r.get("passed") is False
+              or r.get("identical") is False]
+    rnd.results["failed"] = failed
+    rnd.save()
+    log(f"done in {time.time() - rnd.t0:.0f} s; failed: {failed or 'none'}; {rnd.path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

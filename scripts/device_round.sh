@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device round inside a wall-clock budget; everything it writes lands under --out
+# (the folder a device session brings back):
+#   1-4. benchmarks/device_round.py: environment, every Pallas kernel against its jnp
+#        reference (verification greedy/token/block, decode attention causal/block/split-S/
+#        layer-major, packed attention forward + backward; demo and Qwen3-8B shapes, f32
+#        and bf16), their timings against the jnp path with bytes and roofline fraction,
+#        decode.py --kernels pallas against --kernels off on the demo, and a Qwen3-8B-shaped
+#        random bf16 target (autoregressive tokens/s, self-drafting loop overhead);
+#        -> OUT/device_round.json, OUT/device_round.log
+#   5.   with what is left (STUDY_S or more seconds), scripts/gpu_eagle3_round.sh.
+#
+#   bash scripts/device_round.sh --budget SECONDS --out DIR [--dry-run]
+#
+# --dry-run runs every step on the CPU (Pallas interpret mode, tiny shapes; no step 5);
+# tests/test_device_round.py runs it in CI. Environment: PYTHON (default python3),
+# STUDY_S (least seconds left for step 5, default 240).
+set -uo pipefail
+BUDGET=""; OUTD=""; DRY=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget) BUDGET=${2:-}; shift 2 ;;
+    --out) OUTD=${2:-}; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    *) echo "device_round.sh: error: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$OUTD" ]; then echo "device_round.sh: error: --out DIR is required" >&2; exit 2; fi
+if ! [[ "$BUDGET" =~ ^[0-9]+$ ]] || [ "$BUDGET" -lt 1 ]; then
+  [ $DRY = 1 ] && [ -z "$BUDGET" ] && BUDGET=900 || {
+    echo "device_round.sh: error: --budget SECONDS (a positive integer) is required" >&2; exit 2; }
+fi
+cd "$(dirname "$0")/.." || exit 2
+START=$(date +%s)
+PY=${PYTHON:-python3}
+mkdir -p "$OUTD" || exit 2
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TQDM_MININTERVAL=20
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ARGS=(--out "$OUTD" --budget "$BUDGET")
+if [ $DRY = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  ARGS+=(--dry-run)
+fi
+$PY benchmarks/device_round.py "${ARGS[@]}" 2>&1 | tee "$OUTD/device_round.log"
+RC=${PIPESTATUS[0]}
+LEFT=$(( BUDGET - ($(date +%s) - START) ))
+if [ $DRY = 0 ] && [ "$LEFT" -ge "${STUDY_S:-240}" ]; then
+  echo "[device_round.sh] step 5: eagle3 round with $LEFT s left" | tee -a "$OUTD/device_round.log"
+  bash scripts/gpu_eagle3_round.sh $(( LEFT - 20 )) "$OUTD/eagle3" 2>&1 | tail -40 \
+    >>"$OUTD/device_round.log"
+fi
+exit $RC
