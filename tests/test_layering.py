@@ -42,5 +42,5 @@ def test_decoding_imports_no_training_code():
 def test_the_scan_sees_lazy_imports(tmp_path):
     """The scan must be able to fail: an import inside a function is found."""
     f = tmp_path / "m.py"
-    f.write_text("def g():\n    from specjax.train.config import LoopConfig\n")
+    f.write_text("def g():\n    from specjax.train.config import TrainLoopConfig\n")
     assert "specjax.train.config" in set(_imports(str(f)))

@@ -17,7 +17,7 @@ turns it into exit code 2.
     data:   DataConfig       # corpus: stdlib, or tokens_npy (+ tokenizer_dir)
     mesh:   MeshConfig       # data x fsdp x model devices
     optim:  OptimConfig      # AdamW, warmup + cosine, global-norm clipping
-    train:  LoopConfig       # steps, batch, accumulation, intervals
+    train:  TrainLoopConfig  # steps, batch, accumulation, intervals
     export: ExportConfig     # HF directory written at the end
 """
 
@@ -126,7 +126,7 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopConfig:
+class TrainLoopConfig:
     """Attributes:
       steps: optimizer steps in the whole run (also the cosine schedule's length).
       batch_size: B, global rows per optimizer step (all processes together).
@@ -319,7 +319,7 @@ class TrainConfig:
     drafter: DrafterTrainConfig | None = None
     mesh: MeshConfig = MeshConfig()
     optim: OptimConfig = OptimConfig()
-    train: LoopConfig = LoopConfig()
+    train: TrainLoopConfig = TrainLoopConfig()
     export: ExportConfig = ExportConfig()
 
     def __post_init__(self):

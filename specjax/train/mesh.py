@@ -24,13 +24,13 @@ from specjax.mesh import (  # noqa: F401  (re-exported: the trainer's mesh_lib.*
     replicated,
     tree_shardings,
 )
-from specjax.train.config import LoopConfig
+from specjax.train.config import TrainLoopConfig
 
 BATCH_AXES = ("accum", "batch", "seq")  # training batch i32[A, B/A, T+1]
 EVAL_BATCH_AXES = ("batch", "seq")  # validation batch i32[B, T+1]
 
 
-def check_batch(mesh: jax.sharding.Mesh, loop: LoopConfig) -> None:
+def check_batch(mesh: jax.sharding.Mesh, loop: TrainLoopConfig) -> None:
     """Raises SpecjaxError unless each micro-batch splits evenly over data*fsdp devices."""
     rows = axis_size(mesh, LOGICAL_RULES["batch"])
     if loop.micro_batch % rows:
