@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from specjax.errors import SpecjaxError
+from specjax.fileio import read_config_json
 
 FAMILIES = ("qwen3", "llama")
 
@@ -180,17 +181,7 @@ class ModelConfig:
           SpecjaxError: missing/unreadable directory or file, unsupported architecture.
         """
         cfg_path = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise SpecjaxError(f"checkpoint directory {path} does not exist; pass a local HF model directory")
-        try:
-            with open(cfg_path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise SpecjaxError(f"{cfg_path} is missing; a HF checkpoint directory needs config.json") from None
-        except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
-            raise SpecjaxError(f"{cfg_path} is unreadable ({' '.join(str(e).split())[:200]})") from None
-        if not isinstance(raw, dict):
-            raise SpecjaxError(f"{cfg_path} must hold a JSON object")
+        raw = read_config_json(path, "HF checkpoint", hint="pass a local HF model directory")
         model_type = raw.get("model_type")
         if model_type not in ("qwen3", "llama"):
             archs = raw.get("architectures")

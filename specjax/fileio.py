@@ -1,9 +1,11 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a part."""
+"""File helpers: atomic writes (a reader sees the old file or the complete new one, never
+a part), output-path checks, and the one reader of a directory's config.json."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 
 from specjax.errors import SpecjaxError
@@ -16,6 +18,35 @@ def existing_ancestor(path: str) -> str:
     while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
     return probe
+
+
+def read_config_json(path: str, kind: str, *, hint: str = "", fix: str = "") -> dict:
+    """The config.json of directory `path` as a dict: the one reader of HF checkpoint,
+    drafter and external head configs (callers check the keys they need).
+
+    Args:
+      path: the directory.
+      kind: what the directory is, for the messages ("HF checkpoint", "drafter").
+      hint: appended to the message for a missing directory (what to pass instead).
+      fix: appended to the messages for a missing or unreadable config.json.
+    Raises: SpecjaxError (one line naming the directory or file) for a missing
+      directory or config.json, one that cannot be read or is not JSON, or JSON that
+      is not an object."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise SpecjaxError(f"{kind} directory {path} does not exist" + (f"; {hint}" if hint else ""))
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise SpecjaxError(f"{cfg_path} is missing; a {kind} directory needs config.json"
+                           + (f" ({fix})" if fix else "")) from None
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise SpecjaxError(f"{cfg_path} is unreadable ({' '.join(str(e).split())[:200]})"
+                           + (f"; {fix}" if fix else "")) from None
+    if not isinstance(raw, dict):
+        raise SpecjaxError(f"{cfg_path} must hold a JSON object")
+    return raw
 
 
 def check_output_file(path: str, flag: str, *, create_parent: bool = False) -> None:

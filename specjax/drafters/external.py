@@ -66,6 +66,7 @@ from flax import nnx
 from specjax.config import ModelConfig
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError
+from specjax.fileio import read_config_json
 
 EAGLE3, DFLASH = "eagle3-hf", "dflash"
 LAYOUTS = (EAGLE3, DFLASH)
@@ -103,31 +104,12 @@ def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def read_config(path: str) -> dict:
-    """config.json of `path` as a dict. Raises SpecjaxError if absent or unreadable."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise SpecjaxError(f"drafter directory {path} does not exist")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise SpecjaxError(f"{cfg_path} is missing; a drafter directory needs config.json") \
-            from None
-    except (OSError, ValueError) as e:
-        raise SpecjaxError(f"{cfg_path} is unreadable ({' '.join(str(e).split())[:200]})") \
-            from None
-    if not isinstance(raw, dict):
-        raise SpecjaxError(f"{cfg_path} must hold a JSON object")
-    return raw
-
-
 def detect_layout(path: str) -> str | None:
     """"dflash" for a config.json with `dflash_config`, "eagle3-hf" for one naming an
     Eagle3 architecture or carrying `draft_vocab_size`, else None (a specjax drafter
     directory, an HF draft LM, or not a directory). Never raises."""
     try:
-        raw = read_config(path)
+        raw = read_config_json(path, "drafter")
     except SpecjaxError:
         return None
     if raw.get("format") == "specjax-drafter":
@@ -460,7 +442,7 @@ def read_external(path: str, target: ModelConfig) -> External:
     layout = detect_layout(path)
     if layout is None:
         raise SpecjaxError(f"{path}: config.json is neither an EAGLE-3 nor a DFlash head")
-    raw = read_config(path)
+    raw = read_config_json(path, "drafter")
     where_cfg = os.path.join(path, "config.json")
     for name in ("mask_embedding.pt", "mask_embedding.safetensors"):
         if os.path.exists(os.path.join(path, name)):

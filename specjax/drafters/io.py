@@ -32,6 +32,7 @@ from flax import nnx
 
 from specjax.drafters.config import CONFIG_NAME, FORMAT, DrafterConfig
 from specjax.errors import SpecjaxError
+from specjax.fileio import read_config_json
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -114,20 +115,10 @@ def read_config(path: str) -> dict:
 
     Raises: SpecjaxError for a missing directory or file, invalid JSON, or a config.json
       that is not a specjax drafter's."""
-    if not os.path.isdir(path):
-        raise SpecjaxError(f"drafter directory {path} does not exist; pass a directory written "
-                           "by train.py (objective ttt or block)")
+    raw = read_config_json(path, "drafter", fix="re-export it with train.py",
+                           hint="pass a directory written by train.py (objective ttt or block)")
     cfg_path = os.path.join(path, CONFIG_NAME)
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise SpecjaxError(f"{cfg_path} is missing; a drafter directory needs config.json "
-                           "(re-export it with train.py)") from None
-    except (OSError, ValueError) as e:
-        msg = str(e).replace("\n", " ")
-        raise SpecjaxError(f"{cfg_path} is unreadable ({msg}); re-export the drafter") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+    if raw.get("format") != FORMAT:
         raise SpecjaxError(f"{cfg_path} is not a specjax drafter config (format != {FORMAT!r}); "
                            "pass a directory written by train.py")
     return raw
