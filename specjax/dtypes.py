@@ -4,6 +4,7 @@ and the jnp dtype each means. specjax computes in float32 or bfloat16 only."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.errors import SpecjaxError
 
@@ -19,6 +20,14 @@ def parse_dtype(name: str):
         return DTYPES[name]
     except (KeyError, TypeError):
         raise SpecjaxError(f"unknown dtype {name!r}; use float32 or bfloat16") from None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A dtype name of `DTYPES` -> its numpy dtype (ml_dtypes' bfloat16 for bfloat16),
+    for host arrays and byte counts.
+
+    Raises: SpecjaxError (one line) for any other name."""
+    return np.dtype(parse_dtype(name))
 
 
 def backend_default(backend: str | None = None):

@@ -277,11 +277,9 @@ def main(argv=None) -> int:
         for flag in ("max_length", "batch", "gamma", "seq_len"):
             if getattr(args, flag) < 1:
                 raise SpecjaxError(f"--{flag.replace('_', '-')} must be >= 1")
-        dtype = {"bfloat16": "bfloat16", "float32": np.float32}[args.dtype]
-        if dtype == "bfloat16":
-            import ml_dtypes
+        from specjax.dtypes import numpy_dtype
 
-            dtype = ml_dtypes.bfloat16
+        dtype = numpy_dtype(args.dtype)
         dcfg = _drafter_config(args.drafter, cfg, args.gamma) if args.drafter else None
         sections = {"decoding": decode_plan(cfg, mesh, args.batch, args.max_length, dtype,
                                             dcfg=dcfg, gamma=args.gamma)}
