@@ -184,21 +184,6 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--output and --summary both name {args.output}; pass two files")
 
 
-def make_drafter_from_args(args, target, sampling, dtype):
-    """(drafter, params, name) for the flags in `args` (--drafter, --target, --gamma,
-    --drafter-dtype, --draft-vocab, --draft-stop) and `target` (a loaded
-    `specjax.model.Transformer` of --target): `specjax.loading.load_drafter`, which
-    this wraps; `args` is not changed (the G used is the drafter's `gamma`)."""
-    from specjax.loading import Target, load_drafter
-
-    t = Target(target, target.cfg, None, args.target, dtype)
-    d = load_drafter(args.drafter, t, gamma=args.gamma, sampling=sampling, dtype=dtype,
-                     matmul_dtype=getattr(args, "drafter_dtype", "auto"),
-                     draft_vocab=getattr(args, "draft_vocab", "auto"),
-                     draft_stop=getattr(args, "draft_stop", 0.0))
-    return d.drafter, d.params, d.name
-
-
 def _format_table(summary: dict) -> str:
     rows = [("new tokens", f"{summary['new_tokens']}"),
             ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),

@@ -6,7 +6,6 @@ output unchanged through the real loop, and one-line errors for bad files and fl
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +13,6 @@ from specjax.drafters import make_drafter
 from specjax.drafters.io import FORMAT
 from specjax.drafters.vocab import hot_ids, load_draft_vocab, main, save_draft_vocab
 from specjax.errors import SpecjaxError
-from specjax.sampling import SamplingParams
 from specjax.testing.tiny import save_random_drafter
 from tests.test_drafters_decode import drafter_net, run_learned
 from tests.test_speculative_greedy import BUDGETS, models, rows, run_ar
@@ -109,16 +107,15 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
     """decode.py with a drafter directory that has draft_vocab.json: the same output as
     --draft-vocab full and as autoregressive decoding."""
     import decode
-    from specjax.checkpoint import load_model
+    import specjax
 
     tgt = str(tiny_demo / "target")
-    target, d = load_model(tgt), save_random_drafter(tgt, str(tmp_path / "drafter"))
+    target = specjax.load_target(tgt, dtype="float32")
+    d = save_random_drafter(tgt, str(tmp_path / "drafter"))
     save_draft_vocab(str(d), np.arange(target.cfg.vocab_size)[::-1], 50, "test")
     outs = {}
     for mode, hot in (("auto", True), ("full", False)):
-        args = decode.build_parser().parse_args(["--target", tgt, "--drafter", str(d),
-                                                 "--draft-vocab", mode])
-        _, params, _ = decode.make_drafter_from_args(args, target, SamplingParams(), jnp.float32)
+        params = specjax.load_drafter(str(d), target, draft_vocab=mode).params
         assert ("draft_ids" in params) == hot
         if hot:
             assert params["head"].shape[0] == 50

@@ -85,15 +85,18 @@ def test_load_drafter_changes_no_argument(tiny_demo, tmp_path):
     assert target.dtype == jnp.float32
 
 
-def test_cli_wrapper_leaves_the_namespace_alone(tiny_demo):
+def test_cli_defaults_give_ngram_the_default_gamma(tiny_demo):
+    """decode.py's flags passed to `specjax.load_drafter` as they are: --gamma's default
+    None gives the n-gram drafter DEFAULT_GAMMA, and the namespace is not changed."""
     tgt = str(tiny_demo / "target")
     target = specjax.load_target(tgt, dtype="float32")
     args = decode.build_parser().parse_args(["--target", tgt, "--drafter", "ngram"])
     frozen = types.SimpleNamespace(**vars(args))
-    drafter, _, name = decode.make_drafter_from_args(args, target.model, SamplingParams(),
-                                                     jnp.float32)
+    d = specjax.load_drafter(args.drafter, target, gamma=args.gamma, sampling=SamplingParams(),
+                             matmul_dtype=args.drafter_dtype, draft_vocab=args.draft_vocab,
+                             draft_stop=args.draft_stop)
     assert vars(args) == vars(frozen) and args.gamma is None
-    assert name == "ngram" and drafter.gamma == decode.DEFAULT_GAMMA
+    assert d.name == "ngram" and d.drafter.gamma == decode.DEFAULT_GAMMA
 
 
 def _imports_decode(path: str) -> bool:
