@@ -422,11 +422,15 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
             lock.release()
 
 
-def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None,
-           progress: bool) -> RunResult:
+def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
+    """The first step of `_train`: the objective's run (its data and trainer), the run's
+    checkpoints, and the state to start from (fresh, or the newest checkpoint once the
+    config it was written with is checked); then writes run_dir/config.yaml.
+
+    Returns: (run, ckpts, state, data position, resumed)."""
     from specjax.dtypes import parse_dtype
 
-    loop, is_main = cfg.train, jax.process_index() == 0
+    loop = cfg.train
     tx, schedule = make_optimizer(cfg.optim, loop.steps)
     dtype = parse_dtype(loop.dtype)
     if cfg.trains_drafter:
@@ -435,7 +439,6 @@ def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None
         run = DrafterRun(cfg, mesh, tx, schedule, dtype)
     else:
         run = _LMRun(cfg, mesh, tx, schedule, dtype)
-    data, trainer = run.data, run.trainer
     os.makedirs(cfg.run_dir, exist_ok=True)
     ckpts = Checkpoints(os.path.join(cfg.run_dir, "checkpoints"), loop.keep_checkpoints,
                         loop.async_checkpointing)
@@ -445,7 +448,6 @@ def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None
         _check_resume_config(cfg, config_path, run.resume_keys)
     multihost.barrier("specjax.train: config checked")  # every process read the old one
 
-    T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
     if latest is None:
         state, position = run.fresh_state(), 0
     else:
@@ -453,18 +455,27 @@ def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None
             if is_main:
                 print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
 
-        state, meta, _ = ckpts.restore_newest(trainer.abstract_target(), warn)
+        state, meta, _ = ckpts.restore_newest(run.trainer.abstract_target(), warn)
         position = int(meta["data_position"])
         run.resumed()
     if new is not None:  # started: from here on a failure keeps the run dir's files
         new.keep()
     if is_main:  # only now: a config that fails to restore leaves the old one in place
         dump_config(cfg, config_path)
+    return run, ckpts, state, position, latest is not None
+
+
+def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None,
+           progress: bool) -> RunResult:
+    loop, is_main = cfg.train, jax.process_index() == 0
+    run, ckpts, state, position, resumed = _open_run(cfg, mesh, new, is_main)
+    data, trainer = run.data, run.trainer
+    T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
     start = step = int(jax.device_get(state.step))
     last = loop.steps if stop_at is None else min(loop.steps, stop_at)
 
     log = _MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl"), is_main)
-    log.write(event="resume" if latest is not None else "start", step=step,
+    log.write(event="resume" if resumed else "start", step=step,
               **run.start_info, devices=int(mesh.size),
               mesh=dict(zip(mesh.axis_names, map(int, mesh.devices.shape), strict=True)))
     losses, val_losses, val_metrics, pending = {}, {}, {}, []
