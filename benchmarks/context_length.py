@@ -15,7 +15,7 @@ Two sweeps, each in ONE process with timed runs interleaved across its settings:
    library's validation split, the demo tokenizer) with capacity = prompt + 64: prefill
    seconds (a run with one new token) and decode tokens/s (64 new tokens, minus the
    prefill run's time). Prefill runs in the backend's default pieces
-   (`specjax.model.prefill_pieces()`; LoopConfig.prefill_chunk, prefill_min_chunk).
+   (`specjax.prefill.prefill_pieces()`; LoopConfig.prefill_chunk, prefill_min_chunk).
 
 Prints markdown tables; writes `--json` and a PNG of tokens/s against context length.
 Beyond the demo target's max_position_embeddings (2048) the output is not meaningful

@@ -413,7 +413,7 @@ def step_packed_time(rec: dict, dry_run: bool) -> None:
     import jax.numpy as jnp
 
     from pallas_kernels.attention import packed_attention
-    from specjax.drafters.common import attend
+    from specjax.drafters.attend import attend
 
     q8 = kb.QWEN3_8B
     N, K, H = q8["N"], q8["K"], q8["H"]

@@ -38,7 +38,7 @@ one layer, Qwen3-8B heads, bf16 q/k/v/o, f32 lse; tiles bq = bs = 128 (the defau
   atomic dq is 5 = 2.5x; the two passes buy atomics-free TPU/GPU kernels with 2 recomputed
   matmuls). Kept for the backward: o [B,T,N,H] bf16 + lse [B,T,N] f32 (q, k, v are kept
   by both paths and not counted).
-- jnp (specjax/drafters/common.py `attend`, model.py cache-free forward): every [B,N,T,S]
+- jnp (specjax/drafters/attend.py `attend`, model.py cache-free forward): every [B,N,T,S]
   entry, masked ones included. Forward: f32 scores written (QK^T) and read (softmax),
   f32 probs written and read (PV): 4 passes of B*N*T*S*4 B, plus q, k, v read, o written.
   Backward: dP written (dO V^T), dP and P read and dS written (softmax backward), dS read
@@ -319,7 +319,7 @@ def measure_packed(B: int = 1, T: int = 512, N: int = 8, K: int = 4, H: int = 64
     import jax.numpy as jnp
 
     from pallas_kernels.attention import packed_attention
-    from specjax.drafters.common import attend
+    from specjax.drafters.attend import attend
 
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (B, T, N, H), jnp.float32)

@@ -64,7 +64,8 @@ def target_queries(target, tokens, layers) -> dict[int, jax.Array]:
     """The target's own queries [B,T,N,H] (q_norm and RoPE applied) at `layers`, from a
     cache-free forward capturing those layers' inputs (the same arithmetic as
     specjax.model's attention)."""
-    from specjax.model import apply_rope, linear, rms_norm, rope_cos_sin
+    from specjax.layers import apply_rope, rms_norm, rope_cos_sin
+    from specjax.matmul import linear
 
     c = target.cfg
     B, T = tokens.shape
@@ -85,7 +86,7 @@ def target_queries(target, tokens, layers) -> dict[int, jax.Array]:
 def drafter_queries(run, params, rows) -> list[jax.Array]:
     """Queries [B,T,N,H] of each KV-only drafter layer at TTT step 0 (anchor t: token t+1
     at position t+1), recorded from the training objective's own forward."""
-    from specjax.drafters import common
+    from specjax.drafters import kv as kv_lib
     from specjax.train.objectives import Frozen
     from specjax.train.objectives.ttt import draft_outputs
 
@@ -97,18 +98,18 @@ def drafter_queries(run, params, rows) -> list[jax.Array]:
     tgt = target(tokens, positions, None, capture=tr.dcfg.capture,
                  capture_kv=tr.dcfg.kv_layers)
     seen = []
-    attend = common.attend
+    attend = kv_lib.attend  # the name KVOnly.ttt calls
 
     def recording(q, *a, **k):
         seen.append(q)
         return attend(q, *a, **k)
 
-    common.attend = recording
+    kv_lib.attend = recording
     try:
         draft_outputs(tr.network(params), tgt, jnp.asarray(rows), Frozen.from_target(target),
                       steps=1)
     finally:
-        common.attend = attend
+        kv_lib.attend = attend
     return seen[: tr.dcfg.num_layers]
 
 

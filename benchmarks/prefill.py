@@ -1,5 +1,5 @@
 """Prefill settings compared in one process: whole chunks against pieces
-(`LoopConfig.prefill_chunk` / `prefill_min_chunk`, `specjax.model.scan_prompt_pieces`).
+(`LoopConfig.prefill_chunk` / `prefill_min_chunk`, `specjax.prefill.scan_prompt_pieces`).
 
     python benchmarks/prefill.py                   # chunks of 64 against the default
     python benchmarks/prefill.py --settings 64:64 256:64 256:32 --new-tokens 1 128

@@ -22,6 +22,7 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.kernel_policy import resolve_kernels
 from specjax.model import decoding_params
 from specjax.sampling import SamplingParams
 
@@ -82,31 +83,6 @@ class Stats:
         return 1.0 + float(self.accepted.sum()) / self.steps
 
 
-KERNELS = ("auto", "off", "reference", "pallas")
-
-
-def resolve_kernels(kernels: str, backend: str | None = None) -> str:
-    """The verification path for `LoopConfig.kernels`.
-
-    "off": specjax.verify on the filtered probabilities (the original path);
-    "reference" / "pallas": pallas_kernels.verify from the target's logits, as jnp or as
-    Pallas kernels (interpret mode on CPU, slow there); the two give identical output.
-    "pallas" also runs the target's decode and verify attention into its KV cache through
-    pallas_kernels.attention (`LoopConfig.target_attention`); the others keep the chunked
-    jnp attention.
-    "auto": "pallas" on TPU (its Mosaic lowering is checked by the tests) and on GPU (the
-    Triton kernels ran on an H100 and matched the jnp reference; the Qwen3-8B-shaped
-    target decoded 1.26x faster than with "reference": benchmarks/results/device/
-    h100-2026-11-26), "reference" on CPU (interpret mode is slow).
-    Raises SpecjaxError on any other name.
-    """
-    if kernels not in KERNELS:
-        raise SpecjaxError(f"--kernels={kernels!r}: expected one of {', '.join(KERNELS)}")
-    if kernels != "auto":
-        return kernels
-    return "reference" if (backend or jax.default_backend()) == "cpu" else "pallas"
-
-
 def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
     """(N, K) of a drafter's attention: its config's, a draft LM's own model's, else the
     target's (n-gram has no weights)."""
@@ -131,7 +107,7 @@ class Engine:
       batch_size: rows per compiled batch; short batches are padded with empty rows.
       eos_token_ids: ids that end a row (empty for --ignore-eos).
       layer_loop: "auto", "scan" or "unroll" (see `specjax.model.decoding_params`).
-      kernels: verification path, see `resolve_kernels`.
+      kernels: verification path, see `specjax.kernel_policy.resolve_kernels`.
       mesh: None (one device) or a (data, fsdp, model) mesh (`specjax.sharding.decode_mesh`):
         the target's and the drafter's weights and the KV cache are sharded over `model`,
         rows over `data` x `fsdp` (`batch_size` must split evenly).

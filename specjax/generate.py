@@ -26,15 +26,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from specjax import kernel_policy
 from specjax.drafters.base import Drafter, LoopView
-from specjax.drafters.common import attention_kernel
 from specjax.kv_cache import KVCache
 from specjax.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 from specjax.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.verify import VERIFIERS, Verdict
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
-KERNEL_CHOICES = ("off", "reference", "pallas")
+KERNEL_CHOICES = kernel_policy.LOOP_KERNELS
 _log = logging.getLogger("specjax")
 
 
@@ -138,49 +138,24 @@ class LoopConfig:
         the jnp path: the kernel holds a [T*R, H] query block on chip and is meant for few
         queries. With `cache_sharding` (a mesh) the jnp path runs too, with one log line:
         the kernel is not partitioned over the mesh (XLA would gather the cache)."""
-        if self.kernels != "pallas":
-            return None
-        if self.cache_sharding is not None:
+        if self.kernels == "pallas" and self.cache_sharding is not None:
             _log.info("kernels=pallas: the attention kernel does not run on a mesh; the "
                       "target attends with specjax.attention")
-            return None
-        from pallas_kernels.attention import decode_attention
-
-        backend, interpret = self._pallas_layout()
-
-        def fn(q, k_cache, v_cache, layer, lengths, k_new, v_new):
-            return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new,
-                                    mode="causal", backend=backend, interpret=interpret,
-                                    layer=layer)
-
-        return fn
-
-    def _pallas_layout(self) -> tuple[str, bool | None]:
-        """(backend "tpu" or "triton", interpret) of the attention kernels."""
-        backend = self.pallas_backend
-        if backend == "auto":
-            backend = "triton" if jax.default_backend() == "gpu" else "tpu"
-        return backend, self.pallas_interpret
+        return kernel_policy.target_attention(self.kernels, self.cache_sharding,
+                                              self.pallas_backend, self.pallas_interpret)
 
     def drafter_attention(self) -> Callable | None:
-        """The kernel a learned drafter attends with (`specjax.drafters.common.
-        attention_kernel`): None (the drafters' jnp attention) unless kernels ==
-        "pallas", then `pallas_kernels.attention.packed_attention` for every source given
-        by a per-query limit (the drafter's own cache, the merged target memory, the block
-        drafter's context); the block drafter's own block and the TTT-style diagonals stay
-        jnp (a few entries per query) and are merged by log-sum-exp. On a mesh
-        (`cache_sharding`) the jnp path runs, as for `target_attention`."""
-        if self.kernels != "pallas" or self.cache_sharding is not None:
-            return None
-        from pallas_kernels.attention import packed_attention
-
-        backend, interpret = self._pallas_layout()
-
-        def fn(q, k, v, limit):  # the kernel takes one dtype: the queries'
-            return packed_attention(q, k.astype(q.dtype), v.astype(q.dtype), limit,
-                                    backend=backend, interpret=interpret)
-
-        return fn
+        """The kernel a learned drafter attends with (its `attention` field, set by
+        `speculative_loop` through `specjax.kernel_policy.with_drafter_attention`; the
+        `kernel` of `specjax.drafters.attend.attend`): None (the drafters' jnp attention)
+        unless kernels == "pallas", then `pallas_kernels.attention.packed_attention` for
+        every source given by a per-query limit (the drafter's own cache, the merged
+        target memory, the block drafter's context); the block drafter's own block and
+        the TTT-style diagonals stay jnp (a few entries per query) and are merged by
+        log-sum-exp. On a mesh (`cache_sharding`) the jnp path runs, as for
+        `target_attention`."""
+        return kernel_policy.drafter_attention(self.kernels, self.cache_sharding,
+                                               self.pallas_backend, self.pallas_interpret)
 
     def verifier(self) -> VerifyFn:
         if self.sampling.greedy:
@@ -348,10 +323,10 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     fused = cfg.fused_verify()
     attention = cfg.target_attention()
     # the drafter's attention: the kernel or jnp, fixed by cfg (part of this trace's key)
-    drafter_attention = functools.partial(attention_kernel, cfg.drafter_attention())
+    drafter = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
     state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
     key, k_init = jax.random.split(state.key)
-    with jax.named_scope("drafter_init"), drafter_attention():
+    with jax.named_scope("drafter_init"):
         dstate = drafter.init(drafter_params, view, k_init)
     state = state.replace(drafter_state=dstate, key=key)
     B = prompts.shape[0]
@@ -361,7 +336,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
         # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
-        with jax.named_scope("drafter_propose"), drafter_attention():
+        with jax.named_scope("drafter_propose"):
             draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
         pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
@@ -391,7 +366,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
-        with jax.named_scope("drafter_update"), drafter_attention():
+        with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
         act = active.astype(jnp.int32)
         accepted = s.accepted + act[:, None] * (offsets[None, :G] < tau[:, None])

@@ -65,7 +65,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 # A name whose arrays come in several ranks (a drafter's norm [D] or stacked [Ld,D]) maps
 # to a tuple of rules, one per rank; see `param_axes`.
 PARAM_AXES: dict[str, tuple[str, ...] | tuple[tuple[str, ...], ...]] = {
-    # the Transformer (model.py) and the drafters' decoder layers (drafters/common.py)
+    # the Transformer (model.py) and the drafters' decoder layers (layers.py)
     "embed": ("vocab", "embed"),  # [V, D]
     "lm_head": ("vocab", "embed"),  # [V, D]
     "final_norm": (("norm",), ("layers", "norm")),  # [D] (drafters: [D] or [Ld, D])

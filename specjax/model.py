@@ -5,9 +5,9 @@ One code path serves prefill, single-token decoding and multi-token verification
 `lax.scan` over weights stacked on a leading L axis; weights keep HF's `[out, in]`
 layout and every projection contracts the last axis (fast on XLA:CPU, docs/design.md 9).
 
-Sources: transformers `models/qwen3/modeling_qwen3.py` and
-`models/llama/modeling_llama.py` (RMSNorm in f32, rotate-half RoPE, GQA by
-`repeat_kv`, SwiGLU MLP, Qwen3's per-head q/k RMSNorm before RoPE).
+The layer's pieces (RMSNorm, RoPE, q/k/v with Qwen3's q/k norms, SwiGLU MLP) live in
+`specjax.layers`, shared with the drafters; this module adds the attention (GQA by one
+batched matmul per KV head, into the cache or cache-free) and the layer loop.
 """
 
 from __future__ import annotations
@@ -23,15 +23,7 @@ from flax import nnx
 from specjax.attention import DEFAULT_CHUNK, cache_attention
 from specjax.config import ModelConfig
 from specjax.kv_cache import KVCache
-from specjax.matmul import CPU_WEIGHT_MAJOR_MAX_ROWS, linear  # noqa: F401  (re-exported)
-from specjax.prefill import (  # noqa: F401  (re-exported for the drafters' imports)
-    default_prefill_chunk,
-    default_prefill_min_chunk,
-    pad_rows,
-    padded_width,
-    prefill_pieces,
-    scan_prompt_pieces,
-)
+from specjax.layers import layer_out, layer_qkv, logits, rope_cos_sin
 
 # Stacked per-layer weights: name -> shape as a function of the config (HF [out, in]).
 LAYER_SHAPES = {
@@ -112,25 +104,40 @@ def decoding_params(state, layer_loop: str = "auto"):
     return state
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm with f32 statistics, output in x's dtype (HF Qwen3RMSNorm / LlamaRMSNorm)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+class LayerCarry(NamedTuple):
+    """What one decoder layer hands the next (`Transformer._layer`).
+
+    x: [B,T,D] residual stream (the input of layer `layer`).
+    k_cache, v_cache: the KV cache [L,B,K,S,H], updated layer by layer (an unused scalar
+      in a cache-free forward).
+    captured: [C,B,T,D] residual streams at the `capture` depths so far (None if none).
+    layer: the index of the next layer (i32 under `lax.scan`, a Python int unrolled).
+    kv_out: (k, v) [Ls,B,K,T,H] of the `capture_kv` layers so far (None if none)."""
+
+    x: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
+    captured: jax.Array | None
+    layer: jax.Array | int
+    kv_out: tuple[jax.Array, jax.Array] | None
 
 
-def rope_cos_sin(inv_freq, positions, dtype):
-    """cos, sin: [B,T,H] for i32[B,T] positions (rotate-half layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+class _Forward(NamedTuple):
+    """The per-call constants every layer of one forward reads: RoPE cos, sin [B,T,H];
+    positions i32[B,T]; mask_q bool[B,R*T,T] (the folded causal mask; None with a cache);
+    q_pos i32[B,R*T]; causal_limit i32[B,T]; depths / kv_layers (the capture and
+    capture_kv layers as i32 arrays, or None); and the attention callables."""
 
-
-def apply_rope(x, cos, sin):
-    """x: [B,T,heads,H]; cos, sin: [B,T,H]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    cos: jax.Array
+    sin: jax.Array
+    positions: jax.Array
+    mask_q: jax.Array | None
+    q_pos: jax.Array
+    causal_limit: jax.Array
+    depths: jax.Array | None
+    kv_layers: jax.Array | None
+    attention: Callable | None
+    self_attention: Callable | None
 
 
 class Transformer(nnx.Module):
@@ -232,8 +239,9 @@ class Transformer(nnx.Module):
         """
         c = self.cfg
         B, T = tokens.shape
-        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
-        R = N // K
+        R = c.num_heads // c.num_kv_heads
+        if capture_kv and cache is not None:
+            raise ValueError("capture_kv needs a cache-free forward (cache=None)")
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
         cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
@@ -243,101 +251,115 @@ class Transformer(nnx.Module):
         else:
             mask = None
             k_cache, v_cache = cache.k, cache.v
-        # Row r*T + t of a KV head's folded queries is token t of query head k*R + r.
-        mask_q = None if mask is None else jnp.tile(mask, (1, R, 1))  # [B,R*T,T]
-        # the attention result comes back folded [B,K,R*T,H] (jnp paths) or [B,T,N,H]
-        folded = attention is None if cache is not None else self_attention is None
-        causal_limit = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
-        q_pos = jnp.tile(positions, (1, R))  # [B,R*T]
-        batch_idx = jnp.arange(B)[:, None]
-        scale = 1.0 / np.sqrt(H)
-        depths = jnp.asarray(capture, jnp.int32) if capture else None
-        captured = jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype) if capture else None
-        if capture_kv and cache is not None:
-            raise ValueError("capture_kv needs a cache-free forward (cache=None)")
-        kv_layers = jnp.asarray(capture_kv, jnp.int32) if capture_kv else None
-        kv_shape = (len(capture_kv), B, K, T, H)
-        kv_out = (jnp.zeros(kv_shape, self.dtype),) * 2 if capture_kv else None
+        kv_shape = (len(capture_kv), B, c.num_kv_heads, T, c.head_dim)
+        f = _Forward(
+            cos=cos, sin=sin, positions=positions,
+            # Row r*T + t of a KV head's folded queries is token t of query head k*R + r.
+            mask_q=None if mask is None else jnp.tile(mask, (1, R, 1)),  # [B,R*T,T]
+            q_pos=jnp.tile(positions, (1, R)),  # [B,R*T]
+            causal_limit=jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T)),
+            depths=jnp.asarray(capture, jnp.int32) if capture else None,
+            kv_layers=jnp.asarray(capture_kv, jnp.int32) if capture_kv else None,
+            attention=attention, self_attention=self_attention)
+        carry = LayerCarry(
+            x=x, k_cache=k_cache, v_cache=v_cache,
+            captured=(jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype)
+                      if capture else None),
+            layer=jnp.int32(0),
+            kv_out=(jnp.zeros(kv_shape, self.dtype),) * 2 if capture_kv else None)
+        carry = self._layers(f, carry)
+        x, captured = carry.x, carry.captured
+        if capture:
+            captured = jnp.where((f.depths == c.num_layers)[:, None, None, None], x[None],
+                                 captured)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        head = embed if self.lm_head is None else self.lm_head[...]
+        out = logits(x, self.final_norm[...], head, c.rms_norm_eps)
+        new_cache = None if cache is None else KVCache(
+            k=carry.k_cache, v=carry.v_cache, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        return ForwardOutput(out, captured, new_cache, carry.kv_out)
 
-        def layer(carry, w):
-            x, k_all, v_all, captured, l, kv_out = carry
-            if capture:
-                hit = (depths == l)[:, None, None, None]
-                captured = jnp.where(hit, x[None], captured)
-            h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-            q = linear(h, w["q_proj"])
-            k = linear(h, w["k_proj"])
-            v = linear(h, w["v_proj"])
-            if c.attention_bias:
-                q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-            q = q.reshape(B, T, N, H)
-            k = k.reshape(B, T, K, H)
-            v = v.reshape(B, T, K, H)
-            if c.family == "qwen3":
-                q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
-            qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
-            ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
-            if cache is None:
-                k_l, v_l = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
-                if capture_kv:
-                    hit = (kv_layers == l)[:, None, None, None, None]
-                    kv_out = (jnp.where(hit, k_l[None], kv_out[0]),
-                              jnp.where(hit, v_l[None], kv_out[1]))
-                if self_attention is not None:
-                    attn, _ = self_attention(q.astype(ad), k_l.astype(ad), v_l.astype(ad),
-                                             causal_limit)
-                    attn = attn.astype(v_l.dtype)
-                else:
-                    scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
-                                        preferred_element_type=jnp.float32) * scale
-                    scores = jnp.where(mask_q[:, None], scores, -1e30)
-                    probs = jax.nn.softmax(scores, axis=-1)
-                    attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
-                                      preferred_element_type=jnp.float32).astype(v_l.dtype)
-            else:
-                k_all = k_all.at[l, batch_idx, :, positions].set(k, mode="drop")
-                v_all = v_all.at[l, batch_idx, :, positions].set(v, mode="drop")
-                if attention is not None:  # e.g. the Pallas kernel, in the cache's dtype
-                    attn = attention(q.astype(k_all.dtype), k_all, v_all, l, positions[:, 0],
-                                     k, v).astype(v_all.dtype)
-                else:  # chunks up to the longest row's position: cost follows the context
-                    attn = cache_attention(qg, k_all, v_all, q_pos, chunk=self.attention_chunk,
-                                           dot_dtype=ad, layer=l).astype(v_all.dtype)
-            if folded:  # [B,K,R*T,H] -> [B,T,N*H]
-                attn = attn.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
-            attn = attn.reshape(B, T, N * H)
-            o = linear(attn, w["o_proj"])
-            if c.attention_bias:
-                o = o + w["o_bias"]
-            x = x + o
-            h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-            gate = linear(h, w["gate_proj"])
-            up = linear(h, w["up_proj"])
-            x = x + linear(jax.nn.silu(gate) * up, w["down_proj"])
-            return (x, k_all, v_all, captured, l + 1, kv_out), None
-
+    def _layers(self, f: _Forward, carry: LayerCarry) -> LayerCarry:
+        """Every decoder layer in turn: a Python loop over per-layer arrays (unstacked
+        weights) or a `lax.scan` over the stacked ones."""
         weights = self.layer_weights()
-        carry = (x, k_cache, v_cache, captured, jnp.int32(0), kv_out)
         if isinstance(weights["q_proj"], tuple):
             # Separate per-layer buffers: a Python loop reads each weight in place. (Slicing a
             # stacked weight, under scan or statically, copies it on XLA:CPU: ~2x per token.)
-            for i in range(c.num_layers):
-                carry = (*carry[:4], i, carry[5])  # a static layer index
-                carry, _ = layer(carry, {n: w[i] for n, w in weights.items()})
-            x, k_all, v_all, captured, _, kv_out = carry
+            for i in range(self.cfg.num_layers):
+                carry = carry._replace(layer=i)  # a static layer index
+                carry = self._layer(f, carry, {n: w[i] for n, w in weights.items()})
+            return carry
+        carry, _ = jax.lax.scan(lambda cr, w: (self._layer(f, cr, w), None), carry, weights)
+        return carry
+
+    def _layer(self, f: _Forward, carry: LayerCarry, w: dict) -> LayerCarry:
+        """One decoder layer (weights w, see `specjax.layers`) on carry.x [B,T,D]: writes
+        its K/V into the cache (or captures them, cache-free) and records carry.x as the
+        input of depth carry.layer when captured."""
+        c = self.cfg
+        B, T, _ = carry.x.shape
+        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+        R = N // K
+        captured = carry.captured
+        if f.depths is not None:
+            hit = (f.depths == carry.layer)[:, None, None, None]
+            captured = jnp.where(hit, carry.x[None], captured)
+        q, k, v = layer_qkv(w, carry.x, f.cos, f.sin, c.rms_norm_eps, N, K, H)
+        # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
+        qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
+        ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
+        k_all, v_all, kv_out = carry.k_cache, carry.v_cache, carry.kv_out
+        if f.mask_q is not None:
+            attn, kv_out = self._self_attention(f, carry, q, qg, k, v, ad)
+            folded = f.self_attention is None
         else:
-            (x, k_all, v_all, captured, _, kv_out), _ = jax.lax.scan(layer, carry, weights)
-        if capture:
-            captured = jnp.where((depths == c.num_layers)[:, None, None, None], x[None], captured)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        head = embed if self.lm_head is None else self.lm_head[...]
-        logits = linear(x, head, jnp.float32)
-        new_cache = None if cache is None else KVCache(
-            k=k_all, v=v_all, lengths=(positions[:, -1] + 1).astype(jnp.int32))
-        return ForwardOutput(logits, captured, new_cache, kv_out)
+            attn, k_all, v_all = self._cache_attention(f, carry, q, qg, k, v, ad)
+            folded = f.attention is None
+        # the attention result comes back folded [B,K,R*T,H] (jnp paths) or [B,T,N,H]
+        if folded:  # [B,K,R*T,H] -> [B,T,N*H]
+            attn = attn.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
+        attn = attn.reshape(B, T, N * H)
+        x = layer_out(w, carry.x, attn, c.rms_norm_eps)
+        return LayerCarry(x, k_all, v_all, captured, carry.layer + 1, kv_out)
+
+    @staticmethod
+    def _self_attention(f: _Forward, carry: LayerCarry, q, qg, k, v, ad):
+        """Cache-free causal attention over the T new tokens: (attn, kv_out), attn folded
+        [B,K,R*T,H] on the jnp path or [B,T,N,H] from `f.self_attention`."""
+        H = q.shape[-1]
+        k_l, v_l = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
+        kv_out = carry.kv_out
+        if f.kv_layers is not None:
+            hit = (f.kv_layers == carry.layer)[:, None, None, None, None]
+            kv_out = (jnp.where(hit, k_l[None], kv_out[0]),
+                      jnp.where(hit, v_l[None], kv_out[1]))
+        if f.self_attention is not None:
+            attn, _ = f.self_attention(q.astype(ad), k_l.astype(ad), v_l.astype(ad),
+                                       f.causal_limit)
+            return attn.astype(v_l.dtype), kv_out
+        scale = 1.0 / np.sqrt(H)
+        scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_l.astype(ad),
+                            preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(f.mask_q[:, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1)
+        attn = jnp.einsum("BKQS,BKSH->BKQH", probs.astype(ad), v_l.astype(ad),
+                          preferred_element_type=jnp.float32).astype(v_l.dtype)
+        return attn, kv_out
+
+    def _cache_attention(self, f: _Forward, carry: LayerCarry, q, qg, k, v, ad):
+        """Writes layer carry.layer's new K/V into the cache, then attends into it:
+        (attn, k_cache, v_cache), attn folded [B,K,R*T,H] on the jnp path or [B,T,N,H]
+        from `f.attention`."""
+        l, positions = carry.layer, f.positions
+        batch_idx = jnp.arange(positions.shape[0])[:, None]
+        k_all = carry.k_cache.at[l, batch_idx, :, positions].set(k, mode="drop")
+        v_all = carry.v_cache.at[l, batch_idx, :, positions].set(v, mode="drop")
+        if f.attention is not None:  # e.g. the Pallas kernel, in the cache's dtype
+            attn = f.attention(q.astype(k_all.dtype), k_all, v_all, l, positions[:, 0],
+                               k, v).astype(v_all.dtype)
+        else:  # chunks up to the longest row's position: cost follows the context
+            attn = cache_attention(qg, k_all, v_all, f.q_pos, chunk=self.attention_chunk,
+                                   dot_dtype=ad, layer=l).astype(v_all.dtype)
+        return attn, k_all, v_all

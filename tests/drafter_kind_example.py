@@ -9,7 +9,7 @@ The toy drafter reads the target's residual stream at ONE depth (the input of la
 and drafts step by step like EAGLE-3, without attention:
 
     h_0 = fc(target feature at position t)              [B,D]
-    out_k = mlp(embed(token t+k+1) + h_k)               one SwiGLU layer (common.mlp)
+    out_k = mlp(embed(token t+k+1) + h_k)               one SwiGLU layer (layers.mlp)
     h_{k+1} = out_k;  logits_k = head(final_norm(out_k))   predicts token t+k+2
 
 Decoding state: the target feature at the last position the target has verified
@@ -24,43 +24,48 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common, registry
+from specjax import layers
+from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
+from specjax.drafters.learned import LearnedDrafter
+from specjax.drafters.weights import normal, ones
 from specjax.errors import SpecjaxError
+from specjax.matmul import linear
 from specjax.sampling import sample_logits
 
 
 class ToyNet(nnx.Module):
     """fc [D,D], one SwiGLU layer (post_norm [1,D], gate_proj/up_proj [1,F,D], down_proj
-    [1,D,F]: `common.layer_weights`' names and layout), final_norm [D]."""
+    [1,D,F]: `weights.layer_weights`' names and layout), final_norm [D]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
         self.cfg, self.dtype = cfg, dtype
-        self.fc = common.normal(rngs, (D, D), dtype)
-        self.post_norm = common.ones((1, D), dtype)
-        self.gate_proj = common.normal(rngs, (1, F, D), dtype)
-        self.up_proj = common.normal(rngs, (1, F, D), dtype)
-        self.down_proj = common.normal(rngs, (1, D, F), dtype)
-        self.final_norm = common.ones((D,), dtype)
+        self.fc = normal(rngs, (D, D), dtype)
+        self.post_norm = ones((1, D), dtype)
+        self.gate_proj = normal(rngs, (1, F, D), dtype)
+        self.up_proj = normal(rngs, (1, F, D), dtype)
+        self.down_proj = normal(rngs, (1, D, F), dtype)
+        self.final_norm = ones((D,), dtype)
 
     def features(self, feature):
         """fc over the target feature [...,D]."""
-        return common.linear(feature, self.fc[...])
+        return linear(feature, self.fc[...])
 
     def step(self, h, emb):
         """One draft step: h, emb [...,D] -> out [...,D] (pre-norm, the next step's h)."""
         w = {k: getattr(self, k)[0] for k in ("post_norm", "gate_proj", "up_proj",
                                                "down_proj")}
-        return common.mlp(w, emb + h, self.cfg.rms_norm_eps)
+        return layers.mlp(w, emb + h, self.cfg.rms_norm_eps)
 
     def logits(self, out, head):
-        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+        return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None):
+    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None,
+            kernel=None):
         """The TTT unroll (the one signature of `registry.DrafterKind`): hidden [1,B,T,D],
         kv unused, tokens i32[B,T+1] -> (outputs [steps,B,P,D], None); step k at anchor t
-        predicts token t+k+2."""
+        predicts token t+k+2. kernel (the attention kernel) is unused: no attention."""
         B, T = tokens.shape[0], tokens.shape[1] - 1
         if anchors is None:
             anchors = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -80,8 +85,8 @@ class ToyState:
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyDrafter(common.LearnedDrafter):
-    """Loop adapter for ToyNet; fields and params as common.LearnedDrafter."""
+class ToyDrafter(LearnedDrafter):
+    """Loop adapter for ToyNet; fields and params as learned.LearnedDrafter."""
 
     def _last(self, view):
         """The target feature at position lengths-2 of each row, from view.hidden."""

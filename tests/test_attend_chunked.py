@@ -1,4 +1,4 @@
-"""drafters.common.attend with `Limit` sources: a long source read in chunks (merged with
+"""drafters.attend.attend with `Limit` sources: a long source read in chunks (merged with
 short sources and the TTT diagonal under one softmax) equals the same call with bool
 masks, and chunked drafters keep the loop's greedy output."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafters import common
+from specjax.drafters import attend as attend_lib
 
 
 @pytest.mark.parametrize("with_short,with_diag", [(False, False), (True, False), (True, True)])
@@ -24,9 +24,9 @@ def test_limit_chunked_equals_bool_mask(monkeypatch, with_short, with_diag):
     short = [(f(B, K, 4, H), f(B, K, 4, H), jnp.asarray(rng.random((B, T, 4)) < 0.6))]
     diag = [(f(B, T, K, H), f(B, T, K, H))] if with_diag else []
     extra = short if with_short else []
-    want = common.attend(q, [(k, v, full_mask), *extra], diag)
-    monkeypatch.setattr(common, "ATTEND_CHUNK", 16)
-    got = common.attend(q, [(k, v, common.Limit(pos)), *extra], diag)
+    want = attend_lib.attend(q, [(k, v, full_mask), *extra], diag)
+    monkeypatch.setattr(attend_lib, "ATTEND_CHUNK", 16)
+    got = attend_lib.attend(q, [(k, v, attend_lib.Limit(pos)), *extra], diag)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -35,7 +35,7 @@ def test_limit_chunked_equals_bool_mask(monkeypatch, with_short, with_diag):
 def test_chunked_drafters_keep_greedy_output(monkeypatch, kind, context):
     from tests.test_drafters_decode import BUDGETS, rows, run_ar, run_learned
 
-    monkeypatch.setattr(common, "ATTEND_CHUNK", 8)
+    monkeypatch.setattr(attend_lib, "ATTEND_CHUNK", 8)
     jax.clear_caches()  # retrace: the chunk is read at trace time
     try:
         sp = run_learned(kind, context, 3, BUDGETS)

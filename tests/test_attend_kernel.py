@@ -1,6 +1,6 @@
-"""drafters.common.attend with an attention kernel and with `Blocks` sources.
+"""drafters.attend.attend with an attention kernel and with `Blocks` sources.
 
-- Inside `attention_kernel(fn)` every `Limit` source goes through fn(q, k, v, limit) ->
+- With kernel=fn every `Limit` source goes through fn(q, k, v, limit) ->
   (o, lse) and is merged with the other sources (bool masks, the queries' own blocks,
   the TTT diagonal) by log-sum-exp; the result and its gradient equal the one-softmax jnp
   path. fn here is a plain float64-free jnp implementation of the contract written for
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafters import common
+from specjax.drafters.attend import Blocks, Limit, attend
 
 
 def contract_attention(q, k, v, limit):
@@ -54,23 +54,22 @@ def test_kernel_merge_equals_one_softmax(extra):
     K = k.shape[1]
     pos = jnp.asarray([[-1, 0, 3, 4, 19, 7], [2, 2, 2, 9, 9, 9]], jnp.int32)  # -1: none
     own_k, own_v = f(B, T, K, H), f(B, T, K, H)
-    sources = [(k, v, common.Limit(pos))]
+    sources = [(k, v, Limit(pos))]
     diag = []
     if extra in ("bool", "all"):
         rng = np.random.default_rng(1)
         sources.append((f(B, K, 5, H), f(B, K, 5, H), jnp.asarray(rng.random((B, T, 5)) < .5)))
     if extra in ("blocks", "all"):
-        sources.append((own_k, own_v, common.Blocks(3)))
+        sources.append((own_k, own_v, Blocks(3)))
     if extra in ("diag", "all"):
         diag = [(f(B, T, K, H), f(B, T, K, H))]
     if extra == "none":  # the kernel alone; no key at all for row 0's query 0: skip it
         pos = pos.at[0, 0].set(0)
-        sources = [(k, v, common.Limit(pos))]
+        sources = [(k, v, Limit(pos))]
 
     def run(kernel, q, k, v):
         srcs = [(k, v, sources[0][2]), *sources[1:]]
-        with common.attention_kernel(kernel):
-            return common.attend(q, srcs, diag)
+        return attend(q, srcs, diag, kernel=kernel)
 
     w = f(B, T, N * H)
     loss = lambda kernel: lambda q, k, v: jnp.sum(run(kernel, q, k, v) * w)  # noqa: E731
@@ -96,17 +95,17 @@ def test_blocks_equal_block_diagonal_mask():
     K = 2
     k, v = f(B, T, K, H), f(B, T, K, H)
     ctx_k, ctx_v = f(B, K, 5, H), f(B, K, 5, H)
-    ctx = (ctx_k, ctx_v, common.Limit(jnp.full((B, T), 2, jnp.int32)))
+    ctx = (ctx_k, ctx_v, Limit(jnp.full((B, T), 2, jnp.int32)))
     bid = jnp.arange(T) // 4
     mask = jnp.broadcast_to(bid[:, None] == bid[None, :], (B, T, T))
-    want = common.attend(q, [ctx, (k.swapaxes(1, 2), v.swapaxes(1, 2), mask)])
-    got = common.attend(q, [ctx, (k, v, common.Blocks(4))])
+    want = attend(q, [ctx, (k.swapaxes(1, 2), v.swapaxes(1, 2), mask)])
+    got = attend(q, [ctx, (k, v, Blocks(4))])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="multiple of the block size"):
-        common.attend(q, [(k, v, common.Blocks(3))])
+        attend(q, [(k, v, Blocks(3))])
 
 
-def test_kernel_choice_is_scoped():
+def test_kernel_is_explicit():
     calls = []
 
     def spy(q, k, v, limit):
@@ -115,7 +114,6 @@ def test_kernel_choice_is_scoped():
 
     _, q, k, v = _data()
     pos = jnp.zeros(q.shape[:2], jnp.int32)
-    with common.attention_kernel(spy):
-        common.attend(q, [(k, v, common.Limit(pos))])
-    common.attend(q, [(k, v, common.Limit(pos))])  # outside: the jnp path
+    attend(q, [(k, v, Limit(pos))], kernel=spy)
+    attend(q, [(k, v, Limit(pos))])  # no kernel: the jnp path
     assert calls == [q.shape[:2]]

@@ -224,7 +224,7 @@ def test_block_sees_only_context_before_its_anchor(context):
 def test_merge_initialised_to_one_layer_reproduces_its_attention():
     """At init each merged memory is exactly its source target layer's K/V (de-rotate,
     identity map, re-rotate), so any query attends to it as to that layer's cache."""
-    from specjax.drafters import common
+    from specjax.drafters.attend import attend
 
     dcfg, net, rows, tgt, frozen = _target_out("block", "kv")
     fresh = build_network(dcfg, rngs=nnx.Rngs(1))  # unscaled: merge maps at init
@@ -236,8 +236,8 @@ def test_merge_initialised_to_one_layer_reproduces_its_attention():
     for m, src in enumerate(dcfg.merge_sources()):
         np.testing.assert_allclose(np.asarray(mk[m]), np.asarray(tgt.kv[0][src]), atol=1e-5)
         np.testing.assert_allclose(np.asarray(mv[m]), np.asarray(tgt.kv[1][src]), atol=1e-6)
-        got = common.attend(q, [(mk[m], mv[m], causal)])
-        want = common.attend(q, [(tgt.kv[0][src], tgt.kv[1][src], causal)])
+        got = attend(q, [(mk[m], mv[m], causal)])
+        want = attend(q, [(tgt.kv[0][src], tgt.kv[1][src], causal)])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 

@@ -75,11 +75,11 @@ def test_bf16_drafter_matmuls_stay_lossless(kind, context):
 
 @pytest.mark.parametrize("rows_", [1, 2, 7])
 def test_linear_bf16_against_float64(rows_):
-    """common.linear with bf16 weights: bf16-rounded inputs, f32 accumulation; checked
+    """specjax.matmul.linear with bf16 weights: bf16-rounded inputs, f32 accumulation; checked
     against float64 numpy on the same rounded values (the padded one-row path too)."""
     import ml_dtypes
 
-    from specjax.drafters.common import linear
+    from specjax.matmul import linear
 
     rng = np.random.RandomState(rows_)
     x = rng.standard_normal((rows_, 1, 96)).astype(np.float32)

@@ -44,3 +44,20 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from specjax.train.config import TrainLoopConfig\n")
     assert "specjax.train.config" in set(_imports(str(f)))
+
+
+def test_generate_imports_no_drafter_implementation():
+    """The loop reaches drafters through the protocol of specjax/drafters/base.py only; the
+    kernel choice comes from specjax/kernel_policy.py, passed explicitly (issue 28)."""
+    path = os.path.join(ROOT, "specjax", "generate.py")
+    bad = [m for m in _imports(path)
+           if m.startswith("specjax.drafters") and not m.startswith("specjax.drafters.base")]
+    assert not bad, bad
+
+
+def test_shared_layers_import_no_model_or_drafter():
+    """specjax/layers.py is the one decoder layer under the target and the drafters: it
+    imports neither of them."""
+    bad = [m for m in _imports(os.path.join(ROOT, "specjax", "layers.py"))
+           if m.startswith(("specjax.model", "specjax.drafters"))]
+    assert not bad, bad

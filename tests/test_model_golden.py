@@ -25,7 +25,7 @@ from _hf_utils import random_hf_model  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.checkpoint import load_model  # noqa: E402
-from specjax.model import rms_norm  # noqa: E402
+from specjax.layers import rms_norm  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128

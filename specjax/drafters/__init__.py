@@ -40,7 +40,7 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
 
     matmul_dtype: None (the net's own dtype) or jnp.bfloat16: the drafter's matrices
       (every parameter of rank >= 2) and a copy of the LM head are cast to it, and its
-      matmuls take bf16 inputs with f32 accumulation (`common.linear`); activations,
+      matmuls take bf16 inputs with f32 accumulation (`specjax.matmul.linear`); activations,
       norms, attention and caches keep the net's dtype. The target is untouched, so
       verification, and with it losslessness, does not depend on this choice; only the
       draft distributions q change (slightly) and with them the acceptance.

@@ -25,54 +25,61 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common, registry
+from specjax import layers
+from specjax.drafters import registry
+from specjax.drafters.attend import Blocks, Limit, attend
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
+from specjax.drafters.learned import LearnedDrafter
+from specjax.drafters.memory import memory_from_target, memory_update, merge_init, scatter_positions
+from specjax.drafters.weights import layer_out, layer_params, layer_qkv, layer_weights, normal, ones
 from specjax.errors import SpecjaxError
+from specjax.kernel_policy import AttentionKernel
 from specjax.kv_cache import KVCache
-from specjax.model import rms_norm
+from specjax.matmul import linear
 from specjax.sampling import sample_logits
 
 
 class BlockNet(nnx.Module):
-    """Ld layers (common.layer_weights), final_norm [D]; context hidden/both adds fc
+    """Ld layers (weights.layer_weights), final_norm [D]; context hidden/both adds fc
     [D,C*D] and hidden_norm [D]; kv/both adds merge_k/merge_v [Ld,K*H,Ls*K*H]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.cfg, self.dtype = cfg, dtype
-        for name, p in common.layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
+        for name, p in layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
             setattr(self, name, p)
         if cfg.uses_hidden:
-            self.fc = common.normal(rngs, (D, len(cfg.capture) * D), dtype)
-            self.hidden_norm = common.ones((D,), dtype)
+            self.fc = normal(rngs, (D, len(cfg.capture) * D), dtype)
+            self.hidden_norm = ones((D,), dtype)
         if cfg.uses_kv:
-            self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
-        self.final_norm = common.ones((D,), dtype)
+            self.merge_k, self.merge_v = merge_init(cfg, dtype)
+        self.final_norm = ones((D,), dtype)
 
     def logits(self, out, head):
-        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+        return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
     def hidden_context(self, hidden, positions, inv_freq):
         """Per-layer context K/V from target features hidden [C,B,T,D] at `positions`
         [B,T]: (k, v) each [Ld,B,K,T,H]."""
         C, B, T, D = hidden.shape
         flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
-        ctx = rms_norm(common.linear(flat, self.fc[...]), self.hidden_norm[...],
-                       self.cfg.rms_norm_eps)
-        cos, sin = common.rope(inv_freq, positions, self.dtype)
+        ctx = layers.rms_norm(linear(flat, self.fc[...]), self.hidden_norm[...],
+                              self.cfg.rms_norm_eps)
+        cos, sin = layers.rope_cos_sin(inv_freq, positions, self.dtype)
+        c = self.cfg
         ks, vs = [], []
-        for i in range(self.cfg.num_layers):
-            k, v = common.kv_only(common.layer(self, i), ctx, cos, sin, self.cfg.rms_norm_eps,
-                                  self.cfg)
-            ks.append(k)
-            vs.append(v)
+        for i in range(c.num_layers):  # DFlash's context projections, cache layout
+            k, v = layers.kv(layer_params(self, i), ctx, cos, sin, c.rms_norm_eps,
+                             c.num_kv_heads, c.head_dim)
+            ks.append(k.swapaxes(1, 2))
+            vs.append(v.swapaxes(1, 2))
         return jnp.stack(ks), jnp.stack(vs)
 
     def memory_context(self, kv, positions, inv_freq):
         """Per-layer merged memories from target K/V kv = (k, v) [Ls,B,K,T,H] at
         `positions` [B,T]: (k, v) each [Ld,B,K,T,H]."""
-        cos, sin = common.rope(inv_freq, positions, self.dtype)
-        return common.memory_from_target(self, self.cfg, kv[0], kv[1], cos, sin)
+        cos, sin = layers.rope_cos_sin(inv_freq, positions, self.dtype)
+        return memory_from_target(self, self.cfg, kv[0], kv[1], cos, sin)
 
     def contexts(self, hidden, kv, positions, inv_freq):
         """The context sources this drafter reads, each (k, v) [Ld,B,K,T,H]."""
@@ -83,7 +90,8 @@ class BlockNet(nnx.Module):
             out.append(self.memory_context(kv, positions, inv_freq))
         return out
 
-    def blocks(self, contexts, anchors, tokens, embed, inv_freq, gamma: int):
+    def blocks(self, contexts, anchors, tokens, embed, inv_freq, gamma: int,
+               kernel: AttentionKernel | None = None):
         """Packed training blocks (DFlash; docs/design.md section 6): block j of row b is
         [tokens[b, anchors[b,j]], G mask tokens] at positions anchor .. anchor+G; it sees
         context positions strictly before its anchor and its own block (bidirectional).
@@ -91,6 +99,7 @@ class BlockNet(nnx.Module):
         Args:
           contexts: context sources (k, v) [Ld,B,K,T,H] at positions 0..T-1.
           anchors: i32[B,A] anchor positions; tokens: i32[B,T].
+          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
         Returns: outputs [B,A,G+1,D] (pre-norm); block position k >= 1 predicts the
           token at anchor + k.
         """
@@ -101,31 +110,33 @@ class BlockNet(nnx.Module):
         blk = jnp.concatenate([first, jnp.full((B, A, G), self.cfg.mask_token_id, jnp.int32)],
                               axis=2).reshape(B, -1)
         anchor_q = jnp.repeat(anchors, G + 1, axis=1)  # [B,Q]
-        ctx_mask = common.Limit(anchor_q - 1)  # context strictly before the anchor
+        ctx_mask = Limit(anchor_q - 1)  # context strictly before the anchor
         out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], G + 1, embed,
-                             inv_freq)
+                             inv_freq, kernel)
         return out.reshape(B, A, G + 1, -1)
 
-    def run_block(self, tokens, positions, contexts, block_size: int, embed, inv_freq):
+    def run_block(self, tokens, positions, contexts, block_size: int, embed, inv_freq,
+                  kernel: AttentionKernel | None = None):
         """The block forward.
 
         Args:
           tokens, positions: i32[B,Q] block tokens (anchor token, then mask ids) and
             their positions (several blocks may be packed along Q).
           contexts: list of ((k, v) [Ld,B,K,S,H], mask) context sources, mask a bool[B,Q,S]
-            or a `common.Limit`.
+            or a `Limit`.
           block_size: G+1: Q holds Q / block_size blocks, each query sees every entry of
-            its own block (`common.Blocks`).
+            its own block (`Blocks`).
           embed: [V,D]; inv_freq: f32[H/2].
+          kernel: the attention kernel of `attend` (None: jnp).
         Returns: outputs [B,Q,D] (pre-norm).
         """
         x = jnp.take(embed, tokens, axis=0)
-        cos, sin = common.rope(inv_freq, positions, self.dtype)
+        cos, sin = layers.rope_cos_sin(inv_freq, positions, self.dtype)
         for i in range(self.cfg.num_layers):
-            q, k, v = common.layer_qkv(self, i, x, cos, sin)
+            q, k, v = layer_qkv(self, i, x, cos, sin)
             sources = [(kv[0][i], kv[1][i], mask) for kv, mask in contexts]
-            sources.append((k, v, common.Blocks(block_size)))
-            x = common.layer_out(self, i, x, common.attend(q, sources))
+            sources.append((k, v, Blocks(block_size)))
+            x = layer_out(self, i, x, attend(q, sources, kernel=kernel))
         return x
 
 
@@ -136,19 +147,19 @@ class BlockState:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockDrafter(common.LearnedDrafter):
-    """Loop adapter for BlockNet; fields and params as common.LearnedDrafter."""
+class BlockDrafter(LearnedDrafter):
+    """Loop adapter for BlockNet; fields and params as learned.LearnedDrafter."""
 
     def _extend(self, net, params, state: BlockState, view) -> BlockState:
         hidden, memory = state.hidden, state.memory
         pos = view.positions
         if hidden is not None:
             k, v = net.hidden_context(view.hidden, pos, params["inv_freq"])
-            hidden = hidden.replace(k=common.scatter_positions(hidden.k, k, pos[:, 0]),
-                                    v=common.scatter_positions(hidden.v, v, pos[:, 0]))
+            hidden = hidden.replace(k=scatter_positions(hidden.k, k, pos[:, 0]),
+                                    v=scatter_positions(hidden.v, v, pos[:, 0]))
         if memory is not None:
-            memory = common.memory_update(net, self.cfg, memory, view.target_cache, pos,
-                                          params["inv_freq"])
+            memory = memory_update(net, self.cfg, memory, view.target_cache, pos,
+                                   params["inv_freq"])
         return BlockState(hidden, memory)
 
     def init(self, params, view, key):
@@ -170,10 +181,10 @@ class BlockDrafter(common.LearnedDrafter):
         for cache in (state.hidden, state.memory):
             if cache is not None:
                 # context strictly before the anchor, read up to the longest row only
-                visible = common.Limit(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)))
+                visible = Limit(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)))
                 contexts.append(((cache.k, cache.v), visible))
         out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
-                            params["inv_freq"])
+                            params["inv_freq"], self.attention)
         logits = self.logits(net, out[:, 1:], params)  # [B,G,V]
         keys = jax.random.split(key, G)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),

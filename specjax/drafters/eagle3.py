@@ -5,7 +5,7 @@ One decoder layer over x_t = [embed_norm(embed(token_{t+1})) ; hidden_norm(h_t)]
 features), with h as its residual: h_0 = fc(concat of target features at 3 depths),
 later steps feed back the layer's own pre-norm output. Logits come from the target's LM
 head after the drafter's final norm (an imported EAGLE-3 head's own head over a hot
-vocabulary: `common.LearnedDrafter.logits`, `external.py`). Entry t (RoPE position t)
+vocabulary: `learned.LearnedDrafter.logits`, `external.py`). Entry t (RoPE position t)
 pairs feature t with token t+1 and predicts token t+2.
 
 Decoding state (`Eagle3State`): the drafter's one-layer KV cache [1,B,K,S,H], valid for
@@ -25,52 +25,60 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common, registry
+from specjax import layers
+from specjax.drafters import registry
+from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
+from specjax.drafters.learned import LearnedDrafter
+from specjax.drafters.memory import memory_update, ttt_memory
+from specjax.drafters.weights import layer_params, layer_weights, normal, ones
 from specjax.errors import SpecjaxError
+from specjax.kernel_policy import AttentionKernel
 from specjax.kv_cache import KVCache
-from specjax.model import pad_rows, padded_width, prefill_pieces, rms_norm, scan_prompt_pieces
+from specjax.matmul import linear
+from specjax.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 from specjax.sampling import sample_logits
 
 
 class Eagle3(nnx.Module):
     """The EAGLE-3 network: fc [D, C*D], embed_norm/hidden_norm [D], one layer reading
-    2D features (common.layer_weights), final_norm [D]."""
+    2D features (weights.layer_weights), final_norm [D]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D, C = cfg.hidden_size, len(cfg.capture)
         self.cfg, self.dtype = cfg, dtype
-        self.fc = common.normal(rngs, (D, C * D), dtype)
-        self.embed_norm = common.ones((D,), dtype)
-        self.hidden_norm = common.ones((D,), dtype)
-        for name, p in common.layer_weights(cfg, rngs, dtype, 1, 2 * D, False).items():
+        self.fc = normal(rngs, (D, C * D), dtype)
+        self.embed_norm = ones((D,), dtype)
+        self.hidden_norm = ones((D,), dtype)
+        for name, p in layer_weights(cfg, rngs, dtype, 1, 2 * D, False).items():
             setattr(self, name, p)
-        self.final_norm = common.ones((D,), dtype)
+        self.final_norm = ones((D,), dtype)
 
     def features(self, hidden):
         """fc over the captured target features: hidden [C,B,T,D] -> [B,T,D]."""
         C, B, T, D = hidden.shape
         flat = hidden.transpose(1, 2, 0, 3).reshape(B, T, C * D)
-        return common.linear(flat, self.fc[...])
+        return linear(flat, self.fc[...])
 
     def project(self, emb, h, cos, sin):
         """q [B,T,N,H], k, v [B,T,K,H] of one step's input (emb, h [B,T,D])."""
         eps = self.cfg.rms_norm_eps
-        x = jnp.concatenate([rms_norm(emb, self.embed_norm[...], eps),
-                             rms_norm(h, self.hidden_norm[...], eps)], axis=-1)
-        return common.qkv(common.layer(self, 0), x, cos, sin, eps, self.cfg)
+        c = self.cfg
+        x = jnp.concatenate([layers.rms_norm(emb, self.embed_norm[...], eps),
+                             layers.rms_norm(h, self.hidden_norm[...], eps)], axis=-1)
+        return layers.qkv(layer_params(self, 0), x, cos, sin, eps, c.num_heads,
+                          c.num_kv_heads, c.head_dim)
 
     def finish(self, h, attn):
         """The layer's output (pre-norm, fed back as the next step's h): h + o(attn),
         then the MLP. attn [B,T,N*H] -> [B,T,D]."""
-        w = common.layer(self, 0)
-        x = h + common.linear(attn, w["o_proj"])
-        return common.mlp(w, x, self.cfg.rms_norm_eps)
+        return layers.layer_out(layer_params(self, 0), h, attn, self.cfg.rms_norm_eps)
 
     def logits(self, out, head):
-        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+        return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None):
+    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None,
+            kernel: AttentionKernel | None = None):
         """Training-time-test unroll (EAGLE-3; docs/design.md section 6).
 
         Step 0 runs on fc(target features) with a causal mask over all T positions; step
@@ -86,44 +94,45 @@ class Eagle3(nnx.Module):
           embed: [V,D]; inv_freq: f32[H/2].
           anchors: i32[B,P] positions whose chains are unrolled (None: all T). Steps
             k >= 1 cost P instead of T positions.
+          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
         Returns: (outputs [steps,B,P,D] pre-norm, gates [steps,B,P,D] or None); step k
           at anchor t predicts token t+k+2 (the target's distribution at t+k+1).
         """
         memory = None
         if self.cfg.uses_kv:
-            mk, mv = common.ttt_memory(self, self.cfg, kv, inv_freq)
+            mk, mv = ttt_memory(self, self.cfg, kv, inv_freq)
             memory = (mk[0], mv[0])
         B, T = tokens.shape[0], tokens.shape[1] - 1
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if anchors is None:
             anchors = pos
-        visible = common.Limit(anchors)  # step-0 keys at positions <= the anchor
+        visible = Limit(anchors)  # step-0 keys at positions <= the anchor
         g = self.features(hidden)
         # Step 0 over every position: its keys are the context of every later step.
         emb = jnp.take(embed, tokens[:, 1:T + 1], axis=0)
-        cos, sin = common.rope(inv_freq, pos, self.dtype)
+        cos, sin = layers.rope_cos_sin(inv_freq, pos, self.dtype)
         q, k0, v0 = self.project(emb, g, cos, sin)
         self_keys = (k0.swapaxes(1, 2), v0.swapaxes(1, 2), visible)
-        q, g = _take(q, anchors), _take(g, anchors)
-        out, gate = self.extra(self.finish(g, common.attend(q, [self_keys])), anchors, anchors,
-                               memory, inv_freq)
+        q, g = _at_positions(q, anchors), _at_positions(g, anchors)
+        out, gate = self.mix_memory(self.finish(g, attend(q, [self_keys], kernel=kernel)),
+                                    anchors, anchors, memory, inv_freq, kernel)
         outs, gates, diag, h = [out], [gate], [], out
         for k in range(1, steps):
             idx = jnp.minimum(anchors + k + 1, tokens.shape[1] - 1)
             emb = jnp.take(embed, jnp.take_along_axis(tokens, idx, axis=1), axis=0)
-            cos, sin = common.rope(inv_freq, anchors + k, self.dtype)
+            cos, sin = layers.rope_cos_sin(inv_freq, anchors + k, self.dtype)
             q, kk, vv = self.project(emb, h, cos, sin)
             diag.append((kk, vv))
-            out = self.finish(h, common.attend(q, [self_keys], diag))
-            out, gate = self.extra(out, anchors + k, anchors, memory, inv_freq)
+            out = self.finish(h, attend(q, [self_keys], diag, kernel=kernel))
+            out, gate = self.mix_memory(out, anchors + k, anchors, memory, inv_freq, kernel)
             outs.append(out)
             gates.append(gate)
             h = out
         return jnp.stack(outs), (None if gates[0] is None else jnp.stack(gates))
 
-    def extra(self, out, q_positions, limit, memory, inv_freq):
-        """Hook for the hybrid's cross-attention path (identity here); returns (out, gate
-        or None). See Hybrid.extra."""
+    def mix_memory(self, out, q_positions, limit, memory, inv_freq, kernel=None):
+        """Hook for the hybrid's cross-attention path over the merged target memory
+        (identity here); returns (out, gate or None). See Hybrid.mix_memory."""
         return out, None
 
 
@@ -135,9 +144,9 @@ class Eagle3State:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter(common.LearnedDrafter):
+class Eagle3Drafter(LearnedDrafter):
     """Loop adapter (specjax.drafters.base.Drafter) for Eagle3 and Hybrid networks;
-    fields and params as common.LearnedDrafter."""
+    fields and params as learned.LearnedDrafter."""
 
     # ------------------------------------------------------------------ pieces
 
@@ -146,20 +155,21 @@ class Eagle3Drafter(common.LearnedDrafter):
         tokens that follow them; returns (outputs [B,T,D], cache)."""
         g = net.features(feats)
         emb = jnp.take(params["embed"], next_tokens, axis=0)
-        cos, sin = common.rope(params["inv_freq"], positions, net.dtype)
+        cos, sin = layers.rope_cos_sin(params["inv_freq"], positions, net.dtype)
         q, k, v = net.project(emb, g, cos, sin)
         cache = _write(cache, k, v, positions)
-        attn = common.attend(q, [(cache.k[0], cache.v[0], _visible(cache, positions))])
-        out, _ = net.extra(net.finish(g, attn), positions, positions, _kv(memory),
-                           params["inv_freq"])
+        attn = attend(q, [(cache.k[0], cache.v[0], _visible(cache, positions))],
+                      kernel=self.attention)
+        out, _ = net.mix_memory(net.finish(g, attn), positions, positions,
+                                _first_memory(memory), params["inv_freq"], self.attention)
         return out, cache
 
     def _memory(self, net, params, memory, view, positions):
         """Extends the hybrid's merged memory with the target K/V at `positions`."""
         if memory is None:
             return None
-        return common.memory_update(net, self.cfg, memory, view.target_cache, positions,
-                                    params["inv_freq"])
+        return memory_update(net, self.cfg, memory, view.target_cache, positions,
+                             params["inv_freq"])
 
     # ------------------------------------------------------------------ protocol
 
@@ -168,8 +178,8 @@ class Eagle3Drafter(common.LearnedDrafter):
 
         A prompt width T above sizes[0], sizes = `view.prefill_sizes` (the loop's
         `LoopConfig.prefill_sizes()`; if empty, the backend's default
-        `specjax.model.prefill_pieces()`), is processed in the pieces of
-        `specjax.model.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
+        `specjax.prefill.prefill_pieces()`), is processed in the pieces of
+        `specjax.prefill.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
         `lax.scan`, each writing its entries before the next attends to them, then the
         rest as one piece of the smallest size that covers it; pieces past every row's
         last entry are skipped, so a short prompt padded to a wide T pays for its own
@@ -187,7 +197,7 @@ class Eagle3Drafter(common.LearnedDrafter):
         if T <= sizes[0]:
             out, cache = self._entries(net, params, cache, memory, view.hidden,
                                        view.positions, nxt)
-            return Eagle3State(cache, _at(out, view.lengths - 2), memory)
+            return Eagle3State(cache, _entry_at_clipped(out, view.lengths - 2), memory)
         return self._chunked_init(net, params, cache, memory, view, nxt, sizes)
 
     def _chunked_init(self, net, params, cache, memory, view, nxt, sizes):
@@ -203,7 +213,7 @@ class Eagle3Drafter(common.LearnedDrafter):
                 net, params, cache, memory, jax.lax.dynamic_slice_in_dim(hidden, start, size, 2),
                 positions, jax.lax.dynamic_slice_in_dim(nxt, start, size, 1))
             mine = (last >= start) & (last < start + size)
-            return cache, jnp.where(mine[:, None], _at(out, last - start), h)
+            return cache, jnp.where(mine[:, None], _entry_at_clipped(out, last - start), h)
 
         cache, h_last = scan_prompt_pieces(
             forward, (cache, jnp.zeros((B, D), net.dtype)), T, sizes, last)
@@ -230,24 +240,25 @@ class Eagle3Drafter(common.LearnedDrafter):
         B, n = x.shape[0], self.gamma - 1
         pos0 = (view.lengths - 1)[:, None]  # the first draft entry's position
         anchor = pos0 - 1  # the last committed entry: cache and memory slots <= it
-        committed = common.Limit(anchor)
+        committed = Limit(anchor)
         c = self.cfg
         empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
 
         def forward(dk, dv, h, tok, k, j):
             pos = pos0 + j
             emb = jnp.take(params["embed"], tok[:, None], axis=0)
-            cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
+            cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
             qh, kh, vh = net.project(emb, h[:, None], cos, sin)
             dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype),
                                                      j, axis=2)
             dv = jax.lax.dynamic_update_slice_in_dim(dv, vh.swapaxes(1, 2).astype(dv.dtype),
                                                      j, axis=2)
             drafts = jnp.broadcast_to(jnp.arange(dk.shape[2]) <= j, (B, 1, dk.shape[2]))
-            attn = common.attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
-                                      (dk, dv, drafts)])
-            out, _ = net.extra(net.finish(h[:, None], attn), pos, anchor, _kv(state.memory),
-                               params["inv_freq"])
+            attn = attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
+                               (dk, dv, drafts)], kernel=self.attention)
+            out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
+                                    _first_memory(state.memory), params["inv_freq"],
+                                    self.attention)
             lg = self.logits(net, out[:, 0], params)
             nxt, probs = sample_logits(k, lg, self.sampling)
             return dk, dv, out[:, 0], nxt, probs, lg
@@ -291,7 +302,7 @@ class Eagle3Drafter(common.LearnedDrafter):
                                   axis=1)
         out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
         last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
-        return Eagle3State(cache, _index(out, last), memory)
+        return Eagle3State(cache, _entry_at(out, last), memory)
 
 
 def _top1(logits, probs, sampling):
@@ -302,12 +313,13 @@ def _top1(logits, probs, sampling):
     return jnp.max(probs, axis=-1)
 
 
-def _take(x, idx):
+def _at_positions(x, idx):
     """x [B,T,...] at i32[B,P] positions -> [B,P,...]."""
     return jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def _kv(memory: KVCache | None):
+def _first_memory(memory: KVCache | None):
+    """(k, v) [B,K,S,H] of the hybrid's one merged memory, or None (eagle3)."""
     return None if memory is None else (memory.k[0], memory.v[0])
 
 
@@ -319,18 +331,19 @@ def _write(cache: KVCache, k, v, positions) -> KVCache:
 
 
 def _visible(cache: KVCache, positions):
-    """Slot s is visible to the entry at positions[b,t] iff s <= it (a `common.Limit`:
+    """Slot s is visible to the entry at positions[b,t] iff s <= it (a `Limit`:
     a long cache is read only up to the largest position)."""
-    return common.Limit(positions)
+    return Limit(positions)
 
 
-def _index(x, idx):
+def _entry_at(x, idx):
     """x [B,T,D] at i32[B] indices -> [B,D]."""
     return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def _at(x, idx):
-    return _index(x, jnp.clip(idx, 0, x.shape[1] - 1))
+def _entry_at_clipped(x, idx):
+    """`_entry_at` with the indices clipped into 0..T-1."""
+    return _entry_at(x, jnp.clip(idx, 0, x.shape[1] - 1))
 
 
 # ----------------------------------------------------------------------------- the kind

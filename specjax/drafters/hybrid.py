@@ -18,10 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters import common, registry
+from specjax import layers
+from specjax.drafters import registry
+from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind, eagle3_capture
-from specjax.model import apply_rope, rms_norm
+from specjax.drafters.memory import merge_init
+from specjax.drafters.weights import normal, ones
+from specjax.matmul import linear
 
 
 class Hybrid(Eagle3):
@@ -31,34 +35,34 @@ class Hybrid(Eagle3):
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
         D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
-        self.cross_norm = common.ones((D,), dtype)
-        self.cross_q = common.normal(rngs, (N * H, D), dtype)
-        self.cross_q_norm = common.ones((H,), dtype)
-        self.cross_o = common.normal(rngs, (D, N * H), dtype)
-        self.gate_w = common.normal(rngs, (D, 3 * D), dtype)
+        self.merge_k, self.merge_v = merge_init(cfg, dtype)
+        self.cross_norm = ones((D,), dtype)
+        self.cross_q = normal(rngs, (N * H, D), dtype)
+        self.cross_q_norm = ones((H,), dtype)
+        self.cross_o = normal(rngs, (D, N * H), dtype)
+        self.gate_w = normal(rngs, (D, 3 * D), dtype)
         self.gate_b = nnx.Param(jnp.zeros((D,), dtype))
         self.gate_d = nnx.Param(jnp.asarray(np.eye(D), dtype))
 
-    def extra(self, n, q_positions, limit, memory, inv_freq):
+    def mix_memory(self, n, q_positions, limit, memory, inv_freq, kernel=None):
         """n [B,T,D] (the EAGLE-3 output) -> (h [B,T,D], gate [B,T,D]).
 
         q_positions i32[B,T]: RoPE positions of the queries; limit i32[B,T]: memory slots
-        <= limit are visible; memory: (k, v) [B,K,S,H] with slot s = position s.
+        <= limit are visible; memory: (k, v) [B,K,S,H] with slot s = position s;
+        kernel: the attention kernel of `attend` (None: jnp).
         """
         c = self.cfg
         B, T, D = n.shape
         mk, mv = memory
         eps = c.rms_norm_eps
-        x = rms_norm(n, self.cross_norm[...], eps)
-        q = common.linear(x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
-        cos, sin = common.rope(inv_freq, q_positions, n.dtype)
-        q = apply_rope(rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
-        o = n + common.linear(common.attend(q, [(mk, mv, common.Limit(limit))]),
-                              self.cross_o[...])
-        g = jax.nn.sigmoid(common.linear(jnp.concatenate([n, o, o - n], -1),
-                                         self.gate_w[...]) + self.gate_b[...])
-        return n + g * common.linear(o - n, self.gate_d[...]), g
+        x = layers.rms_norm(n, self.cross_norm[...], eps)
+        q = linear(x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
+        cos, sin = layers.rope_cos_sin(inv_freq, q_positions, n.dtype)
+        q = layers.apply_rope(layers.rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
+        o = n + linear(attend(q, [(mk, mv, Limit(limit))], kernel=kernel), self.cross_o[...])
+        g = jax.nn.sigmoid(linear(jnp.concatenate([n, o, o - n], -1), self.gate_w[...])
+                           + self.gate_b[...])
+        return n + g * linear(o - n, self.gate_d[...]), g
 
 
 class HybridKind(Eagle3Kind):

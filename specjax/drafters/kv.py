@@ -7,7 +7,7 @@ followed by its own K/V for the tokens it is drafting.
 
 where t = lengths-2 is the last position the target has cached. Decoding state: the
 merged memories [Ld,B,K,S,H] for committed positions, extended per verification from
-the target cache in place (`common.memory_update`); the own K/V live only inside one
+the target cache in place (`memory.memory_update`); the own K/V live only inside one
 proposal (G slots). A proposal runs G one-token forwards: the pending token, then
 x_1 .. x_{G-1}.
 
@@ -23,27 +23,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.drafters import common, registry
+from specjax import layers
+from specjax.drafters import registry
+from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
+from specjax.drafters.learned import LearnedDrafter
+from specjax.drafters.memory import memory_update, merge_init, ttt_memory
+from specjax.drafters.weights import layer_out, layer_qkv, layer_weights, ones
+from specjax.kernel_policy import AttentionKernel
 from specjax.kv_cache import KVCache
 from specjax.sampling import sample_logits
 
 
 class KVOnly(nnx.Module):
-    """Ld layers (common.layer_weights with input_norm), merge_k/merge_v
+    """Ld layers (weights.layer_weights with input_norm), merge_k/merge_v
     [Ld,K*H,Ls*K*H], final_norm [D]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
-        for name, p in common.layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
+        for name, p in layer_weights(cfg, rngs, dtype, cfg.num_layers).items():
             setattr(self, name, p)
-        self.merge_k, self.merge_v = common.merge_init(cfg, dtype)
-        self.final_norm = common.ones((cfg.hidden_size,), dtype)
+        self.merge_k, self.merge_v = merge_init(cfg, dtype)
+        self.final_norm = ones((cfg.hidden_size,), dtype)
 
     def logits(self, out, head):
-        return common.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+        return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
-    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None):
+    def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None,
+            kernel: AttentionKernel | None = None):
         """Training-time-test unroll (docs/design.md section 6).
 
         Args:
@@ -53,24 +60,25 @@ class KVOnly(nnx.Module):
           tokens: i32[B,T+1] rows; step k at anchor t reads token t+k+1 (clipped past T).
           embed: [V,D] target embedding; inv_freq: f32[H/2].
           anchors: i32[B,P] anchors whose chains are unrolled (None: all T positions).
+          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
         Returns: (outputs [steps,B,P,D] pre-norm, None); step k at t predicts token t+k+2.
         """
-        mk, mv = common.ttt_memory(self, self.cfg, kv, inv_freq)
+        mk, mv = ttt_memory(self, self.cfg, kv, inv_freq)
         B, T = tokens.shape[0], tokens.shape[1] - 1
         if anchors is None:
             anchors = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        visible = common.Limit(anchors)  # memory slots <= the anchor
+        visible = Limit(anchors)  # memory slots <= the anchor
         own = [[] for _ in range(self.cfg.num_layers)]
         outs = []
         for k in range(steps):
             idx = jnp.minimum(anchors + k + 1, tokens.shape[1] - 1)
             x = jnp.take(embed, jnp.take_along_axis(tokens, idx, axis=1), axis=0)
-            cos, sin = common.rope(inv_freq, anchors + k + 1, self.dtype)
+            cos, sin = layers.rope_cos_sin(inv_freq, anchors + k + 1, self.dtype)
             for i in range(self.cfg.num_layers):
-                q, kk, vv = common.layer_qkv(self, i, x, cos, sin)
+                q, kk, vv = layer_qkv(self, i, x, cos, sin)
                 own[i].append((kk, vv))
-                attn = common.attend(q, [(mk[i], mv[i], visible)], own[i])
-                x = common.layer_out(self, i, x, attn)
+                attn = attend(q, [(mk[i], mv[i], visible)], own[i], kernel=kernel)
+                x = layer_out(self, i, x, attn)
             outs.append(x)
         return jnp.stack(outs), None
 
@@ -81,21 +89,21 @@ class KVState:
 
 
 @dataclasses.dataclass(frozen=True)
-class KVDrafter(common.LearnedDrafter):
-    """Loop adapter for KVOnly; fields and params as common.LearnedDrafter."""
+class KVDrafter(LearnedDrafter):
+    """Loop adapter for KVOnly; fields and params as learned.LearnedDrafter."""
 
     def init(self, params, view, key):
         net = self.net(params)
         memory = self.empty_cache(self.cfg.num_layers, view, net.dtype)
-        return KVState(common.memory_update(net, self.cfg, memory, view.target_cache,
-                                            view.positions, params["inv_freq"]))
+        return KVState(memory_update(net, self.cfg, memory, view.target_cache,
+                                     view.positions, params["inv_freq"]))
 
     def propose(self, params, state, view, key):
         net = self.net(params)
         c, G = self.cfg, self.gamma
         B = view.lengths.shape[0]
         limit = (view.lengths - 2)[:, None]  # memory slots <= limit are committed
-        mem_mask = common.Limit(limit)  # the memory is read up to the longest row only
+        mem_mask = Limit(limit)  # the memory is read up to the longest row only
         own_shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
         slots = jnp.arange(G)
         pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
@@ -104,16 +112,16 @@ class KVDrafter(common.LearnedDrafter):
             own_k, own_v, tok = carry
             j, k = inp
             pos = (view.lengths - 1 + j)[:, None]
-            cos, sin = common.rope(params["inv_freq"], pos, net.dtype)
+            cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
             x = jnp.take(params["embed"], tok[:, None], axis=0)
             own_mask = jnp.broadcast_to(slots[None, None, :] <= j, (B, 1, G))
             for i in range(c.num_layers):
-                q, kk, vv = common.layer_qkv(net, i, x, cos, sin)
+                q, kk, vv = layer_qkv(net, i, x, cos, sin)
                 own_k = own_k.at[i, :, :, j].set(kk[:, 0])
                 own_v = own_v.at[i, :, :, j].set(vv[:, 0])
-                attn = common.attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
-                                         (own_k[i], own_v[i], own_mask)])
-                x = common.layer_out(net, i, x, attn)
+                attn = attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
+                                  (own_k[i], own_v[i], own_mask)], kernel=self.attention)
+                x = layer_out(net, i, x, attn)
             nxt, probs = sample_logits(k, self.logits(net, x[:, 0], params), self.sampling)
             return (own_k, own_v, nxt), (nxt, probs)
 
@@ -124,8 +132,8 @@ class KVDrafter(common.LearnedDrafter):
 
     def update(self, params, state, view, num_accepted):
         net = self.net(params)
-        return KVState(common.memory_update(net, self.cfg, state.memory, view.target_cache,
-                                            view.positions, params["inv_freq"]))
+        return KVState(memory_update(net, self.cfg, state.memory, view.target_cache,
+                                     view.positions, params["inv_freq"]))
 
 
 class KVKind(registry.DrafterKind):

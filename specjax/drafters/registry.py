@@ -1,7 +1,7 @@
 """The drafter kinds: one registry that generic code asks (docs/design.md section 11).
 
 A drafter kind is one module that defines its network (an nnx.Module), its loop adapter
-(a `common.LearnedDrafter`) and a `DrafterKind` describing them, and registers it:
+(a `learned.LearnedDrafter`) and a `DrafterKind` describing them, and registers it:
 
     class ToyKind(registry.DrafterKind):
         name, network, adapter, objective = "toy", ToyNet, ToyDrafter, "ttt"
@@ -43,10 +43,14 @@ class DrafterKind:
       name: the `DrafterConfig.kind` string (config.json's "kind").
       network: the nnx.Module class; `network(dcfg, dtype=..., rngs=...)` builds it. For
         objective "ttt" it has `ttt(hidden, kv, tokens, embed, inv_freq, steps,
-        anchors=None) -> (outputs [steps,B,P,D], gates | None)` and `logits(out, head)`
-        (docs/design.md 6); for "block", `contexts` / `blocks` / `logits` (objectives/block.py).
+        anchors=None, kernel=None) -> (outputs [steps,B,P,D], gates | None)` and
+        `logits(out, head)` (docs/design.md 6); for "block", `contexts` /
+        `blocks(..., kernel=None)` / `logits` (objectives/block.py). kernel: the
+        attention kernel its `attend` calls take (`specjax.kernel_policy`; None: jnp).
       adapter: the loop adapter class (`specjax.drafters.base.Drafter`), constructed as
-        `adapter(graphdef, dcfg, gamma, sampling, stop_below)`.
+        `adapter(graphdef, dcfg, gamma, sampling, stop_below)`; a learned adapter
+        (`learned.LearnedDrafter`) also has an `attention` field, the kernel the loop
+        sets (`specjax.kernel_policy.with_drafter_attention`).
       objective: the training objective that trains it: "ttt" or "block".
       early_stop: whether its adapter honours `stop_below` (decode.py --draft-stop).
       settings: DrafterConfig fields only this kind uses, each with its allowed values
@@ -86,7 +90,7 @@ class DrafterKind:
         return False
 
     def num_memories(self, cfg) -> int:
-        """Merged target-KV memories (`common.merge_init`): one per drafter layer unless
+        """Merged target-KV memories (`memory.merge_init`): one per drafter layer unless
         overridden; 0 when it reads no target K/V."""
         return cfg.num_layers if self.uses_kv(cfg) else 0
 

@@ -6,7 +6,7 @@ in its training data, mapped back by `d2t`; Li et al. 2025, section 3; SpecForge
 [V, D]. specjax's own drafters (eagle3, hybrid, kv, block) read the target's head, so
 the hot head is simply the target's rows of the Vd most frequent ids: no training, and
 the draft logits of those ids are unchanged. Draft tokens and q [B,G,V] stay in the
-target's vocabulary (q is 0 outside the hot set, see `common.hot_to_target`), so
+target's vocabulary (q is 0 outside the hot set, see `learned.hot_to_target`), so
 verification, and losslessness, do not change; only ids outside the set can never be
 drafted.
 

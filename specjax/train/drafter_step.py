@@ -32,14 +32,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax.drafters.common import attention_kernel
 from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
 from specjax.train.objectives import Frozen
 from specjax.train.step import Metrics, Trainer, TrainState
 
 
-def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False):
+def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False,
+                 kernel=None):
     """The loss of `objective` as f(net, tgt, rows, frozen, key) -> (f32[] loss, stats).
 
     Args:
@@ -48,18 +48,22 @@ def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False):
       gamma: G (TTT unroll steps; block: mask tokens per block).
       evaluation: the validation variant: TTT unrolls every position (no ttt_positions
         sampling), so alpha_k and tau do not depend on the anchors drawn.
+      kernel: the drafter's attention kernel, passed to every `attend` of the loss
+        (`specjax.train.kernels.packed_attention_fn`, or None: the jnp path).
     """
     if objective == "ttt":
         from specjax.train.objectives.ttt import ttt_loss
 
         return functools.partial(ttt_loss, steps=gamma, soft=opts.soft_labels,
                                  decay=opts.ttt_decay,
-                                 num_positions=None if evaluation else opts.ttt_positions)
+                                 num_positions=None if evaluation else opts.ttt_positions,
+                                 kernel=kernel)
     if objective == "block":
         from specjax.train.objectives.block import block_loss
 
         return functools.partial(block_loss, num_anchors=opts.num_anchors,
-                                 soft=opts.soft_labels, gamma_w=opts.gamma_w, gamma=gamma)
+                                 soft=opts.soft_labels, gamma_w=opts.gamma_w, gamma=gamma,
+                                 kernel=kernel)
     raise ValueError(f"objective {objective!r} does not train a drafter")
 
 
@@ -85,8 +89,9 @@ class DrafterTrainer(Trainer):
         self.dcfg, self.objective, self.dtype, self.tx = dcfg, objective, dtype, tx
         self.schedule, self.mesh, self.seed, self.grad_accum = schedule, mesh, seed, grad_accum
         self.model_cfg = target.cfg
-        self.loss_fn = objective_fn(objective, opts, dcfg.gamma)
-        self.eval_fn = objective_fn(objective, opts, dcfg.gamma, evaluation=True)
+        self.loss_fn = objective_fn(objective, opts, dcfg.gamma, kernel=self.attention)
+        self.eval_fn = objective_fn(objective, opts, dcfg.gamma, evaluation=True,
+                                    kernel=self.attention)
 
         # The drafter's final norm starts as the target's: its output then meets the
         # target's LM head at the scale that head was trained for (a ones init gave an
@@ -200,8 +205,7 @@ class DrafterTrainer(Trainer):
         tgt = jax.lax.stop_gradient(tgt)
         frozen = jax.lax.stop_gradient(Frozen.from_target(target))
         fn = self.eval_fn if evaluation else self.loss_fn
-        with attention_kernel(self.attention):
-            return fn(self.network(params), tgt, rows, frozen, key)
+        return fn(self.network(params), tgt, rows, frozen, key)
 
     def loss(self, params, rows, target_params, key) -> jax.Array:
         """The training loss only (f32[])."""

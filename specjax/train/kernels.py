@@ -10,7 +10,8 @@ forward and backward as Pallas kernels, docs/design.md section 10):
   drafter objectives): `specjax.model.Transformer(..., self_attention=fn)`;
 - the drafters' attention over their context (TTT: step-0 keys at positions <= t and,
   for kv/hybrid, the merged target memory; block-wise: the context strictly before each
-  block's anchor), through `specjax.drafters.common.attention_kernel`; the block's own
+  block's anchor): the trainer passes fn explicitly to the objective, which hands it to
+  every `specjax.drafters.attend.attend` as `kernel` (`specjax.kernel_policy`); the block's own
   entries and TTT's diagonal stay jnp (a few entries per query) and are merged with the
   kernel's output by log-sum-exp.
 No [T, S] scores are then kept for the backward pass, which is what TTT runs out of

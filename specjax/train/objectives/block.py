@@ -24,13 +24,14 @@ def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int):
 
 
 def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = True,
-               gamma_w: float = 7.0, gamma: int | None = None):
+               gamma_w: float = 7.0, gamma: int | None = None, kernel=None):
     """Weighted block loss and acceptance statistics.
 
     Args:
       net: BlockNet; tgt: the target's cache-free ForwardOutput on rows[:, :T] (hidden at
         net.cfg.capture, kv at net.cfg.kv_layers); rows: i32[B,T+1]; frozen:
-        objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma).
+        objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma);
+        kernel: the drafter's attention kernel (`specjax.kernel_policy`; None: jnp).
     Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
       block positions 1..k+1 all equal the target's argmax.
     """
@@ -39,7 +40,8 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     anchors = sample_anchors(key, B, T, G, num_anchors)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     contexts = net.contexts(tgt.hidden, tgt.kv, pos, frozen.inv_freq)
-    out = net.blocks(contexts, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, G)
+    out = net.blocks(contexts, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, G,
+                     kernel)
     logits = net.logits(out[:, :, 1:], frozen.head)  # [B,A,G,V]
     at = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # target positions [B,A,G]
     tl = jnp.take_along_axis(tgt.logits, at.reshape(B, -1)[:, :, None], axis=1)

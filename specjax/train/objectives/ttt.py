@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import optax
 
 
-def draft_outputs(net, tgt, rows, frozen, steps: int, anchors=None):
+def draft_outputs(net, tgt, rows, frozen, steps: int, anchors=None, kernel=None):
     """(outputs [steps,B,P,D], gates [steps,B,P,D] | None) of the TTT unroll at `anchors`
     i32[B,P] (None: every position, P = T): the network's `ttt`, one signature for every
-    kind that trains with TTT (`registry.DrafterKind`)."""
-    return net.ttt(tgt.hidden, tgt.kv, rows, frozen.embed, frozen.inv_freq, steps, anchors)
+    kind that trains with TTT (`registry.DrafterKind`). kernel: the drafter's attention
+    kernel (`specjax.kernel_policy`; None: the jnp path)."""
+    return net.ttt(tgt.hidden, tgt.kv, rows, frozen.embed, frozen.inv_freq, steps, anchors,
+                   kernel=kernel)
 
 
 def sample_positions(key, batch: int, seq_len: int, count: int):
@@ -29,7 +31,7 @@ def sample_positions(key, batch: int, seq_len: int, count: int):
 
 
 def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
-             decay: float = 0.8, num_positions: int | None = None):
+             decay: float = 0.8, num_positions: int | None = None, kernel=None):
     """Weighted TTT loss and acceptance statistics.
 
     Args:
@@ -39,6 +41,7 @@ def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
       key, num_positions: unroll the chains of num_positions random anchors per row
         (drawn with `key`) instead of all T positions: the LM head, which dominates the
         cost, then runs on B*P instead of B*T rows per step.
+      kernel: the drafter's attention kernel (`specjax.kernel_policy`; None: jnp).
     Returns: (loss f32[], stats) with stats as in objectives/__init__.py; a chain is an
       anchor t with all `steps` predictions inside the row (t + steps <= T-1).
     """
@@ -47,7 +50,7 @@ def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
     if num_positions is not None and num_positions < T:
         anchors = sample_positions(key, B, T, num_positions)
     t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if anchors is None else anchors
-    outs, gates = draft_outputs(net, tgt, rows, frozen, steps, anchors)
+    outs, gates = draft_outputs(net, tgt, rows, frozen, steps, anchors, kernel)
     target_top = jnp.argmax(tgt.logits, axis=-1)  # [B,T]
     total, matches = 0.0, []
     for k in range(steps):
