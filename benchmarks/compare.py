@@ -205,13 +205,141 @@ def validate(args) -> None:
         check_output_file(path, flag)
 
 
+def _learned_drafters(args, target, tokenizer, greedy, t1) -> dict:
+    """--drafters loaded as decode.py loads them (its loader and its default
+    --drafter-dtype, auto: bfloat16 matmuls), each checked against the target:
+    name -> (T=0 drafter, params, T=1 drafter, params)."""
+    from specjax.loading import Target, load_drafter
+
+    learned = {}
+    for path in args.drafters:
+        name = os.path.basename(os.path.normpath(path))
+        t = Target(target, target.cfg, tokenizer, args.target, jnp.float32)
+        d0, p0, _, _ = load_drafter(path, t, sampling=greedy, draft_vocab=args.draft_vocab)
+        d1, p1, _, _ = load_drafter(path, t, sampling=t1, draft_vocab=args.draft_vocab)
+        learned[name] = (d0, p0, d1, p1)
+    return learned
+
+
+def _transformers_systems(args, prompts, N_new: int, threads: int, G: int, ngram) -> list:
+    """transformers' greedy, assisted (the draft LM, G tokens a round, never stopping
+    early) and prompt-lookup generation of the same prompts."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    hf_target = load_transformers(args.target)
+    hf_draft = load_transformers(args.draft)
+    agc = hf_draft.generation_config
+    agc.num_assistant_tokens = G
+    agc.num_assistant_tokens_schedule = "constant"
+    agc.assistant_confidence_threshold = 0.0  # never stop drafting before G tokens
+    return [
+        TransformersSystem("transformers-greedy", hf_target, prompts, N_new, threads),
+        TransformersSystem("transformers-assisted", hf_target, prompts, N_new, threads,
+                           gamma=G, verify="greedy", assistant_model=hf_draft),
+        TransformersSystem("transformers-prompt-lookup", hf_target, prompts, N_new, threads,
+                           gamma=G, verify="greedy", prompt_lookup_num_tokens=G,
+                           max_matching_ngram_size=ngram.n_max),
+    ]
+
+
+def _main_records(systems, measured) -> tuple[dict, dict, dict]:
+    """The main table: (records by system name, with speedups and equality checks filled
+    in; outputs by name; lossless: T=0 speculative name -> output == specjax-ar's)."""
+    records = {s.name: system_record(s, measured[s.name]) for s in systems}
+    outs = {name: measured[name]["ref"].outputs for name in records}
+    hf = outs.get("transformers-greedy")
+    med = {name: r["tokens_per_s"]["median"] for name, r in records.items()}
+    lossless = {}
+    for name, rec in records.items():
+        ar_ref = "specjax-ar-T1" if rec["temperature"] else "specjax-ar"
+        rec["speedup_vs_specjax_ar"] = med[name] / med[ar_ref]
+        rec["speedup_vs_transformers_greedy"] = (med[name] / med["transformers-greedy"]
+                                                 if hf is not None else None)
+        rec["equal_to_transformers_greedy"] = (equality(outs[name], hf)
+                                               if hf is not None and rec["temperature"] == 0
+                                               else None)
+        rec["equals_specjax_ar"] = None
+        if rec["kind"] == "specjax" and rec["temperature"] == 0 and rec["drafter"]:
+            rec["equals_specjax_ar"] = lossless[name] = outs[name] == outs["specjax-ar"]
+    return records, outs, lossless
+
+
+def _batch_sweep(batch_sizes, sweep_drafters, sweep_systems, records, outs, measured,
+                 lossless: dict, n: int) -> list:
+    """The batch sweep's rows: per batch size and model drafter, AR and speculative
+    tokens/s and whether their outputs agree (B > 1 adds its T=0 check to `lossless`)."""
+    sweep = []
+    ar1 = outs["specjax-ar"]
+    for B in batch_sizes:
+        if B == 1:
+            ar_rec, ar_out, ar_name = records["specjax-ar"], ar1, "specjax-ar"
+        else:
+            s_ar = sweep_systems[B]["ar"]
+            ar_rec = system_record(s_ar, measured[s_ar.name])
+            ar_out, ar_name = ar_rec["outputs"], s_ar.name
+        for name in sweep_drafters:
+            if B == 1:
+                sp_name = f"specjax-{name}"
+                sp_rec, sp_out = records[sp_name], outs[sp_name]
+            else:
+                s_sp = sweep_systems[B][name]
+                sp_name = s_sp.name
+                sp_rec = system_record(s_sp, measured[sp_name])
+                sp_out = sp_rec["outputs"]
+                lossless[sp_name] = sp_out == ar_out
+            sweep.append({
+                "batch_size": B, "drafter": name, "rows": len(ar_out),
+                "ar": compact(ar_rec, ar_name), "spec": compact(sp_rec, sp_name),
+                "speedup": sp_rec["tokens_per_s"]["median"] / ar_rec["tokens_per_s"]["median"],
+                "spec_equals_ar": sp_out == ar_out,
+                "ar_equals_batch1_ar": all(o == ar1[i % n] for i, o in enumerate(ar_out)),
+            })
+    return sweep
+
+
+def _print_report(result: dict, args, target, draft, learned: dict, cores: int,
+                  all_systems, ar1) -> None:
+    """The Markdown tables and the notes under them (compile times, lossless and parity
+    checks, warnings about few distinct tokens or a loaded machine) on stdout."""
+    env, records, lossless = result["environment"], result["systems"], result["lossless"]
+    G, N_new, n, threads = result["gamma"], result["new_tokens"], result["prompts"]["count"], \
+        result["threads"]
+    load0, end = result["load_average"]["start"], result["load_average"]["end"][0]
+    print(f"## specjax vs transformers: target {target.cfg.num_params / 1e6:.2f}M params, "
+          f"draft LM {draft.cfg.num_params / 1e6:.2f}M (G={G}), learned drafters "
+          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'} "
+          f"(draft vocabulary {args.draft_vocab}), f32, "
+          f"{n} prompts x {N_new} new tokens, {args.repeats} interleaved repeats\n")
+    print(f"{jax.default_backend()} backend, jax {env['jax']}, torch {env.get('torch', '-')}, "
+          f"transformers {env.get('transformers', '-')}, {cores} cores, torch threads {threads}, "
+          f"load average {load0[0]:.2f} -> {end:.2f}\n")
+    print(render_tables(result))
+    print()
+    comp = ", ".join(f"{s.name} {s.compile_s:.1f}" for s in all_systems if s.compile_s)
+    print(f"compile s (excluded from tokens/s): {comp}")
+    for name, ok in lossless.items():
+        print(f"lossless: {name} output == AR output (T=0): {ok}")
+    if "transformers-greedy" in records:
+        eq = records["specjax-ar"]["equal_to_transformers_greedy"]
+        print(f"parity: specjax-ar == transformers-greedy on {eq['equal']}/{eq['of']} prompts "
+              f"(mean common prefix {eq['mean_common_prefix']:.1f} of {N_new})")
+    distinct = len({t for o in ar1 for t in o})
+    if distinct < 4:
+        print(f"NOTE: greedy outputs hold only {distinct} distinct tokens: the equality "
+              "checks compare little")
+    if load0[0] > 0.5 * cores:
+        print(f"NOTE: load average {load0[0]:.2f} on {cores} cores before the run: other "
+              "processes were using the CPUs, so these timings are only indicative")
+
+
 def run(args) -> dict:
     from specjax.checkpoint import load_model, load_tokenizer
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.engine import Engine, prompt_width_for
     from specjax.fileio import atomic_write
-    from specjax.loading import Target, load_drafter
     from specjax.sampling import SamplingParams
 
     validate(args)
@@ -220,6 +348,7 @@ def run(args) -> dict:
     G, N_new = args.gamma, args.new_tokens
     load0 = os.getloadavg()
 
+    # ---- models, prompts and drafters (every input is checked here)
     target = load_model(args.target, dtype=jnp.float32)
     draft = load_model(args.draft, dtype=jnp.float32)
     V = target.cfg.vocab_size
@@ -233,14 +362,7 @@ def run(args) -> dict:
     draft0, dparams0 = DraftLMDrafter.create(draft, G, greedy, V)  # checks the vocabulary
     draft1, dparams1 = DraftLMDrafter.create(draft, G, t1, V)
     ngram = NgramDrafter(G, V, sampling=greedy)
-    learned = {}  # name -> (T=0 drafter, params, T=1 drafter, params); checks each target
-    for path in args.drafters:
-        name = os.path.basename(os.path.normpath(path))
-        # decode.py's loader and its default --drafter-dtype (auto: bfloat16 matmuls)
-        t = Target(target, target.cfg, tokenizer, args.target, jnp.float32)
-        d0, p0, _, _ = load_drafter(path, t, sampling=greedy, draft_vocab=args.draft_vocab)
-        d1, p1, _, _ = load_drafter(path, t, sampling=t1, draft_vocab=args.draft_vocab)
-        learned[name] = (d0, p0, d1, p1)
+    learned = _learned_drafters(args, target, tokenizer, greedy, t1)
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:
         log(f"WARNING: load average {load0[0]:.2f} on {cores} cores: timings are indicative")
@@ -256,6 +378,7 @@ def run(args) -> dict:
         f"n-gram), {args.repeats} repeats, {cores} cores, torch threads {threads}, load "
         f"average {load0[0]:.2f}")
 
+    # ---- the systems, measured interleaved
     def engine(batch_size=1, drafter=None, dparams=None, sampling=greedy, verify="block"):
         return Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
                       verify=verify, max_length=max_length, prompt_width=prompt_width,
@@ -267,24 +390,7 @@ def run(args) -> dict:
 
     systems = []
     if not args.no_transformers:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        hf_target = load_transformers(args.target)
-        hf_draft = load_transformers(args.draft)
-        agc = hf_draft.generation_config
-        agc.num_assistant_tokens = G
-        agc.num_assistant_tokens_schedule = "constant"
-        agc.assistant_confidence_threshold = 0.0  # never stop drafting before G tokens
-        systems += [
-            TransformersSystem("transformers-greedy", hf_target, prompts, N_new, threads),
-            TransformersSystem("transformers-assisted", hf_target, prompts, N_new, threads,
-                               gamma=G, verify="greedy", assistant_model=hf_draft),
-            TransformersSystem("transformers-prompt-lookup", hf_target, prompts, N_new, threads,
-                               gamma=G, verify="greedy", prompt_lookup_num_tokens=G,
-                               max_matching_ngram_size=ngram.n_max),
-        ]
+        systems += _transformers_systems(args, prompts, N_new, threads, G, ngram)
     # T=0 speculative systems: drafter name -> (drafter, params); each must equal specjax-ar.
     t0 = {"draft": (draft0, dparams0), "ngram": (ngram, ())}
     t0.update({name: (d0, p0) for name, (d0, p0, _, _) in learned.items()})
@@ -313,51 +419,9 @@ def run(args) -> dict:
     all_systems = systems + [s for group in sweep_systems.values() for s in group.values()]
     measured = measure(all_systems, args.repeats, N_new, log=log)
 
-    # ---- main table
-    records = {s.name: system_record(s, measured[s.name]) for s in systems}
-    outs = {name: measured[name]["ref"].outputs for name in records}
-    hf = outs.get("transformers-greedy")
-    med = {name: r["tokens_per_s"]["median"] for name, r in records.items()}
-    lossless = {}
-    for name, rec in records.items():
-        ar_ref = "specjax-ar-T1" if rec["temperature"] else "specjax-ar"
-        rec["speedup_vs_specjax_ar"] = med[name] / med[ar_ref]
-        rec["speedup_vs_transformers_greedy"] = (med[name] / med["transformers-greedy"]
-                                                 if hf is not None else None)
-        rec["equal_to_transformers_greedy"] = (equality(outs[name], hf)
-                                               if hf is not None and rec["temperature"] == 0
-                                               else None)
-        rec["equals_specjax_ar"] = None
-        if rec["kind"] == "specjax" and rec["temperature"] == 0 and rec["drafter"]:
-            rec["equals_specjax_ar"] = lossless[name] = outs[name] == outs["specjax-ar"]
-
-    # ---- batch sweep
-    sweep = []
-    ar1 = outs["specjax-ar"]
-    for B in args.batch_sizes:
-        if B == 1:
-            ar_rec, ar_out, ar_name = records["specjax-ar"], ar1, "specjax-ar"
-        else:
-            s_ar = sweep_systems[B]["ar"]
-            ar_rec = system_record(s_ar, measured[s_ar.name])
-            ar_out, ar_name = ar_rec["outputs"], s_ar.name
-        for name in sweep_drafters:
-            if B == 1:
-                sp_name = f"specjax-{name}"
-                sp_rec, sp_out = records[sp_name], outs[sp_name]
-            else:
-                s_sp = sweep_systems[B][name]
-                sp_name = s_sp.name
-                sp_rec = system_record(s_sp, measured[sp_name])
-                sp_out = sp_rec["outputs"]
-                lossless[sp_name] = sp_out == ar_out
-            sweep.append({
-                "batch_size": B, "drafter": name, "rows": len(ar_out),
-                "ar": compact(ar_rec, ar_name), "spec": compact(sp_rec, sp_name),
-                "speedup": sp_rec["tokens_per_s"]["median"] / ar_rec["tokens_per_s"]["median"],
-                "spec_equals_ar": sp_out == ar_out,
-                "ar_equals_batch1_ar": all(o == ar1[i % n] for i, o in enumerate(ar_out)),
-            })
+    records, outs, lossless = _main_records(systems, measured)
+    sweep = _batch_sweep(args.batch_sizes, sweep_drafters, sweep_systems, records, outs,
+                         measured, lossless, n)
 
     env = environment([threads])
     result = {
@@ -383,32 +447,7 @@ def run(args) -> dict:
     }
     assert set(result) == set(JSON_KEYS), sorted(set(result) ^ set(JSON_KEYS))
 
-    end = result["load_average"]["end"][0]
-    print(f"## specjax vs transformers: target {target.cfg.num_params / 1e6:.2f}M params, "
-          f"draft LM {draft.cfg.num_params / 1e6:.2f}M (G={G}), learned drafters "
-          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'} "
-          f"(draft vocabulary {args.draft_vocab}), f32, "
-          f"{n} prompts x {N_new} new tokens, {args.repeats} interleaved repeats\n")
-    print(f"{jax.default_backend()} backend, jax {env['jax']}, torch {env.get('torch', '-')}, "
-          f"transformers {env.get('transformers', '-')}, {cores} cores, torch threads {threads}, "
-          f"load average {load0[0]:.2f} -> {end:.2f}\n")
-    print(render_tables(result))
-    print()
-    comp = ", ".join(f"{s.name} {s.compile_s:.1f}" for s in all_systems if s.compile_s)
-    print(f"compile s (excluded from tokens/s): {comp}")
-    for name, ok in lossless.items():
-        print(f"lossless: {name} output == AR output (T=0): {ok}")
-    if hf is not None:
-        eq = records["specjax-ar"]["equal_to_transformers_greedy"]
-        print(f"parity: specjax-ar == transformers-greedy on {eq['equal']}/{eq['of']} prompts "
-              f"(mean common prefix {eq['mean_common_prefix']:.1f} of {N_new})")
-    distinct = len({t for o in ar1 for t in o})
-    if distinct < 4:
-        print(f"NOTE: greedy outputs hold only {distinct} distinct tokens: the equality "
-              "checks compare little")
-    if load0[0] > 0.5 * cores:
-        print(f"NOTE: load average {load0[0]:.2f} on {cores} cores before the run: other "
-              "processes were using the CPUs, so these timings are only indicative")
+    _print_report(result, args, target, draft, learned, cores, all_systems, outs["specjax-ar"])
     if args.json:
         text = (json.dumps(result, indent=1) + "\n").encode()
         atomic_write(args.json, lambda f: f.write(text))
