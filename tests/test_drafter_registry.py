@@ -198,3 +198,19 @@ def test_toy_kind_trains_and_decodes_losslessly(setup, tmp_path, capsys):  # noq
     got, want = spec.run(prompts, 12, key), ar.run(prompts, 12, key)
     assert got.outputs == want.outputs
     assert all(len(o) == 12 for o in want.outputs)
+
+
+def test_capture_and_kv_layers_override_the_kind_defaults():
+    from specjax.train.config import DrafterTrainConfig
+
+    target = tiny_config(num_layers=6)
+    got = DrafterTrainConfig(kind="hybrid", capture=(4, 2), kv_layers=(1, 3)).for_target(target)
+    assert got.capture == (2, 4) and got.kv_layers == (1, 3)
+    default = DrafterTrainConfig(kind="kv").for_target(target)
+    assert DrafterTrainConfig(kind="kv").for_target(target) == default
+    for kw, match in [(dict(kind="kv", capture=(2,)), "reads no hidden states"),
+                      (dict(kind="eagle3", kv_layers=(2,)), "reads no KV cache"),
+                      (dict(kind="eagle3", capture=(2, 2)), "distinct"),
+                      (dict(kind="kv", kv_layers=(9,)), "outside")]:
+        with pytest.raises(SpecjaxError, match=match):
+            DrafterTrainConfig(**kw).for_target(target)

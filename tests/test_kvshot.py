@@ -67,3 +67,50 @@ def test_tables_from_records():
     assert gate[2].startswith("| 64 |") and "0.500" in gate[2] and "0.050" in gate[4]
     paper = kvshot_report.table_paper()
     assert "73.5%" in paper and "80.6%" in paper  # KVShot's retention: .469/.638, .495/.614
+
+
+def test_redone_study_configs_are_on_equal_terms():
+    """configs/study2/ (issue 29): the same regenerated data, held-out stream, budget, G and
+    optimizer for every run; as many supervised positions per sequence for TTT (chains x G)
+    as for block-wise runs (blocks x G); every context read at the same target depths."""
+    from benchmarks import kvshot_runs
+
+    paths = sorted(glob.glob(os.path.join(ROOT, "configs", "study2", "*.yaml")))
+    names = [os.path.basename(p)[:-5] for p in paths]
+    assert sorted(names) == sorted(kvshot_runs.MATRIX)
+    cfgs = {n: load_config(p) for n, p in zip(names, paths, strict=True)}
+    same = {(c.target, c.data.tokens_npy, c.data.val_tokens_npy, c.data.seq_len,
+             c.data.seed, c.train.steps, c.train.batch_size, c.train.grad_accum,
+             c.drafter.gamma, c.optim.lr, c.optim.warmup_steps, c.train.eval_every,
+             c.train.eval_batches) for c in cfgs.values()}
+    assert len(same) == 1
+    supervised = {n: (c.drafter.num_anchors if c.objective == "block"
+                      else c.drafter.ttt_positions) for n, c in cfgs.items()}
+    assert set(supervised.values()) == {64}, supervised
+    from specjax.config import ModelConfig
+
+    target = ModelConfig.from_dir(os.path.join(ROOT, "checkpoints", "demo", "target"))
+    depths = set()
+    for c in cfgs.values():
+        d = c.drafter.for_target(target)
+        depths |= {tuple(d.capture)} if d.capture else set()
+        depths |= {tuple(d.kv_layers)} if d.kv_layers else set()
+    assert len(depths) == 1, depths  # hidden depth d and KV layer d read the same stream
+    for n, start in kvshot_runs.WARM_START.items():
+        assert kvshot_runs.MATRIX.index(start) < kvshot_runs.MATRIX.index(n)
+
+
+def test_matrix_jobs_seed_major_with_own_warm_start():
+    from benchmarks import kvshot_runs
+
+    jobs = kvshot.matrix_jobs(list(kvshot_runs.MATRIX), [0, 1])
+    labels = [j[0] for j in jobs]
+    assert labels[:len(kvshot_runs.MATRIX)] == [f"{n}-s0" for n in kvshot_runs.MATRIX]
+    assert len(labels) == 2 * len(kvshot_runs.MATRIX)
+    hyb = dict((j[0], j[1]) for j in jobs)["hybrid_from_eagle3-s1"]
+    assert "train.seed=1" in hyb
+    assert any(a.startswith("train.init_from=") and a.endswith(
+        os.path.join("study2", "eagle3-s1", "drafter")) for a in hyb)
+    with pytest.raises(SystemExit) as e:
+        kvshot.main(["matrix", "--only", "hybrid_from_eagle3", "--seeds", "7"])
+    assert e.value.code == 2

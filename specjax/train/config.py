@@ -224,6 +224,13 @@ class DrafterTrainConfig:
       intermediate_size: F of the drafter MLP (None: the target's).
       context: block only: hidden (DFlash), kv (merged target K/V) or both.
       num_kv_layers: Ls, target layers merged into the KV memory (kv, hybrid, block kv/both).
+      capture: the target depths whose residual stream (the input of layer d) a drafter
+        that reads hidden states takes (None: the kind's default, e.g. eagle3's {2, L/2,
+        L-3}).
+      kv_layers: the target layers whose K/V a drafter that reads the KV cache merges
+        (None: `num_kv_layers` evenly spaced ones). K/V of layer d are projections of the
+        same stream as capture depth d, so equal lists give both contexts the same
+        target layers (the KVShot study's configs/study2/).
       mask_token_id: block only: id whose frozen target embedding fills the G draft
         slots (None: the target's pad id).
       soft_labels: train against the target's distribution (true) or against the data
@@ -245,6 +252,8 @@ class DrafterTrainConfig:
     intermediate_size: int | None = None
     context: str | None = None
     num_kv_layers: int = 3
+    capture: tuple[int, ...] | None = None
+    kv_layers: tuple[int, ...] | None = None
     mask_token_id: int | None = None
     soft_labels: bool = True
     num_anchors: int = 32
@@ -289,15 +298,29 @@ class DrafterTrainConfig:
         """The `specjax.drafters.config.DrafterConfig` of this drafter for `target`.
 
         Raises: SpecjaxError if the combination is invalid for that target (e.g. a
-          mask_token_id outside its vocabulary)."""
+          mask_token_id outside its vocabulary, a capture depth or KV layer outside it,
+          or `capture` / `kv_layers` for a drafter that reads no hidden states / no KV)."""
         from specjax.drafters.config import DrafterConfig
 
         try:
-            return DrafterConfig.for_target(
+            cfg = DrafterConfig.for_target(
                 target, self.kind, gamma=self.gamma, num_layers=self.num_layers,
                 intermediate_size=self.intermediate_size, context=self.context,
                 num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
                 qk_norm=self.qk_norm)
+            override = {}
+            for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
+                value = getattr(self, name)
+                if value is None:
+                    continue
+                if not uses:
+                    what = "hidden states" if name == "capture" else "KV cache"
+                    raise SpecjaxError(f"{name} is set but this {self.kind} drafter reads "
+                                       f"no {what}; remove it")
+                if not value or len(set(value)) != len(value):
+                    raise SpecjaxError(f"{name}={list(value)} must list distinct layers")
+                override[name] = tuple(sorted(value))
+            return dataclasses.replace(cfg, **override) if override else cfg
         except SpecjaxError as e:
             raise SpecjaxError(f"drafter: {e}") from None
 
