@@ -23,7 +23,7 @@ import os
 import sys
 
 from specjax import cli
-from specjax.loading import (  # noqa: F401 - re-exported for scripts and tests
+from specjax.decoding.loading import (  # noqa: F401 - re-exported for scripts and tests
     DEFAULT_GAMMA,
     DEMO_DIR,
     DEMO_DRAFTERS,
@@ -31,7 +31,7 @@ from specjax.loading import (  # noqa: F401 - re-exported for scripts and tests
     flag_dtype,
     load_learned_drafter,
 )
-from specjax.prompts import read_prompts  # noqa: F401 - re-exported (decode.read_prompts)
+from specjax.decoding.prompts import read_prompts  # noqa: F401 - re-exported (decode.read_prompts)
 
 # jax's persistent compilation cache when neither --compile-cache nor
 # JAX_COMPILATION_CACHE_DIR names one
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default="auto",
                     help="verification: pallas = the fused Pallas kernel from the target's "
                          "logits (interpret mode on CPU: slow), reference = its jnp twin "
-                         "(identical output for a seed), off = specjax.verify on "
+                         "(identical output for a seed), off = specjax.decoding.verify on "
                          "probabilities; auto: pallas on TPU and GPU, reference on CPU. pallas "
                          "also runs the target's and the learned drafters' attention "
                          "through pallas_kernels.attention")
@@ -207,8 +207,8 @@ def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
     autoregressive), the drafter and the prefill's activations need more than the
     device has free (`specjax.plan`; estimates from config.json and file sizes)."""
     from specjax import plan
-    from specjax.config import ModelConfig
     from specjax.errors import SpecjaxError
+    from specjax.models.config import ModelConfig
 
     B = args.batch_size
     S = max_length + (args.gamma or DEFAULT_GAMMA) + 1  # room for a draft block
@@ -252,13 +252,13 @@ def run(args) -> int:
     import jax
     from tqdm import tqdm
 
-    from specjax.checkpoint import load_tokenizer
-    from specjax.config import ModelConfig
-    from specjax.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from specjax.decoding.sampling import SamplingParams
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write_all
-    from specjax.loading import load_drafter, load_target, resolve_dtype
-    from specjax.sampling import SamplingParams
+    from specjax.models.checkpoint import load_tokenizer
+    from specjax.models.config import ModelConfig
 
     validate_flags(args)
     enable_compile_cache(args.compile_cache)
@@ -287,7 +287,7 @@ def run(args) -> int:
     check_memory(args, cfg, dtype, max_length, prompt_width)
     mesh = None
     if args.mesh:
-        from specjax.sharding import check_batch, decode_mesh
+        from specjax.decoding.sharding import check_batch, decode_mesh
 
         mesh = decode_mesh(args.mesh)
         check_batch(mesh, args.batch_size)

@@ -77,7 +77,7 @@ def prompt_ids(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
     """The first `n` prompts of the JSONL `path` as token ids, read and checked as
     decode.py reads --prompts (`specjax.read_prompts`: "prompt" text or "input_ids";
     SpecjaxError on bad lines)."""
-    from specjax.prompts import read_prompts
+    from specjax.decoding.prompts import read_prompts
 
     return [ids for _, ids in read_prompts(tokenizer, vocab_size, path=path,
                                            target=target_dir)[:n]]

@@ -59,7 +59,7 @@ class SpecjaxSystem:
         return self.compile_s
 
     def run(self, count: bool = False) -> RunResult:
-        from specjax.engine import Stats
+        from specjax.decoding.engine import Stats
 
         stats, outputs, walls = Stats(), [], []
         base = jax.random.key(self.seed)

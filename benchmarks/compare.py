@@ -48,7 +48,7 @@ Progress goes to stderr, markdown tables to stdout; --json writes every raw figu
 
 CPU figures do not predict accelerator speedups (docs/design.md section 9): on CPU a
 (G+1)-token f32 verification costs about 1.8x a one-token step (2-2.5x before
-`specjax.model.linear` took few-row products weight-major, 2026-11-25).
+`specjax.models.model.linear` took few-row products weight-major, 2026-11-25).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _learned_drafters(args, target, tokenizer, greedy, t1) -> dict:
     """--drafters loaded as decode.py loads them (its loader and its default
     --drafter-dtype, auto: bfloat16 matmuls), each checked against the target:
     name -> (T=0 drafter, params, T=1 drafter, params)."""
-    from specjax.loading import Target, load_drafter
+    from specjax.decoding.loading import Target, load_drafter
 
     learned = {}
     for path in args.drafters:
@@ -335,12 +335,12 @@ def _print_report(result: dict, args, target, draft, learned: dict, cores: int,
 
 
 def run(args) -> dict:
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
-    from specjax.engine import Engine, prompt_width_for
     from specjax.fileio import atomic_write
-    from specjax.sampling import SamplingParams
+    from specjax.models.checkpoint import load_model, load_tokenizer
 
     validate(args)
     cores = usable_cores()

@@ -7,7 +7,7 @@
 Two sweeps, each in ONE process with timed runs interleaved across its settings:
 
 1. Capacity: a 32-token prompt and 128 new tokens at `--max-length` 160 .. 4096. The
-   attention reads the KV cache in chunks (`specjax.attention`, --chunk slots) only up
+   attention reads the KV cache in chunks (`specjax.models.attention`, --chunk slots) only up
    to the longest row's position, so tokens/s should not depend on the capacity. The
    previous behaviour, one softmax over all S slots, is the same code with a chunk of
    at least S (`--chunk 0` below means "unchunked"), timed in the same run.
@@ -15,7 +15,7 @@ Two sweeps, each in ONE process with timed runs interleaved across its settings:
    library's validation split, the demo tokenizer) with capacity = prompt + 64: prefill
    seconds (a run with one new token) and decode tokens/s (64 new tokens, minus the
    prefill run's time). Prefill runs in the backend's default pieces
-   (`specjax.prefill.prefill_pieces()`; LoopConfig.prefill_chunk, prefill_min_chunk).
+   (`specjax.models.prefill.prefill_pieces()`; LoopConfig.prefill_chunk, prefill_min_chunk).
 
 Prints markdown tables; writes `--json` and a PNG of tokens/s against context length.
 Beyond the demo target's max_position_embeddings (2048) the output is not meaningful
@@ -63,8 +63,8 @@ def build_parser():
 
 def _text_ids(tokenizer_dir, n):
     """n token ids of held-out real text (the standard library's validation split)."""
-    from specjax.checkpoint import load_tokenizer
-    from specjax.data import corpus_files, read_source, split_of, stdlib_root
+    from specjax.data.corpus import corpus_files, read_source, split_of, stdlib_root
+    from specjax.models.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     root, ids = stdlib_root(), []
@@ -79,7 +79,7 @@ def _text_ids(tokenizer_dir, n):
 def _engine(target, chunk, max_length, prompt_width):
     from flax import nnx
 
-    from specjax.engine import Engine
+    from specjax.decoding.engine import Engine
 
     model = nnx.merge(*nnx.split(target))
     model.attention_chunk = chunk if chunk > 0 else 1 << 30
@@ -189,12 +189,12 @@ def _run(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    from specjax.checkpoint import load_model
+    from specjax.models.checkpoint import load_model
 
     if args.quick:
         from flax import nnx
 
-        from specjax.model import Transformer
+        from specjax.models.model import Transformer
         from specjax.testing.tiny import tiny_config
 
         target = Transformer(tiny_config(512), rngs=nnx.Rngs(0))

@@ -60,14 +60,14 @@ from benchmarks._common import (  # noqa: E402
     usable_cores,
 )
 from specjax import cli  # noqa: E402
-from specjax.checkpoint import save_model  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
+from specjax.decoding.engine import Engine  # noqa: E402
+from specjax.decoding.sampling import SamplingParams  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
-from specjax.engine import Engine  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
-from specjax.model import Transformer, layer_shapes  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
+from specjax.models.checkpoint import save_model  # noqa: E402
+from specjax.models.config import ModelConfig  # noqa: E402
+from specjax.models.model import Transformer, layer_shapes  # noqa: E402
 
 FULL = dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
             head_dim=64, intermediate_size=1408)

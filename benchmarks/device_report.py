@@ -102,7 +102,7 @@ def render(dirname: str) -> str:
     if "verify_time" in steps:
         rnd, rec = steps["verify_time"]
         out += ["", f"Verification, Qwen3-8B vocabulary, f32 logits ({rnd}; ms per call):", "",
-                "| B | G | rule | off (specjax.verify) | reference (jnp) | pallas "
+                "| B | G | rule | off (specjax.decoding.verify) | reference (jnp) | pallas "
                 "| pallas vs off | pallas vs reference | roofline fraction |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for r in rec["rows"]:

@@ -327,7 +327,7 @@ def step_verify_time(rec: dict, dry_run: bool) -> None:
     import jax.numpy as jnp
 
     from pallas_kernels.verify import verify_logits
-    from specjax.verify import VERIFIERS
+    from specjax.decoding.verify import VERIFIERS
 
     V = 4096 if dry_run else kb.QWEN3_8B["V"]
     bw = bandwidth()
@@ -456,7 +456,7 @@ def step_packed_time(rec: dict, dry_run: bool) -> None:
 
 def step_decode_demo(rec: dict, dry_run: bool, out: str) -> None:
     """decode.py on the demo with --kernels pallas and --kernels off: same completions?"""
-    from specjax.loading import DEMO_PROMPTS
+    from specjax.decoding.loading import DEMO_PROMPTS
 
     n = 4 if dry_run else 16
     tmp = tempfile.mkdtemp()
@@ -492,7 +492,7 @@ def step_decode_demo(rec: dict, dry_run: bool, out: str) -> None:
 
 
 def _big_config(dry_run: bool):
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
     from specjax.testing import hf_configs
 
     tmp = tempfile.mkdtemp()
@@ -521,10 +521,10 @@ def step_big_target(rec: dict, dry_run: bool, plan_spec: str = BIG_PLAN) -> None
     import numpy as np
     from flax import nnx
 
+    from specjax.decoding.engine import Engine
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.draft_lm import DraftLMDrafter
-    from specjax.engine import Engine
-    from specjax.model import Transformer
-    from specjax.sampling import SamplingParams
+    from specjax.models.model import Transformer
 
     cfg = _big_config(dry_run)
     dt = jnp.float32 if dry_run else jnp.bfloat16

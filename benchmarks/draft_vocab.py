@@ -67,12 +67,12 @@ def _run(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_learned_drafter
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters import make_drafter
     from specjax.drafters.vocab import corpus_counts, hot_ids, stream_counts
-    from specjax.engine import Engine, Stats, prompt_width_for
-    from specjax.loading import load_learned_drafter
-    from specjax.sampling import SamplingParams
+    from specjax.models.checkpoint import load_model, load_tokenizer
 
     mm = jnp.bfloat16 if args.matmul_dtype == "bfloat16" else None
     target = load_model(args.target, dtype=jnp.float32, matmul_dtype=mm)

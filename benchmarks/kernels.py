@@ -10,7 +10,7 @@ Verification (pallas_kernels/verify), per call: B rows, G drafts, V = 151,936.
 - fused kernel: two passes over the target logits [B, G+1, V] (stats, then residuals)
   and one over the draft probabilities [B, G, V] f32 (the residual pass); greedy needs
   only the first pass; no [B, G+1, V] array is written.
-- unfused (specjax.verify, `--kernels off`): the softmax reads the logits twice (max,
+- unfused (specjax.decoding.verify, `--kernels off`): the softmax reads the logits twice (max,
   then exp-sum) and writes the f32 probabilities; block verification reads p and q again
   for the residual masses A_i; both read p (and q) once more for the correction token.
 Attention into the KV cache (one layer; Qwen3-8B N 32, K 8, H 128, bf16 cache):
@@ -270,14 +270,14 @@ def block_q_note(T: int = 8192, bqs=(128, 256, 512)) -> str:
 
 
 def measure_verify(B: int, G: int, rule: str, repeats: int = 5) -> dict:
-    """ms per call of `--kernels off` (specjax.verify on softmaxed logits) and of the fused
+    """ms per call of `--kernels off` (specjax.decoding.verify on softmaxed logits) and of the fused
     path's jnp reference (and of the Pallas kernel where the backend is not the CPU), same
     inputs, interleaved, median over `repeats`."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.verify import verify_logits
-    from specjax.verify import VERIFIERS
+    from specjax.decoding.verify import VERIFIERS
 
     V = QWEN3_8B["V"]
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

@@ -63,9 +63,9 @@ def _target(run):
 def target_queries(target, tokens, layers) -> dict[int, jax.Array]:
     """The target's own queries [B,T,N,H] (q_norm and RoPE applied) at `layers`, from a
     cache-free forward capturing those layers' inputs (the same arithmetic as
-    specjax.model's attention)."""
-    from specjax.layers import apply_rope, rms_norm, rope_cos_sin
-    from specjax.matmul import linear
+    specjax.models.model's attention)."""
+    from specjax.models.layers import apply_rope, rms_norm, rope_cos_sin
+    from specjax.models.matmul import linear
 
     c = target.cfg
     B, T = tokens.shape

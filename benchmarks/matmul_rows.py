@@ -1,6 +1,6 @@
 """What a forward of a few rows costs on this backend: the target's weight matmuls alone
 (every layer's q/k/v/o/gate/up/down and the LM head, no attention), for M = 1, 2, 4,
-8, 16 rows, in f32 and with bf16 inputs and f32 accumulation (`specjax.matmul.linear`,
+8, 16 rows, in f32 and with bf16 inputs and f32 accumulation (`specjax.models.matmul.linear`,
 which pads one row to two on CPU). f32 comes three times: as `linear` computes it (on CPU,
 2..`CPU_WEIGHT_MAJOR_MAX_ROWS` rows weight-major, `w @ x.T` behind an optimization
 barrier, 5-16 rows padded to a multiple of 8), the same without that padding, and as
@@ -68,7 +68,7 @@ def forward(x, layers, head):
     import jax
     import jax.numpy as jnp
 
-    from specjax.matmul import linear
+    from specjax.models.matmul import linear
 
     for q, k, v, o, g, u, d in layers:
         qq, kk, vv = linear(x, q), linear(x, k), linear(x, v)
@@ -82,14 +82,14 @@ def run(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         raise SpecjaxError(f"--target {args.target} has no config.json")
     if min(args.rows) < 1 or args.repeats < 1:
         raise SpecjaxError("--rows and --repeats must be >= 1")
     cfg = ModelConfig.from_dir(args.target)
-    from specjax import matmul as model_lib
+    from specjax.models import matmul as model_lib
 
     f32, bf16 = weights(cfg, jnp.float32), weights(cfg, jnp.bfloat16)
     # name -> (weights, CPU_WEIGHT_MAJOR_MAX_ROWS and CPU_WEIGHT_MAJOR_PAD_ROWS while tracing)

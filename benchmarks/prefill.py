@@ -1,5 +1,5 @@
 """Prefill settings compared in one process: whole chunks against pieces
-(`LoopConfig.prefill_chunk` / `prefill_min_chunk`, `specjax.prefill.scan_prompt_pieces`).
+(`LoopConfig.prefill_chunk` / `prefill_min_chunk`, `specjax.models.prefill.scan_prompt_pieces`).
 
     python benchmarks/prefill.py                   # chunks of 64 against the default
     python benchmarks/prefill.py --settings 64:64 256:64 256:32 --new-tokens 1 128
@@ -77,9 +77,9 @@ def _run(args) -> int:
     import jax
     from tqdm import tqdm
 
-    from specjax.engine import Engine, prompt_width_for
-    from specjax.loading import load_drafter, load_target
-    from specjax.sampling import SamplingParams
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.sampling import SamplingParams
 
     loaded = load_target(args.target, dtype="float32")
     target = loaded.model

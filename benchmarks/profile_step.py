@@ -5,7 +5,7 @@ loop, with every XLA op attributed to the part of the step it belongs to.
     python benchmarks/profile_step.py --drafter checkpoints/demo/drafters/block --runs 3 \
         --json out/profile.json
 
-`specjax.generate.speculative_loop` labels its parts with `jax.named_scope`:
+`specjax.decoding.generate.speculative_loop` labels its parts with `jax.named_scope`:
 drafter_propose, target_verify_forward, verify_rule, drafter_update, and outside the loop
 prefill and drafter_init (spread over the steps like the rest). The script compiles
 the loop (batch 1, EOS off, exactly --new-tokens per prompt), runs it once untimed, then
@@ -40,9 +40,9 @@ import jax  # noqa: E402
 
 from benchmarks._common import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
+from specjax.decoding.loading import DEMO_PROMPTS, DEMO_TARGET  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
-from specjax.loading import DEMO_PROMPTS, DEMO_TARGET  # noqa: E402
 
 SCOPES = ("drafter_propose", "target_verify_forward", "verify_rule", "drafter_update",
           "prefill", "drafter_init")
@@ -193,9 +193,9 @@ def trace_op_times(log_dir: str, names: dict[str, str],
 def run(args) -> dict:
     import jax.numpy as jnp
 
-    from specjax.engine import Engine, Stats, prompt_width_for
-    from specjax.loading import load_drafter, load_target
-    from specjax.sampling import SamplingParams
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.sampling import SamplingParams
 
     if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
         raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")

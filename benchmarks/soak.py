@@ -7,7 +7,7 @@ that nothing recompiles, host memory stays flat and every output row is complete
 
 What runs (one process, CPU by default):
   prompts   held-out text: windows of the VALIDATION files of the standard library
-            (`specjax.data.split_of`, the files the demo models never trained on),
+            (`specjax.data.corpus.split_of`, the files the demo models never trained on),
             tokenized with the target's tokenizer, lengths log-uniform in
             [--min-prompt, --max-prompt] tokens; a share (--eos-share) of the windows
             ends at the end of its file, where the target tends to emit EOS.
@@ -65,11 +65,11 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
-from specjax.engine import Engine, Stats  # noqa: E402
+from specjax.decoding.engine import Engine, Stats  # noqa: E402
+from specjax.decoding.loading import DEMO_TARGET  # noqa: E402
+from specjax.decoding.sampling import SamplingParams  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
-from specjax.loading import DEMO_TARGET  # noqa: E402
-from specjax.sampling import SamplingParams  # noqa: E402
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch, jax 0.10.2
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # persistent-cache hit: no backend compile
@@ -169,7 +169,7 @@ def held_out_windows(encode, n: int, seed: int, min_len: int, max_len: int,
     a share `eos_share` of the windows ends at its file's last token.
     Raises ValueError when no validation file has `max_len` tokens.
     """
-    from specjax.data import corpus_files, read_source, split_of, stdlib_root
+    from specjax.data.corpus import corpus_files, read_source, split_of, stdlib_root
 
     root = root or stdlib_root()
     streams = [encode(read_source(root, rel)) for rel in corpus_files(root)
@@ -442,8 +442,8 @@ def main(argv=None) -> int:
     start_mem = memory()
     from tokenizers import Tokenizer
 
-    from specjax.config import ModelConfig
-    from specjax.loading import load_drafter, load_target
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.models.config import ModelConfig
 
     try:
         cfg = ModelConfig.from_dir(args.target)

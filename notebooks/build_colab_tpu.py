@@ -41,7 +41,7 @@ This notebook
 It also runs on a GPU runtime (set `EXTRA = "cuda"` below) or on a CPU.
 Everything runs in this kernel's process: a TPU can be held by one process only, so the
 notebook decodes through the library (`specjax.load_target`, `specjax.load_drafter`,
-`specjax.engine.Engine`: what `decode.py` runs) and trains through `train.py`'s Python
+`specjax.decoding.engine.Engine`: what `decode.py` runs) and trains through `train.py`'s Python
 entry point (`train.main`) instead of starting them with `!python`.
 
 With the environment variable `SPECJAX_QUICK=1` every step shrinks (2 prompts of 32 new
@@ -117,7 +117,7 @@ The demo is what `decode.py` runs with its defaults, here as library calls: targ
 `checkpoints/demo/target` (`specjax.load_target`), drafter
 `checkpoints/demo/drafters/eagle3` (`specjax.load_drafter(None, target)`: the best
 bundled one, G = 7 draft tokens per step), greedy decoding of the bundled held-out
-prompts (`specjax.read_prompts`) with `specjax.engine.Engine`, and autoregressive
+prompts (`specjax.read_prompts`) with `specjax.decoding.engine.Engine`, and autoregressive
 decoding of the same prompts interleaved for the speedup. The summary gives tokens/s (compilation excluded), tau (tokens per
 target forward, bonus token included), alpha_k (acceptance rate at draft position k given
 the earlier ones were accepted), the speedup over autoregressive decoding, and whether
@@ -132,7 +132,7 @@ summary); tokens/s excludes it."""),
 import json
 
 from specjax import load_drafter, load_target, read_prompts
-from specjax.engine import Engine, Stats, prompt_width_for
+from specjax.decoding.engine import Engine, Stats, prompt_width_for
 
 WORK = os.environ.get("SPECJAX_WORK", "/tmp/specjax_colab")  # everything this notebook writes
 os.makedirs(WORK, exist_ok=True)

@@ -69,14 +69,14 @@ def abstract_engine(args):
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.config import ModelConfig
+    from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
     from specjax.drafters.ngram import NgramDrafter
     from specjax.dtypes import parse_dtype
     from specjax.errors import SpecjaxError
-    from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
-    from specjax.model import Transformer, decoding_params
-    from specjax.sampling import SamplingParams
+    from specjax.models.config import ModelConfig
+    from specjax.models.model import Transformer, decoding_params
 
     cfg_dir = args.config if os.path.isdir(args.config) else os.path.dirname(args.config) or "."
     cfg = ModelConfig.from_dir(cfg_dir)

@@ -1,5 +1,5 @@
 """The device mesh and the one table of logical-axis rules, shared by decoding
-(`specjax.sharding`) and training (`specjax.train.mesh`, which adds the batch layout).
+(`specjax.decoding.sharding`) and training (`specjax.train.mesh`, which adds the batch layout).
 
 Mesh axes (jax.make_mesh, all `AxisType.Auto`, docs/design.md 9):
   data   pure data parallelism: parameters replicated, batch rows split

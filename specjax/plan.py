@@ -26,7 +26,7 @@ def kv_cache_bytes(num_layers: int, batch: int, num_kv_heads: int, capacity: int
 
 
 def weight_bytes(cfg, dtype) -> int:
-    """The target's parameters (a `specjax.config.ModelConfig`) in `dtype`."""
+    """The target's parameters (a `specjax.models.config.ModelConfig`) in `dtype`."""
     return int(cfg.num_params) * itemsize(dtype)
 
 
@@ -104,12 +104,12 @@ def _local_bytes(shape, logical, mesh: _Mesh, dtype) -> int:
 def params_bytes_per_device(abstract_params, mesh: _Mesh, dtype, heads=None) -> int:
     """Per-device bytes of an nnx.State of parameters (abstract is enough) sharded by
     `specjax.mesh.PARAM_AXES` / LOGICAL_RULES; with heads=(N, K), as decoding
-    shards them (`specjax.sharding`: heads kept whole, replicated where `model` does not
+    shards them (`specjax.decoding.sharding`: heads kept whole, replicated where `model` does not
     divide N or K)."""
     from flax import nnx
 
+    from specjax.decoding.sharding import whole_heads
     from specjax.mesh import PARAM_AXES, param_axes
-    from specjax.sharding import whole_heads
 
     total = 0
     for path, var in nnx.to_flat_state(abstract_params):
@@ -126,7 +126,7 @@ def abstract_target(cfg):
     """The target's parameters as an abstract nnx.State (no memory)."""
     from flax import nnx
 
-    from specjax.model import Transformer
+    from specjax.models.model import Transformer
 
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(model, nnx.Param, ...)[1]
@@ -146,10 +146,10 @@ def decode_plan(cfg, mesh: _Mesh, batch: int, max_length: int, dtype, *, dcfg=No
                 prompt_width: int | None = None, gamma: int = 7) -> dict:
     """Per-device bytes for decoding: {"target weights", "KV cache", "drafter weights",
     "drafter state", "prefill activations"}. Weights sharded as decoding shards them
-    (`specjax.sharding`: heads, F and V over `model`, a head never cut); the KV cache
+    (`specjax.decoding.sharding`: heads, F and V over `model`, a head never cut); the KV cache
     [L,B,K,S,H] splits B over data x fsdp and K over model (replicated when model does
     not divide K, as vLLM does)."""
-    from specjax.sharding import whole_heads
+    from specjax.decoding.sharding import whole_heads
 
     S = max_length + gamma + 1
     P = prompt_width or min(max_length, 512)
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
                     help="per-device memory to compare with (GB)")
     args = ap.parse_args(argv)
     try:
-        from specjax.config import ModelConfig
+        from specjax.models.config import ModelConfig
 
         path = args.config
         cfg = ModelConfig.from_dir(os.path.dirname(path) if os.path.isfile(path) else path)

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import layers
+from specjax.decoding.sampling import sample_logits
 from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.weights import normal, ones
 from specjax.errors import SpecjaxError
-from specjax.matmul import linear
-from specjax.sampling import sample_logits
+from specjax.models import layers
+from specjax.models.matmul import linear
 
 
 class ToyNet(nnx.Module):

@@ -1,4 +1,4 @@
-"""specjax.attention.cache_attention: chunked attention into the KV cache whose cost follows
+"""specjax.models.attention.cache_attention: chunked attention into the KV cache whose cost follows
 the context. Checked against float64 numpy, for slots never read past the last chunk
 in use, and through the model: chunked decoding equals unchunked decoding."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.attention import cache_attention
-from specjax.model import Transformer
+from specjax.models.attention import cache_attention
+from specjax.models.model import Transformer
 from specjax.testing.tiny import tiny_config
 
 

@@ -14,11 +14,11 @@ import pytest
 # main) that its work starts with; the test replaces it by a tripwire, so that a check
 # that comes too late fails at once instead of starting the long default run.
 WORK = {
-    "context_length": ("specjax.checkpoint", "load_model"),
+    "context_length": ("specjax.models.checkpoint", "load_model"),
     "decode_speed": ("benchmarks.decode_speed", "measure_bandwidth"),
-    "draft_vocab": ("specjax.checkpoint", "load_model"),
-    "prefill": ("specjax.checkpoint", "load_model"),
-    "profile_step": ("specjax.checkpoint", "load_model"),
+    "draft_vocab": ("specjax.models.checkpoint", "load_model"),
+    "prefill": ("specjax.models.checkpoint", "load_model"),
+    "profile_step": ("specjax.models.checkpoint", "load_model"),
     "soak": ("benchmarks.soak", "held_out_windows"),
 }
 CASES = [(s, "--json") for s in WORK] + [("context_length", "--plot")]

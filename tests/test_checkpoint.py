@@ -26,8 +26,8 @@ from flax import nnx  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from specjax.checkpoint import load_model, save_model  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
+from specjax.models.checkpoint import load_model, save_model  # noqa: E402
 
 VOCAB = 128
 SEQ = 40

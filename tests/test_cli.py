@@ -27,7 +27,7 @@ COMMANDS = [
     (["-m", "specjax.drafters.vocab", "x"], "python -m specjax.drafters.vocab"),
     (["-m", "specjax.drafters.convert", "--to", "dflash", "a", "b"],
      "python -m specjax.drafters.convert"),
-    (["-m", "specjax.prompts", "x"], "python -m specjax.prompts"),
+    (["-m", "specjax.decoding.prompts", "x"], "python -m specjax.decoding.prompts"),
     (["-m", "specjax.plan", "--config", "x"], "python -m specjax.plan"),
     (["-m", "specjax.export", "--config", "x"], "python -m specjax.export"),
     (["-m", "specjax.train.plot", "x", "--out", "y"], "python -m specjax.train.plot"),

@@ -42,9 +42,9 @@ def block_drafter(demo, path):
     """A random-init block drafter (G=3) exported for the tiny demo target at `path`."""
     from flax import nnx
 
-    from specjax.config import ModelConfig
     from specjax.drafters import DrafterConfig, build_network
     from specjax.drafters.io import save_drafter
+    from specjax.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(str(demo / "target"))
     dcfg = DrafterConfig.for_target(cfg, "block", gamma=3)

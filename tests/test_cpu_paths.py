@@ -1,6 +1,6 @@
 """The CPU-only fast paths of the decoding loops: weight-major products of a few rows
-(`specjax.matmul.linear`) and chunked prefill that skips chunks past every prompt
-(`specjax.generate._prefill`). Both change how the same values are computed, never which:
+(`specjax.models.matmul.linear`) and chunked prefill that skips chunks past every prompt
+(`specjax.decoding.generate._prefill`). Both change how the same values are computed, never which:
 checked against float64 numpy and against the one-pass prefill."""
 
 import jax
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax import matmul as model_lib
-from specjax.generate import LoopConfig, _prefill
+from specjax.decoding.generate import LoopConfig, _prefill
+from specjax.models import matmul as model_lib
 from tests.test_speculative_greedy import models
 
 
@@ -143,7 +143,7 @@ def test_scan_prompt_pieces_covers_each_position_once(sizes, T):
     """For every longest prompt N = 1..T: the pieces run in order, cover 0..N-1 exactly
     once, and their padding past N is less than the smallest size that could cover the
     rest (a whole chunk's worth of padding only with one size)."""
-    from specjax.prefill import padded_width, scan_prompt_pieces
+    from specjax.models.prefill import padded_width, scan_prompt_pieces
 
     width = padded_width(T, sizes)
 
@@ -176,7 +176,7 @@ def test_prefill_chunk_default_is_per_backend():
     assert LoopConfig(max_length=8, prompt_width=4).prefill_sizes() == (256, 128, 64)
     assert LoopConfig(max_length=8, prompt_width=4, prefill_chunk=64,
                       prefill_min_chunk=64).prefill_sizes() == (64,)
-    from specjax.prefill import prefill_pieces
+    from specjax.models.prefill import prefill_pieces
 
     assert prefill_pieces(24, 5) == (24, 12, 6)
     assert prefill_pieces(4, 32) == (4,)

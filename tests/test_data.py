@@ -1,4 +1,4 @@
-"""specjax.data and specjax.packing: corpus listing, split, tokenizer, token cache, batches.
+"""specjax.data.corpus and specjax.data.packing: corpus listing, split, tokenizer, token cache, batches.
 
 Everything but one test runs on a small root (copies of the stdlib's json and email
 packages plus a few odd files, about 0.4 MB), so the file runs in seconds.
@@ -12,8 +12,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from specjax import data
-from specjax.data import (
+from specjax.data import corpus as data
+from specjax.data.corpus import (
     PackedStream,
     corpus_files,
     load_manifest,
@@ -24,8 +24,8 @@ from specjax.data import (
     tokenize_corpus,
     train_tokenizer,
 )
+from specjax.data.packing import ConcatStream
 from specjax.errors import SpecjaxError
-from specjax.packing import ConcatStream
 
 VOCAB = 512
 VAL = 0.2  # a larger held-out share than the default, so the small root has val files

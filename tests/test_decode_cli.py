@@ -120,8 +120,8 @@ def test_bad_input_exits_2_with_one_line(tiny_demo, tmp_path, capsys, case):
                 shutil.copy(tiny_demo / "target" / f, bad / f)
         extra = ["--target", bad, "--drafter", "ngram"]
     elif case == "vocab_mismatch":
-        from specjax.checkpoint import load_model, save_model
-        from specjax.model import Transformer
+        from specjax.models.checkpoint import load_model, save_model
+        from specjax.models.model import Transformer
         from specjax.testing.tiny import tiny_config
 
         small = Transformer(tiny_config(vocab_size=100, hidden_size=32, num_layers=1,
@@ -240,7 +240,7 @@ def test_learned_drafter_dir_uses_its_gamma_and_equals_ar(tiny_demo, learned_dra
 
 def test_drafter_for_another_target_is_one_line_exit_2(tiny_demo, learned_drafter, tmp_path,
                                                        capsys):
-    from specjax.checkpoint import load_model, save_model
+    from specjax.models.checkpoint import load_model, save_model
 
     other = tmp_path / "other_target"  # same shapes, other weights
     model = load_model(str(tiny_demo / "target"))

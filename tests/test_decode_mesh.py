@@ -1,4 +1,4 @@
-"""Decoding on a device mesh (specjax.sharding, Engine(mesh=...), decode.py --mesh) on 8
+"""Decoding on a device mesh (specjax.decoding.sharding, Engine(mesh=...), decode.py --mesh) on 8
 simulated CPU devices: greedy output equals one device for meshes (8,1), (2,4), (1,8)
 with autoregressive, n-gram and learned drafters; the weights and the KV cache really are
 split (and heads are never cut); sampling is reproducible for a seed and mesh."""
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.decoding.engine import Engine
+from specjax.decoding.sampling import SamplingParams
+from specjax.decoding.sharding import cache_sharding, decode_mesh, parse_mesh
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
-from specjax.model import Transformer
-from specjax.sampling import SamplingParams
-from specjax.sharding import cache_sharding, decode_mesh, parse_mesh
+from specjax.models.model import Transformer
 from specjax.testing.tiny import tiny_config
 
 MESHES = ["data=8,model=1", "data=2,model=4", "data=1,model=8"]

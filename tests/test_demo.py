@@ -65,7 +65,7 @@ def test_target_matches_transformers():
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
 
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.models.checkpoint import load_model, load_tokenizer
 
     target_dir = os.path.join(DEMO, "target")
     tok = load_tokenizer(target_dir)
@@ -91,7 +91,7 @@ def test_bf16_matmul_target_is_lossless_and_close_to_transformers(tmp_path, caps
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
 
-    from specjax.checkpoint import load_model, load_tokenizer
+    from specjax.models.checkpoint import load_model, load_tokenizer
 
     prompts = tmp_path / "p.jsonl"
     with open(os.path.join(DEMO, "prompts.jsonl")) as f:

@@ -6,7 +6,7 @@ Two levels:
   filtered distribution, computed by enumeration in float64 numpy; biased
   verifiers injected as `LoopConfig.verify` must be rejected by the same test; the
   loop's first-step outcome (t1, tau, t2) must follow the rule's exact law.
-- `specjax.verify` alone on synthetic prefix-dependent distributions: one verify step
+- `specjax.decoding.verify` alone on synthetic prefix-dependent distributions: one verify step
   followed by exact target sampling must reproduce the target's joint law, and the
   law of (tau, next) must equal the rule's exact law.
 
@@ -27,10 +27,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.sampling import SamplingParams
+from specjax.decoding.verify import (
+    Verdict,
+    block_weights,
+    verify_block,
+    verify_greedy,
+    verify_token,
+)
 from specjax.drafters.draft_lm import DraftLMDrafter
-from specjax.generate import LoopConfig, speculative_loop
-from specjax.sampling import SamplingParams
-from specjax.verify import Verdict, block_weights, verify_block, verify_greedy, verify_token
 
 V = du.V
 PROMPT = (1, 4, 2)  # Tp = 3 real tokens ...

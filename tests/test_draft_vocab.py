@@ -135,7 +135,7 @@ def test_benchmark_script_table(tiny_demo, tmp_path, capsys):
     """benchmarks/draft_vocab.py on the tiny demo (random eagle3, counts from a token
     stream): one row per size, outputs identical to AR, and exit 2 on bad input."""
     from benchmarks import draft_vocab as bench
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     tgt = str(tiny_demo / "target")
     d = save_random_drafter(tgt, str(tmp_path / "drafter"))

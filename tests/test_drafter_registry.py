@@ -151,8 +151,8 @@ def test_validation_messages_are_unchanged():
 def test_draft_stop_only_for_kinds_that_stop(setup):  # noqa: F811
     from flax import nnx
 
+    from specjax.decoding.loading import load_target
     from specjax.drafters import build_network, make_drafter
-    from specjax.loading import load_target
 
     target = load_target(setup["target"], dtype="float32").model
     for kind, ok in (("toy", False), ("eagle3", True)):
@@ -170,8 +170,8 @@ def test_draft_stop_only_for_kinds_that_stop(setup):  # noqa: F811
 def test_toy_kind_trains_and_decodes_losslessly(setup, tmp_path, capsys):  # noqa: F811
     """train.py's entry point trains the toy drafter two steps and exports it; loaded like
     any drafter directory, it decodes greedily to the autoregressive tokens (Engine)."""
-    from specjax.engine import Engine
-    from specjax.loading import load_drafter, load_target
+    from specjax.decoding.engine import Engine
+    from specjax.decoding.loading import load_drafter, load_target
 
     run = tmp_path / "run"
     code = train_cli.main(["--config", TINY, "--no-progress", "--run-dir", str(run),

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.decoding.generate import LoopConfig, _prefill
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.base import LoopView
 from specjax.errors import SpecjaxError
-from specjax.generate import LoopConfig, _prefill
-from specjax.sampling import SamplingParams
 from specjax.train.objectives import Frozen
 from specjax.train.objectives.ttt import draft_outputs
 from tests.test_speculative_greedy import CFG, TP, V, models, prompts
@@ -262,7 +262,7 @@ def test_hybrid_with_gate_zero_is_eagle3():
     cfg = LoopConfig(max_length=TP + 12, prompt_width=TP)
     g, p = nnx.split(target)
     budgets = jnp.full((4,), 12, jnp.int32)
-    from specjax.generate import speculative_loop
+    from specjax.decoding.generate import speculative_loop
 
     outs = []
     for dcfg, net in ((e_cfg, e_net), (h_cfg, hybrid)):

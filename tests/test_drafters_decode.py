@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.decoding.generate import LoopConfig, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
-from specjax.generate import LoopConfig, speculative_loop
 from tests.test_speculative_greedy import (
     BUDGETS,
     PROMPT_LENS,
@@ -75,11 +75,11 @@ def test_bf16_drafter_matmuls_stay_lossless(kind, context):
 
 @pytest.mark.parametrize("rows_", [1, 2, 7])
 def test_linear_bf16_against_float64(rows_):
-    """specjax.matmul.linear with bf16 weights: bf16-rounded inputs, f32 accumulation; checked
+    """specjax.models.matmul.linear with bf16 weights: bf16-rounded inputs, f32 accumulation; checked
     against float64 numpy on the same rounded values (the padded one-row path too)."""
     import ml_dtypes
 
-    from specjax.matmul import linear
+    from specjax.models.matmul import linear
 
     rng = np.random.RandomState(rows_)
     x = rng.standard_normal((rows_, 1, 96)).astype(np.float32)
@@ -105,7 +105,7 @@ def trained(kind, context, G=3, steps=250):
     train and that acceptance in the loop follows, not generalisation)."""
     import optax
 
-    from specjax.generate import autoregressive_loop
+    from specjax.decoding.generate import autoregressive_loop
     from specjax.train.objectives import Frozen, summarize
     from specjax.train.objectives.block import block_loss
     from specjax.train.objectives.ttt import ttt_loss
@@ -189,10 +189,10 @@ def test_trained_drafter_is_accepted_and_stops_at_eos_inside_a_block(kind, conte
                                           ("block", "both")])
 def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
     """Prompts prefilled in pieces of (4, 2, 1) (two whole chunks of the 9-wide prompts,
-    then a piece of 1) and the target attending to its cache 8 slots at a time (specjax.attention): the greedy
+    then a piece of 1) and the target attending to its cache 8 slots at a time (specjax.models.attention): the greedy
     output is still autoregressive decoding's, for AR and for drafters that read the
     prefill's hidden states or the target cache."""
-    from specjax.generate import autoregressive_loop
+    from specjax.decoding.generate import autoregressive_loop
 
     target, _ = models()
     chunked = nnx.merge(*nnx.split(target))
@@ -220,7 +220,7 @@ def test_chunked_drafter_init_equals_one_pass(kind, sizes, end):
     and 3 write nothing; in pieces of (4, 2, 1), chunk 0 and a piece of 2 for entries 4
     and 5 run. Slots from `end` on stay empty; h_last and the entries 0..lengths-2 equal
     the one-pass init's."""
-    from specjax.generate import _prefill
+    from specjax.decoding.generate import _prefill
 
     target, _ = models()
     dcfg, net = drafter_net(kind, None)

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from test_distribution import BATCH, LEVEL, N_NEW, PAD, PLAIN, PROMPT, PROMPT_WIDTH, _exact, _models
 
+from specjax.decoding.generate import LoopConfig, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
-from specjax.generate import LoopConfig, speculative_loop
 
 
 @functools.cache

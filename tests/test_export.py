@@ -11,8 +11,8 @@ import json
 import pytest
 
 from specjax import export
-from specjax.config import ModelConfig
 from specjax.drafters.config import DrafterConfig
+from specjax.models.config import ModelConfig
 from specjax.testing import hf_configs
 
 

@@ -17,11 +17,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import decode
+from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.external import detect_layout, load_external
 from specjax.errors import SpecjaxError
-from specjax.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
-from specjax.sampling import SamplingParams
 from specjax.testing.models import peaked_model
 from tests.test_speculative_greedy import BUDGETS, CFG, PROMPT_LENS, TP, prompts, rows
 
@@ -40,7 +40,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    from specjax.checkpoint import save_model
+    from specjax.models.checkpoint import save_model
 
     d = tmp_path_factory.mktemp("target") / "target"
     save_model(target(), str(d))

@@ -93,8 +93,8 @@ prompt_lines = st.one_of(
 @pytest.fixture(scope="module")
 def demo_tokenizer():
     """The demo's tokenizer, loaded as decode.py loads it (V = 8192)."""
-    from specjax.checkpoint import load_tokenizer
-    from specjax.config import ModelConfig
+    from specjax.models.checkpoint import load_tokenizer
+    from specjax.models.config import ModelConfig
 
     tok = load_tokenizer(DEMO_TARGET)
     assert tok is not None
@@ -137,8 +137,8 @@ def test_prompt_flag(demo_tokenizer, text):
 
 @pytest.fixture(scope="module")
 def hf_config(tmp_path_factory):
-    from specjax.checkpoint import save_model
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config
 
     d = tmp_path_factory.mktemp("hf")
@@ -157,7 +157,7 @@ def hf_config(tmp_path_factory):
     drop=st.lists(st.sampled_from(["hidden_size", "vocab_size", "model_type",
                                    "num_hidden_layers"]), max_size=2))
 def test_hf_config_loader(hf_config, edits, drop):
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     raw = dict(hf_config, **edits)
     for k in drop:
@@ -171,7 +171,7 @@ def test_hf_config_loader(hf_config, edits, drop):
 @FAST
 @given(ops=byte_ops)
 def test_hf_config_loader_on_damaged_bytes(hf_config, ops):
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     data = mutate_bytes(json.dumps(hf_config).encode(), ops)
     with tempfile.TemporaryDirectory() as d:
@@ -235,10 +235,10 @@ def drafter_dir(tmp_path_factory):
     import jax.numpy as jnp
     from flax import nnx
 
-    from specjax.checkpoint import save_model
     from specjax.drafters import DrafterConfig, build_network
     from specjax.drafters.io import save_drafter
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config
 
     d = tmp_path_factory.mktemp("drafter")

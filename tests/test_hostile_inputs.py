@@ -1,7 +1,7 @@
 """Hostile input to decode.py and the weight loaders (issue 27): each case is ONE line on
 stderr, exit code 2, no traceback, and no output file left behind; the output files are
 written all or none (specjax.fileio.atomic_write_all); NaN or Inf weights are refused by
-tensor name (specjax.checkpoint.check_finite)."""
+tensor name (specjax.models.checkpoint.check_finite)."""
 
 from __future__ import annotations
 
@@ -79,12 +79,12 @@ def test_prompt_flag_with_lone_surrogates(tiny_demo, tmp_path, capsys, prompt):
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Fails the test if decode.py reads any weights."""
-    import specjax.checkpoint
+    import specjax.models.checkpoint
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the flags were checked")
 
-    monkeypatch.setattr(specjax.checkpoint, "load_model", refuse)
+    monkeypatch.setattr(specjax.models.checkpoint, "load_model", refuse)
 
 
 @pytest.mark.parametrize("flag", ["--output", "--summary"])
@@ -146,7 +146,7 @@ def test_zero_or_negative_counts(tiny_demo, tmp_path, capsys, no_model_loads, fl
 # ----------------------------------------------------------------------------- weights
 
 def test_check_finite():
-    import specjax.checkpoint as ckpt
+    import specjax.models.checkpoint as ckpt
 
     ckpt.check_finite("w", np.ones((4, 3), np.float32), "f")
     ckpt.check_finite("ids", np.arange(10, dtype=np.int64), "f")
@@ -187,7 +187,7 @@ def test_target_with_nan_or_inf_is_refused(tiny_demo, tmp_path, capsys, value, d
     if dtype == "float32":
         shutil.copytree(tiny_demo / "target", target)
     else:
-        from specjax.checkpoint import load_model, load_tokenizer, parse_dtype, save_model
+        from specjax.models.checkpoint import load_model, load_tokenizer, parse_dtype, save_model
 
         src = str(tiny_demo / "target")
         save_model(load_model(src), str(target), dtype=parse_dtype(dtype),
@@ -235,8 +235,8 @@ V, D, N, K, H, F, L = 48, 32, 4, 2, 16, 40, 4
 
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
-    from specjax.checkpoint import save_model
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config
 
     d = tmp_path_factory.mktemp("small") / "target"

@@ -1,5 +1,5 @@
 """Hostile output paths for the other scripts that write files (issue 27):
-`python -m specjax.regenerate --out` and `python -m specjax.prompts OUT` refuse a path of
+`python -m specjax.regenerate --out` and `python -m specjax.decoding.prompts OUT` refuse a path of
 the wrong kind with one line and exit code 2, before any work, and a refused call
 creates nothing."""
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from specjax import prompts as prompts_cli
-from specjax import regenerate as rg
+from specjax.data import regenerate as rg
+from specjax.decoding import prompts as prompts_cli
 
 
 def one_line(capsys, needle):

@@ -87,7 +87,7 @@ def test_redone_study_configs_are_on_equal_terms():
     supervised = {n: (c.drafter.num_anchors if c.objective == "block"
                       else c.drafter.ttt_positions) for n, c in cfgs.items()}
     assert set(supervised.values()) == {64}, supervised
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     target = ModelConfig.from_dir(os.path.join(ROOT, "checkpoints", "demo", "target"))
     depths = set()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.model import decoding_params
+from specjax.models.model import decoding_params
 from specjax.testing.models import peaked_model
 from specjax.testing.tiny import tiny_config
 

@@ -1,5 +1,5 @@
 """Decoding is a library call: `specjax.load_target`, `specjax.load_drafter` and
-`specjax.read_prompts` with `specjax.engine.Engine` give decode.py's tokens, change
+`specjax.read_prompts` with `specjax.decoding.engine.Engine` give decode.py's tokens, change
 none of their arguments, and no library, benchmark or notebook module imports decode.py.
 """
 
@@ -15,8 +15,8 @@ import pytest
 
 import decode
 import specjax
-from specjax.engine import Engine, prompt_width_for
-from specjax.sampling import SamplingParams
+from specjax.decoding.engine import Engine, prompt_width_for
+from specjax.decoding.sampling import SamplingParams
 from specjax.testing.tiny import save_random_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -43,13 +43,13 @@ from flax import nnx, struct
 from safetensors.numpy import save_file
 from test_distribution import BIASED
 
+from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.sampling import SamplingParams
+from specjax.decoding.verify import Verdict, verify_block, verify_token
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.draft_lm import DraftLMDrafter
 from specjax.drafters.external import load_external
 from specjax.drafters.ngram import NgramDrafter
-from specjax.generate import LoopConfig, speculative_loop
-from specjax.sampling import SamplingParams
-from specjax.verify import Verdict, verify_block, verify_token
 
 V = du.V
 CFG2 = dataclasses.replace(du.CFG, num_layers=2)  # D 16, N 2, K 1, H 8, F 32

@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 from _hf_utils import random_hf_model  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax.checkpoint import load_model  # noqa: E402
-from specjax.layers import rms_norm  # noqa: E402
+from specjax.models.checkpoint import load_model  # noqa: E402
+from specjax.models.layers import rms_norm  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128

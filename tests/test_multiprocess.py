@@ -42,8 +42,8 @@ def setup(tmp_path_factory):
     300-token BPE, and a random tiny Qwen3 target (V 320) saved with that tokenizer."""
     from flax import nnx
 
-    from specjax.checkpoint import save_model
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config, write_token_corpus
 
     d = tmp_path_factory.mktemp("mp_data")

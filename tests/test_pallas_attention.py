@@ -7,7 +7,7 @@
   (1,1), (4,1), (8,4), (8,8); H 64 and 128; T 1, 8 and 17; causal and block; f32 and
   bf16. Cache slots past each row's length hold NaN, so any read into the result shows.
 - The reference and kernel match an independent float64 numpy loop, and causal mode
-  matches specjax.model's attention (new K/V written into the cache, slot <= position).
+  matches specjax.models.model's attention (new K/V written into the cache, slot <= position).
 - The TPU kernel computes only the tiles below each row's length (tile counter, index map).
 - Given the whole layer-major cache [L, B, K, S, H] and a layer (static or traced), both
   layouts read that layer in place and equal the reference on cache[layer]; the other
@@ -128,7 +128,7 @@ def test_float64_numpy(mode):
 
 
 def test_causal_matches_specjax_cache_attention():
-    """Causal mode equals what specjax.model does today: write the T new K/V into the
+    """Causal mode equals what specjax.models.model does today: write the T new K/V into the
     cache at slots lengths[b] + t, then attend over slots <= each query's position."""
     B, T, N, K, S, H = 2, 4, 4, 2, 48, 64
     lengths = np.array([0, 37], np.int32)

@@ -4,7 +4,7 @@
   NaN-poisoned padding, and the GPU row layout) and the jnp reference return identical
   (tau, next) for the same key, on V not a multiple of the tile, G = 1, bf16 and f32.
 - The rule itself is checked against independent references: greedy against
-  `specjax.verify`, the sampled rules' law of (tau, next) against float64 enumeration
+  `specjax.decoding.verify`, the sampled rules' law of (tau, next) against float64 enumeration
   (tests/_dist_utils.exact_verdict), and through the real speculative loop against the
   target's exact distribution.
 - Both layouts lower for TPU (Mosaic) and GPU (Triton) at Qwen3's vocabulary.
@@ -22,8 +22,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.verify import pick_tile, verify_logits
+from specjax.decoding.verify import verify_greedy
 from specjax.export import export_for
-from specjax.verify import verify_greedy
 
 # The TPU interpreter: out-of-bounds reads raise, uninitialised memory (the padding of a
 # partial last tile) reads as NaN, so a lane past V that leaked into a result would show.
@@ -88,7 +88,7 @@ def test_kernels_equal_reference(rule, mode, B, G, V, tile, dtype):
 
 
 def test_greedy_matches_specjax_verify():
-    """Greedy is deterministic: against specjax.verify on probabilities, with ties."""
+    """Greedy is deterministic: against specjax.decoding.verify on probabilities, with ties."""
     B, G, V = 16, 5, 700
     rng = np.random.default_rng(3)
     tl = np.round(rng.normal(size=(B, G + 1, V)), 1)  # rounding makes ties likely

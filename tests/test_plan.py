@@ -48,8 +48,8 @@ def test_param_bytes_match_jax_sharding(sizes, kv_heads):
 
 
 def test_one_device_figures_are_the_real_allocations():
-    from specjax.kv_cache import KVCache
-    from specjax.model import Transformer
+    from specjax.models.kv_cache import KVCache
+    from specjax.models.model import Transformer
 
     cfg = tiny_config(320, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                       head_dim=16, intermediate_size=96)
@@ -66,7 +66,7 @@ def test_one_device_figures_are_the_real_allocations():
 
 
 def test_qwen3_8b_on_8_devices(tmp_path):
-    from specjax.config import ModelConfig
+    from specjax.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(hf_configs.write("Qwen3-8B", str(tmp_path)))
     assert abs(cfg.num_params - 8.19e9) < 0.01e9  # the published size

@@ -1,7 +1,7 @@
 """Demo prompts come from validation files only, deterministically, and end at a def."""
 
-from specjax.data import split_of
-from specjax.prompts import held_out_prompts
+from specjax.data.corpus import split_of
+from specjax.decoding.prompts import held_out_prompts
 
 
 def test_prompts_are_held_out_and_deterministic():

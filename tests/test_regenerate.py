@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import regenerate as rg
-from specjax.data import split_of
-from specjax.prompts import held_out_prompts
+from specjax.data import regenerate as rg
+from specjax.data.corpus import split_of
+from specjax.decoding.prompts import held_out_prompts
 
 
 def test_training_prompts_come_from_training_files_only():
@@ -20,7 +20,7 @@ def test_training_prompts_come_from_training_files_only():
     assert len({p["id"] for p in a}) == len(a) > 1000
     assert all(split_of(p["source"]) == "train" for p in a)
     assert all(0 < len(p["prompt"]) <= 800 for p in a)
-    # A docstring longer than the cap trims its own def line away (as in specjax.prompts).
+    # A docstring longer than the cap trims its own def line away (as in specjax.decoding.prompts).
     assert sum("def " in p["prompt"] for p in a) > 0.95 * len(a)
     bundled = {p["source"] for p in held_out_prompts(50)}
     assert not bundled & {p["source"] for p in a}
@@ -31,7 +31,7 @@ def test_training_prompts_come_from_training_files_only():
 
 def _greedy_reference(target_dir, prompt_ids, n, eos):
     """Cache-free full forwards, argmax of the last position: no KV cache, no engine."""
-    from specjax.checkpoint import load_model
+    from specjax.models.checkpoint import load_model
 
     model = load_model(target_dir, dtype=jnp.float32)
     ids, out = list(prompt_ids), []
@@ -80,7 +80,7 @@ def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
     assert m2["splits"] == m["splits"]
 
     # Nothing left to do: no model is loaded at all.
-    monkeypatch.setattr("specjax.checkpoint.load_model", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("specjax.models.checkpoint.load_model", lambda *a, **k: 1 / 0)
     rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
                   val_fraction=0.5)
 

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from benchmarks import soak
+from specjax.decoding.engine import Engine
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
-from specjax.model import Transformer
+from specjax.models.model import Transformer
 from specjax.testing.tiny import tiny_config
 
 V = 64

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.config import ModelConfig
+from specjax.decoding.engine import Engine
+from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters.draft_lm import DraftLMDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
-from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
-from specjax.sampling import SamplingParams
+from specjax.models.config import ModelConfig
 from specjax.testing.models import noisy_copy, peaked_model
 
 V = 48
@@ -147,7 +147,7 @@ def test_autoregressive_matches_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
 
-    from specjax.checkpoint import save_model
+    from specjax.models.checkpoint import save_model
 
     target, _ = models()
     save_model(target, str(tmp_path / "t"))

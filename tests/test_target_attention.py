@@ -1,6 +1,6 @@
 """The target's attention into its KV cache through pallas_kernels.attention
 (`LoopConfig(kernels="pallas")`, interpret mode on CPU) against the chunked jnp path
-(`specjax.attention.cache_attention`, what "reference" and "off" run).
+(`specjax.models.attention.cache_attention`, what "reference" and "off" run).
 
 - One forward: decode (T = 1) and verify (T = 5) logits agree within f32 rounding with
   both layer loops (scan: a traced layer index; unroll: a static one) and both kernel
@@ -35,12 +35,12 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.attention import decode_attention
+from specjax.decoding.engine import Engine
+from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.engine import Engine
-from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
-from specjax.model import decoding_params
-from specjax.sampling import SamplingParams
+from specjax.models.model import decoding_params
 from tests.test_speculative_greedy import TP, V, models, prompts, rows
 
 BUDGETS = [10, 6, 0, 8]  # a padding row (budget 0) included

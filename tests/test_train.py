@@ -264,7 +264,7 @@ def test_export_loads_in_transformers(corpus, tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
 
-    from specjax.checkpoint import load_model
+    from specjax.models.checkpoint import load_model
 
     cfg = tiny_cfg(corpus, tmp_path / "run", (2, 1, 2),
                    f"data.tokenizer_dir={corpus['tokenizer']}")

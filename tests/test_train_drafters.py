@@ -2,7 +2,7 @@
 mesh parity, bit-exact resume, SIGTERM, best-tau export and its loader, bad input.
 
 All runs use configs/test_tiny_drafter.yaml (B 8, T 16, G 3) against a random tiny Qwen3
-target (D 32, L 4, N 4, K 2, H 8, V 320) saved with `specjax.checkpoint.save_model`, on a
+target (D 32, L 4, N 4, K 2, H 8, V 320) saved with `specjax.models.checkpoint.save_model`, on a
 token stream of a few standard-library files under a 300-token BPE, on 8 simulated CPU
 devices (tests/conftest.py).
 """
@@ -41,8 +41,8 @@ def setup(tmp_path_factory):
     tokenizer, and one whose vocabulary (256) is smaller than the tokenizer's."""
     from flax import nnx
 
-    from specjax.checkpoint import save_model
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config, write_token_corpus
 
     d = tmp_path_factory.mktemp("drafter_data")
@@ -368,8 +368,8 @@ def _cli(args, capsys):
         "missing-target", "target-vocab-lt-tokenizer", "stream-outside-target-vocab",
         "other-tokenizer"])
 def test_bad_input_exits_2_with_one_line(setup, tmp_path, capsys, extra, needle):
+    from specjax.models.tokenizer import train_bpe
     from specjax.testing.tiny import stdlib_texts
-    from specjax.tokenizer import train_bpe
 
     if any("{other_tok}" in x for x in extra):
         train_bpe(stdlib_texts(3), 300).save_pretrained(str(tmp_path / "other_tok"))

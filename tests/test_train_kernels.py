@@ -42,7 +42,7 @@ def _cfg(setup, run_dir, kind, kernels, mesh=(1, 1, 1)):  # noqa: F811
 @pytest.fixture
 def spy(monkeypatch):
     """Traced calls of packed_attention (the kernel path): "target" (from the frozen
-    target's forward in specjax/model.py) or "drafter"."""
+    target's forward in specjax/models/model.py) or "drafter"."""
     import pallas_kernels.attention as attention
 
     calls = []
@@ -112,8 +112,8 @@ def test_train_step_lowers_with_kernels(setup, tmp_path, platform, backend, kind
     with head_dim 16 (Triton's dots need 16 at least)."""
     from flax import nnx
 
-    from specjax.checkpoint import load_tokenizer, save_model
-    from specjax.model import Transformer
+    from specjax.models.checkpoint import load_tokenizer, save_model
+    from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config
 
     target = Transformer(tiny_config(320, hidden_size=64, num_layers=4, num_heads=4,

@@ -1,13 +1,13 @@
 """Few-query attention into a long KV cache (flash decoding), Pallas kernel + jnp reference.
 
 `decode_attention` attends T new query tokens (T small: a verify block or a draft
-block) over one layer of specjax's layer-major cache (`specjax.kv_cache.KVCache.k[l]`,
+block) over one layer of specjax's layer-major cache (`specjax.models.kv_cache.KVCache.k[l]`,
 [B, K, S, H], valid slots 0..lengths[b]-1; or the whole [L, B, K, S, H] cache plus a
 `layer` index, read in place) plus the T tokens' own keys and values, which are NOT
 read from the cache (slots >= lengths[b] are never read, so a caller may already have
 written them there). Two masks over the new tokens: "causal" (query t sees new tokens
 0..t: verification, autoregressive decoding) and "block" (every query sees all T new
-tokens: bidirectional block drafters). `specjax.model.Transformer` calls it (causal,
+tokens: bidirectional block drafters). `specjax.models.model.Transformer` calls it (causal,
 layer-major) for its decode and verify forwards when `LoopConfig.kernels` is "pallas".
 
 `impl="pallas"` runs `kernel.py` (TPU: Mosaic with scalar-prefetched lengths and tile
@@ -104,7 +104,7 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
         dots run in the cache's dtype pairing as given, accumulating in f32). Slots
         0..lengths[b]-1 are valid; slots at or past lengths[b] are never read into the
         result (they may hold anything, NaN included). Or, with `layer`, the whole
-        layer-major cache [L, B, K, S, H] (`specjax.kv_cache.KVCache.k`).
+        layer-major cache [L, B, K, S, H] (`specjax.models.kv_cache.KVCache.k`).
       lengths: i32[B] valid cache length per row; 0 allowed; values are clipped to 0..S.
       k_new, v_new: [B, T, K, H] keys/values of the T query tokens themselves.
       mode: "causal": query t sees cache slots < lengths[b] and new tokens 0..t;

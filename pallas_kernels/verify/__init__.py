@@ -3,7 +3,7 @@
 `verify_logits` applies the rules of docs/design.md section 4 (greedy; Leviathan et al. 2023
 token-level rejection sampling; Sun et al. 2024, arXiv 2403.10444, Algorithm 2 block
 verification) to target LOGITS, without materialising the [B, G+1, V] probabilities that
-`specjax.verify` takes. Two passes over the vocabulary, in tiles:
+`specjax.decoding.verify` takes. Two passes over the vocabulary, in tiles:
 
 1. stats: per position the target's max and sum-exp of logits / T (greedy: its argmax);
    the draft's too when it comes as logits.
@@ -22,7 +22,7 @@ draft array at all.
 CPU), `impl="reference"` as jnp (`reference.py`); both compute the same tile functions
 (`tiles.py`) in the same order with the same randomness, so they return identical
 results for the same key. Top-k / top-p are not fused: callers filter with
-`specjax.verify` instead (specjax.generate does, with one log line).
+`specjax.decoding.verify` instead (specjax.decoding.generate does, with one log line).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError
-from specjax.sampling import SamplingParams
 
 
 def network_class(kind: str):
@@ -36,11 +36,11 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
                  draft_vocab=None, stop_below: float = 0.0):
     """(drafter, params) for `speculative_loop`: the loop adapter of `net`'s kind, and
     params {"net": net's state, "embed", "head", "inv_freq"} taken from `target` (a
-    `specjax.model.Transformer`; its arrays are shared, not copied).
+    `specjax.models.model.Transformer`; its arrays are shared, not copied).
 
     matmul_dtype: None (the net's own dtype) or jnp.bfloat16: the drafter's matrices
       (every parameter of rank >= 2) and a copy of the LM head are cast to it, and its
-      matmuls take bf16 inputs with f32 accumulation (`specjax.matmul.linear`); activations,
+      matmuls take bf16 inputs with f32 accumulation (`specjax.models.matmul.linear`); activations,
       norms, attention and caches keep the net's dtype. The target is untouched, so
       verification, and with it losslessness, does not depend on this choice; only the
       draft distributions q change (slightly) and with them the acceptance.

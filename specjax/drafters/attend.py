@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import DEFAULT_CHUNK, cache_attention_stats
-from specjax.kernel_policy import AttentionKernel
+from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.models.attention import DEFAULT_CHUNK, cache_attention_stats
 
 NEG = -1e30
 
@@ -24,7 +24,7 @@ NEG = -1e30
 class Limit(NamedTuple):
     """A source mask given by position: slot s is visible to query t of row b iff
     s <= pos[b, t] (pos i32[B,T]). Long sources given this way are read in chunks up to
-    the largest visible slot (`specjax.attention`), so their cost follows the context;
+    the largest visible slot (`specjax.models.attention`), so their cost follows the context;
     with a `kernel` they go through it instead."""
 
     pos: jax.Array
@@ -58,7 +58,7 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = (),
         s < limit[b, t] and lse is the log-sum-exp of its scores (-inf when it sees
         nothing), such as `pallas_kernels.attention.packed_attention`: it computes every
         `Limit` source, and the other sources are merged with it by log-sum-exp. The
-        caller's static configuration picks it (`specjax.kernel_policy`), so a jit cache
+        caller's static configuration picks it (`specjax.decoding.kernel_policy`), so a jit cache
         entry never mixes the two paths.
     Returns: [B,T,N*H] in q's dtype. Scores and softmax in f32. A query with no visible
       key at all returns zeros (or, on the one-softmax path, the mean of the values it

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import jax
 from flax import struct
 
-from specjax.kv_cache import KVCache
-from specjax.sampling import SamplingParams
+from specjax.decoding.sampling import SamplingParams
+from specjax.models.kv_cache import KVCache
 
 
 @struct.dataclass

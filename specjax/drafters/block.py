@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import layers
+from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.decoding.sampling import sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Blocks, Limit, attend
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -33,10 +34,9 @@ from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_from_target, memory_update, merge_init, scatter_positions
 from specjax.drafters.weights import layer_out, layer_params, layer_qkv, layer_weights, normal, ones
 from specjax.errors import SpecjaxError
-from specjax.kernel_policy import AttentionKernel
-from specjax.kv_cache import KVCache
-from specjax.matmul import linear
-from specjax.sampling import sample_logits
+from specjax.models import layers
+from specjax.models.kv_cache import KVCache
+from specjax.models.matmul import linear
 
 
 class BlockNet(nnx.Module):
@@ -99,7 +99,7 @@ class BlockNet(nnx.Module):
         Args:
           contexts: context sources (k, v) [Ld,B,K,T,H] at positions 0..T-1.
           anchors: i32[B,A] anchor positions; tokens: i32[B,T].
-          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
+          kernel: the attention kernel of `attend` (`specjax.decoding.kernel_policy`; None: jnp).
         Returns: outputs [B,A,G+1,D] (pre-norm); block position k >= 1 predicts the
           token at anchor + k.
         """

@@ -14,8 +14,8 @@ import dataclasses
 import json
 import os
 
-from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
+from specjax.models.config import ModelConfig
 
 CONTEXTS = ("hidden", "kv", "both")
 CONFIG_NAME = "config.json"

@@ -41,10 +41,10 @@ import ml_dtypes
 import numpy as np
 
 from specjax import cli
-from specjax.config import ModelConfig
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
 from specjax.errors import SpecjaxError
+from specjax.models.config import ModelConfig
 
 
 def _rope_json(target: ModelConfig) -> dict | None:

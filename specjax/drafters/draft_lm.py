@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.decoding.sampling import SamplingParams, sample_logits
 from specjax.errors import SpecjaxError
-from specjax.model import decoding_params
-from specjax.sampling import SamplingParams, sample_logits
+from specjax.models.model import decoding_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import layers
+from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.decoding.sampling import sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
@@ -33,11 +34,10 @@ from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_update, ttt_memory
 from specjax.drafters.weights import layer_params, layer_weights, normal, ones
 from specjax.errors import SpecjaxError
-from specjax.kernel_policy import AttentionKernel
-from specjax.kv_cache import KVCache
-from specjax.matmul import linear
-from specjax.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
-from specjax.sampling import sample_logits
+from specjax.models import layers
+from specjax.models.kv_cache import KVCache
+from specjax.models.matmul import linear
+from specjax.models.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 
 
 class Eagle3(nnx.Module):
@@ -94,7 +94,7 @@ class Eagle3(nnx.Module):
           embed: [V,D]; inv_freq: f32[H/2].
           anchors: i32[B,P] positions whose chains are unrolled (None: all T). Steps
             k >= 1 cost P instead of T positions.
-          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
+          kernel: the attention kernel of `attend` (`specjax.decoding.kernel_policy`; None: jnp).
         Returns: (outputs [steps,B,P,D] pre-norm, gates [steps,B,P,D] or None); step k
           at anchor t predicts token t+k+2 (the target's distribution at t+k+1).
         """
@@ -178,8 +178,8 @@ class Eagle3Drafter(LearnedDrafter):
 
         A prompt width T above sizes[0], sizes = `view.prefill_sizes` (the loop's
         `LoopConfig.prefill_sizes()`; if empty, the backend's default
-        `specjax.prefill.prefill_pieces()`), is processed in the pieces of
-        `specjax.prefill.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
+        `specjax.models.prefill.prefill_pieces()`), is processed in the pieces of
+        `specjax.models.prefill.scan_prompt_pieces`, as the target's prefill is: whole chunks in a
         `lax.scan`, each writing its entries before the next attends to them, then the
         rest as one piece of the smallest size that covers it; pieces past every row's
         last entry are skipped, so a short prompt padded to a wide T pays for its own

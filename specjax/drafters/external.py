@@ -63,10 +63,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.config import ModelConfig
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError
 from specjax.fileio import read_config_json
+from specjax.models.config import ModelConfig
 
 EAGLE3, DFLASH = "eagle3-hf", "dflash"
 LAYOUTS = (EAGLE3, DFLASH)
@@ -150,7 +150,7 @@ def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors of `path` (numpy, stored dtype) and the file each came from.
     Raises SpecjaxError for unreadable files, a tensor present in two files, and NaN or
     Inf in a tensor (`checkpoint.check_finite`, naming it)."""
-    from specjax.checkpoint import check_finite, open_safetensors
+    from specjax.models.checkpoint import check_finite, open_safetensors
 
     out, where = {}, {}
     for file in safetensors_files(path):
@@ -496,7 +496,7 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
     """(drafter, params) for `speculative_loop` from an EAGLE-3 or DFlash directory.
 
     Args:
-      path: the directory; target: the `specjax.model.Transformer` it drafts for.
+      path: the directory; target: the `specjax.models.model.Transformer` it drafts for.
       gamma: G (None: the layout's, DFlash block_size - 1, EAGLE-3 7).
       sampling: SamplingParams (default greedy); dtype: the drafter's parameter dtype;
       matmul_dtype: as `drafters.make_drafter`.
@@ -509,8 +509,8 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
       the target vocabulary, q zero outside the hot set.
     Raises: SpecjaxError as `read_external`.
     """
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters import build_network, make_drafter
-    from specjax.sampling import SamplingParams
 
     ext = read_external(path, target.cfg)
     abstract = nnx.eval_shape(lambda: build_network(ext.dcfg, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import layers
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind, eagle3_capture
 from specjax.drafters.memory import merge_init
 from specjax.drafters.weights import normal, ones
-from specjax.matmul import linear
+from specjax.models import layers
+from specjax.models.matmul import linear
 
 
 class Hybrid(Eagle3):

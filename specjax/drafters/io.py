@@ -43,8 +43,8 @@ def target_record(target_dir: str) -> dict:
     decode.py compares to refuse a drafter trained against other weights).
 
     Raises: SpecjaxError if its config.json or weights are missing or unreadable."""
-    from specjax.checkpoint import fingerprint
-    from specjax.config import ModelConfig
+    from specjax.models.checkpoint import fingerprint
+    from specjax.models.config import ModelConfig
 
     cfg = ModelConfig.from_dir(target_dir)
     with open(os.path.join(target_dir, "config.json"), "rb") as f:
@@ -136,7 +136,7 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
       missing, unexpected or wrongly shaped tensor, or one with NaN or Inf values.
     """
     from specjax import drafters
-    from specjax.checkpoint import check_finite, open_safetensors
+    from specjax.models.checkpoint import check_finite, open_safetensors
 
     raw = read_config(path)
     target = raw.get("target") or {}

@@ -23,16 +23,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import layers
+from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.decoding.sampling import sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_update, merge_init, ttt_memory
 from specjax.drafters.weights import layer_out, layer_qkv, layer_weights, ones
-from specjax.kernel_policy import AttentionKernel
-from specjax.kv_cache import KVCache
-from specjax.sampling import sample_logits
+from specjax.models import layers
+from specjax.models.kv_cache import KVCache
 
 
 class KVOnly(nnx.Module):
@@ -60,7 +60,7 @@ class KVOnly(nnx.Module):
           tokens: i32[B,T+1] rows; step k at anchor t reads token t+k+1 (clipped past T).
           embed: [V,D] target embedding; inv_freq: f32[H/2].
           anchors: i32[B,P] anchors whose chains are unrolled (None: all T positions).
-          kernel: the attention kernel of `attend` (`specjax.kernel_policy`; None: jnp).
+          kernel: the attention kernel of `attend` (`specjax.decoding.kernel_policy`; None: jnp).
         Returns: (outputs [steps,B,P,D] pre-norm, None); step k at t predicts token t+k+2.
         """
         mk, mv = ttt_memory(self, self.cfg, kv, inv_freq)

@@ -8,10 +8,10 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.decoding.sampling import SamplingParams
 from specjax.drafters.config import DrafterConfig
-from specjax.kernel_policy import AttentionKernel
-from specjax.kv_cache import KVCache
-from specjax.sampling import SamplingParams
+from specjax.models.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class LearnedDrafter:
     # the remaining draft positions get a filler token with a one-hot q (0: draft all G).
     stop_below: float = 0.0
     # The attention kernel of every `attend` over a `Limit` source (None: the jnp path),
-    # fixed by the loop's or trainer's static configuration (`specjax.kernel_policy`).
+    # fixed by the loop's or trainer's static configuration (`specjax.decoding.kernel_policy`).
     attention: AttentionKernel | None = None
 
     @property

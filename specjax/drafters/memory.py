@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.config import DrafterConfig
-from specjax.layers import rope_cos_sin, rotate_half
-from specjax.matmul import linear
+from specjax.models.layers import rope_cos_sin, rotate_half
+from specjax.models.matmul import linear
 
 
 def merge_init(cfg: DrafterConfig, dtype) -> tuple[nnx.Param, nnx.Param]:

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SamplingParams
+from specjax.decoding.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,11 +46,11 @@ class DrafterKind:
         anchors=None, kernel=None) -> (outputs [steps,B,P,D], gates | None)` and
         `logits(out, head)` (docs/design.md 6); for "block", `contexts` /
         `blocks(..., kernel=None)` / `logits` (objectives/block.py). kernel: the
-        attention kernel its `attend` calls take (`specjax.kernel_policy`; None: jnp).
+        attention kernel its `attend` calls take (`specjax.decoding.kernel_policy`; None: jnp).
       adapter: the loop adapter class (`specjax.drafters.base.Drafter`), constructed as
         `adapter(graphdef, dcfg, gamma, sampling, stop_below)`; a learned adapter
         (`learned.LearnedDrafter`) also has an `attention` field, the kernel the loop
-        sets (`specjax.kernel_policy.with_drafter_attention`).
+        sets (`specjax.decoding.kernel_policy.with_drafter_attention`).
       objective: the training objective that trains it: "ttt" or "block".
       early_stop: whether its adapter honours `stop_below` (decode.py --draft-stop).
       settings: DrafterConfig fields only this kind uses, each with its allowed values

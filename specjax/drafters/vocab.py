@@ -85,9 +85,9 @@ def load_draft_vocab(drafter_dir: str, vocab_size: int) -> np.ndarray | None:
 
 
 def corpus_counts(tokenizer_dir: str, cache_dir: str, vocab_size: int) -> np.ndarray:
-    """i64[V] token counts of the training split (the stdlib corpus of specjax.data,
+    """i64[V] token counts of the training split (the stdlib corpus of specjax.data.corpus,
     tokenized with `tokenizer_dir`, cached in `cache_dir`)."""
-    from specjax.data import load_tokens, tokenize_corpus
+    from specjax.data.corpus import load_tokens, tokenize_corpus
 
     paths = tokenize_corpus(tokenizer_dir, cache_dir)
     return np.bincount(load_tokens(paths["train"]), minlength=vocab_size)[:vocab_size]

@@ -1,6 +1,6 @@
 """The learned drafters' weights: initialisers and the stacked weights of Ld decoder
 layers (HF [out, in] layout, the target's names, so the mesh rules shard them alike),
-with one layer's halves around its attention (`specjax.layers` computes them, as for the
+with one layer's halves around its attention (`specjax.models.layers` computes them, as for the
 target).
 """
 
@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import layers
 from specjax.drafters.config import DrafterConfig
+from specjax.models import layers
 
 
 def normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
@@ -54,7 +54,7 @@ def layer_params(module: nnx.Module, i: int) -> dict[str, jax.Array]:
 
 def layer_qkv(module, i: int, x, cos, sin):
     """Layer i of a module with `layer_weights` (input_norm included): q [B,T,N,H],
-    k, v [B,T,K,H] of x [B,T,D] (`specjax.layers.layer_qkv`)."""
+    k, v [B,T,K,H] of x [B,T,D] (`specjax.models.layers.layer_qkv`)."""
     c = module.cfg
     return layers.layer_qkv(layer_params(module, i), x, cos, sin, c.rms_norm_eps,
                             c.num_heads, c.num_kv_heads, c.head_dim)
@@ -62,5 +62,5 @@ def layer_qkv(module, i: int, x, cos, sin):
 
 def layer_out(module, i: int, x, attn):
     """Layer i's output: x + o_proj(attn [B,T,N*H]), then the MLP -> [B,T,D]
-    (`specjax.layers.layer_out`)."""
+    (`specjax.models.layers.layer_out`)."""
     return layers.layer_out(layer_params(module, i), x, attn, module.cfg.rms_norm_eps)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from specjax.config import ModelConfig
-from specjax.model import Transformer
+from specjax.models.config import ModelConfig
+from specjax.models.model import Transformer
 
 
 def peaked_model(cfg: ModelConfig, seed: int = 0, scale: float = 30.0) -> Transformer:

@@ -17,9 +17,9 @@ import sysconfig
 from flax import nnx
 
 from specjax import cli
-from specjax.checkpoint import save_model
-from specjax.config import ModelConfig
-from specjax.model import Transformer
+from specjax.models.checkpoint import save_model
+from specjax.models.config import ModelConfig
+from specjax.models.model import Transformer
 
 
 def tiny_config(vocab_size=512, family="qwen3", **overrides) -> ModelConfig:
@@ -51,7 +51,7 @@ def write_token_corpus(out_dir: str, num_files: int = 12, vocab_size: int = 300,
     `out_dir`/val.npy. Returns (tokenizer, {"tokens": path, "val": path})."""
     import numpy as np
 
-    from specjax.tokenizer import train_bpe
+    from specjax.models.tokenizer import train_bpe
 
     texts = stdlib_texts(num_files)
     tok = train_bpe(texts, vocab_size)
@@ -81,7 +81,7 @@ def save_random_drafter(target_dir: str, out_dir: str, kind: str = "eagle3",
 
 def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
     """Writes target/, draft/ and prompts.jsonl under `out_dir`."""
-    from specjax.tokenizer import train_bpe
+    from specjax.models.tokenizer import train_bpe
 
     texts = stdlib_texts()
     tok = train_bpe(texts, vocab_size)

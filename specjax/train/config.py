@@ -11,7 +11,7 @@ turns it into exit code 2.
 
     objective: lm            # lm (a language model), ttt or block (a drafter, docs/design.md 6)
     run_dir: runs/NAME       # checkpoints, metrics.jsonl, config.yaml, hf/ or drafter/
-    model:  specjax.config.ModelConfig fields (family, vocab_size, hidden_size, ...); lm only
+    model:  specjax.models.config.ModelConfig fields (family, vocab_size, hidden_size, ...); lm only
     target: DIR              # ttt / block: the frozen target's HF directory
     drafter: DrafterTrainConfig   # ttt / block: the drafter and its loss
     data:   DataConfig       # corpus: stdlib, or tokens_npy (+ tokenizer_dir)
@@ -30,9 +30,9 @@ import typing
 
 import yaml
 
-from specjax.config import ModelConfig
 from specjax.errors import SpecjaxError
 from specjax.mesh import MeshConfig  # noqa: F401  (part of the train config)
+from specjax.models.config import ModelConfig
 
 OBJECTIVES = ("lm", "ttt", "block")  # lm trains a Transformer; ttt and block a drafter
 DRAFTER_OBJECTIVES = ("ttt", "block")
@@ -67,7 +67,7 @@ class DataConfig:
         Point the target and the draft at the same one: they must share a tokenizer.
       val_fraction: share of corpus files held out for validation.
       seq_len: T, tokens per training row (each row holds T + 1 tokens).
-      seed: picks the order of rows in every epoch (specjax.packing.PackedStream).
+      seed: picks the order of rows in every epoch (specjax.data.packing.PackedStream).
     """
 
     corpus: str | None = None

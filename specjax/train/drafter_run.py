@@ -41,7 +41,7 @@ def load_target(cfg: TrainConfig, dtype):
     """The frozen target of a drafter run (a Transformer in `dtype`).
 
     Raises: SpecjaxError for a missing or unreadable target directory."""
-    from specjax.checkpoint import load_model
+    from specjax.models.checkpoint import load_model
 
     check_target_dir(cfg)
     return load_model(cfg.target_dir, dtype=dtype)
@@ -58,7 +58,7 @@ def check_target_dir(cfg: TrainConfig) -> None:
 def check_tokenizer(cfg: TrainConfig, data: RunData) -> None:
     """Raises SpecjaxError if the run's tokenizer is not the one the target directory ships
     (compared by vocabulary). Silent when either side has no tokenizer."""
-    from specjax.checkpoint import load_tokenizer
+    from specjax.models.checkpoint import load_tokenizer
 
     mine = data.tokenizer
     if mine is None or os.path.abspath(getattr(mine, "name_or_path", "") or "") == \
@@ -191,8 +191,8 @@ class DrafterRun:
         cfg = self.cfg
         if not cfg.export.enabled:
             return None
-        from specjax.checkpoint import parse_dtype
         from specjax.drafters.io import load_drafter
+        from specjax.models.checkpoint import parse_dtype
 
         dtype = parse_dtype(cfg.export.dtype)
         if self.best is not None:  # the same on every process: no collective inside

@@ -72,7 +72,7 @@ class DrafterTrainer(Trainer):
 
     Args:
       dcfg: the DrafterConfig of the network (`specjax.drafters.build_network`).
-      target: the frozen target, a `specjax.model.Transformer` in the training dtype
+      target: the frozen target, a `specjax.models.model.Transformer` in the training dtype
         (its arrays are copied into their shardings once).
       objective: "ttt" or "block"; opts: the DrafterTrainConfig (loss options).
       dtype, tx, schedule, mesh, seed, grad_accum, micro_batch, eval_batch, seq_len,
@@ -143,8 +143,8 @@ class DrafterTrainer(Trainer):
           parameter for or of another shape, or no tensor in common."""
         from safetensors import safe_open
 
-        from specjax.checkpoint import fingerprint
         from specjax.drafters.io import WEIGHTS_NAME, read_config
+        from specjax.models.checkpoint import fingerprint
 
         raw = read_config(path)
         recorded = (raw.get("target") or {}).get("weights_fingerprint")

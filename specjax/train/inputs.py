@@ -7,9 +7,9 @@
 Two sources (TrainConfig.data):
   corpus: stdlib    a byte-level BPE of model.vocab_size tokens is trained on the
                     train files (or `tokenizer_dir` is used), then the corpus is
-                    tokenized; both are cached under `cache_dir` (specjax.data).
+                    tokenized; both are cached under `cache_dir` (specjax.data.corpus).
   tokens_npy: PATH  a flat token stream (.npy, any integer dtype), or a list of them
-                    read as their concatenation (`specjax.packing.ConcatStream`), with an
+                    read as their concatenation (`specjax.data.packing.ConcatStream`), with an
                     optional `val_tokens_npy` and `tokenizer_dir` (tests, custom
                     corpora, regenerated data sets).
 With several processes, process 0 builds the caches first and the others follow.
@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
+from specjax.data.packing import ConcatStream, PackedStream
 from specjax.errors import SpecjaxError
-from specjax.packing import ConcatStream, PackedStream
 from specjax.train.config import TrainConfig
 
 
@@ -142,7 +142,7 @@ def _load_stream(path: str, key: str, vocab: _Vocab) -> np.ndarray:
 
 def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
     """(tokenizer_dir, {"train": npy, "val": npy}), building the caches when missing."""
-    from specjax import data as corpus
+    from specjax.data import corpus
 
     d = cfg.data
     root = d.corpus_root

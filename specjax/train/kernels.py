@@ -7,11 +7,11 @@ With "pallas" the attention of every training forward goes through
 `pallas_kernels.attention.packed_attention` (flash attention with a per-query limit,
 forward and backward as Pallas kernels, docs/design.md section 10):
 - the target's cache-free causal forward (objective lm, and the frozen target inside the
-  drafter objectives): `specjax.model.Transformer(..., self_attention=fn)`;
+  drafter objectives): `specjax.models.model.Transformer(..., self_attention=fn)`;
 - the drafters' attention over their context (TTT: step-0 keys at positions <= t and,
   for kv/hybrid, the merged target memory; block-wise: the context strictly before each
   block's anchor): the trainer passes fn explicitly to the objective, which hands it to
-  every `specjax.drafters.attend.attend` as `kernel` (`specjax.kernel_policy`); the block's own
+  every `specjax.drafters.attend.attend` as `kernel` (`specjax.decoding.kernel_policy`); the block's own
   entries and TTT's diagonal stay jnp (a few entries per query) and are merged with the
   kernel's output by log-sum-exp.
 No [T, S] scores are then kept for the backward pass, which is what TTT runs out of

@@ -116,7 +116,7 @@ def export(cfg: TrainConfig, trainer: Trainer, state: TrainState, tokenizer) -> 
     """Writes the HF directory (process 0); returns its path, or None if disabled."""
     if not cfg.export.enabled:
         return None
-    from specjax.checkpoint import parse_dtype, save_model
+    from specjax.models.checkpoint import parse_dtype, save_model
 
     params = _host_params(state)
     if jax.process_index() == 0:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from specjax.model import Transformer
+from specjax.models.model import Transformer
 from specjax.train import mesh as mesh_lib
 
 
@@ -123,9 +123,9 @@ class Trainer:
 
         Raises: SpecjaxError if the directory is unreadable or its model differs from
           the one being trained (another shape, family or vocabulary)."""
-        from specjax.checkpoint import load_model
-        from specjax.config import ModelConfig
         from specjax.errors import SpecjaxError
+        from specjax.models.checkpoint import load_model
+        from specjax.models.config import ModelConfig
 
         theirs = ModelConfig.from_dir(path)
         fields = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads",

@@ -18,7 +18,7 @@ class Frozen(NamedTuple):
 
     @classmethod
     def from_target(cls, target) -> Frozen:
-        """From a `specjax.model.Transformer` (arrays as they are)."""
+        """From a `specjax.models.model.Transformer` (arrays as they are)."""
         embed = target.embed[...]
         head = embed if target.lm_head is None else target.lm_head[...]
         return cls(embed, head, target.inv_freq[...])

@@ -31,7 +31,7 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
       net: BlockNet; tgt: the target's cache-free ForwardOutput on rows[:, :T] (hidden at
         net.cfg.capture, kv at net.cfg.kv_layers); rows: i32[B,T+1]; frozen:
         objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma);
-        kernel: the drafter's attention kernel (`specjax.kernel_policy`; None: jnp).
+        kernel: the drafter's attention kernel (`specjax.decoding.kernel_policy`; None: jnp).
     Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
       block positions 1..k+1 all equal the target's argmax.
     """

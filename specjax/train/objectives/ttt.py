@@ -18,7 +18,7 @@ def draft_outputs(net, tgt, rows, frozen, steps: int, anchors=None, kernel=None)
     """(outputs [steps,B,P,D], gates [steps,B,P,D] | None) of the TTT unroll at `anchors`
     i32[B,P] (None: every position, P = T): the network's `ttt`, one signature for every
     kind that trains with TTT (`registry.DrafterKind`). kernel: the drafter's attention
-    kernel (`specjax.kernel_policy`; None: the jnp path)."""
+    kernel (`specjax.decoding.kernel_policy`; None: the jnp path)."""
     return net.ttt(tgt.hidden, tgt.kv, rows, frozen.embed, frozen.inv_freq, steps, anchors,
                    kernel=kernel)
 
@@ -41,7 +41,7 @@ def ttt_loss(net, tgt, rows, frozen, key=None, *, steps: int, soft: bool = True,
       key, num_positions: unroll the chains of num_positions random anchors per row
         (drawn with `key`) instead of all T positions: the LM head, which dominates the
         cost, then runs on B*P instead of B*T rows per step.
-      kernel: the drafter's attention kernel (`specjax.kernel_policy`; None: jnp).
+      kernel: the drafter's attention kernel (`specjax.decoding.kernel_policy`; None: jnp).
     Returns: (loss f32[], stats) with stats as in objectives/__init__.py; a chain is an
       anchor t with all `steps` predictions inside the row (t + steps <= T-1).
     """

@@ -1,9 +1,9 @@
 """Held-out code-completion prompts for the demo: prefixes of VALIDATION files only.
 
-    python -m specjax.prompts checkpoints/demo/prompts.jsonl --n 50
+    python -m specjax.decoding.prompts checkpoints/demo/prompts.jsonl --n 50
 
 How a prompt is chosen (deterministic for a given standard library and seed):
-  1. Validation files (`specjax.data.split_of`) in sorted order, shuffled by `seed`.
+  1. Validation files (`specjax.data.corpus.split_of`) in sorted order, shuffled by `seed`.
   2. In each file, the top-level or method `def` lines whose function body is at least
      4 lines; one is picked at random (seeded).
   3. The prompt is the file's text from at most `context_lines` lines before that `def`
@@ -25,7 +25,7 @@ import re
 import sys
 
 from specjax import cli
-from specjax.data import corpus_files, read_source, split_of, stdlib_root
+from specjax.data.corpus import corpus_files, read_source, split_of, stdlib_root
 from specjax.errors import SpecjaxError
 from specjax.fileio import atomic_write
 
@@ -108,7 +108,7 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
       "input_ids", text with lone surrogates (not Unicode: a --prompt argument holding
       bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
       or a token id outside [0, vocab_size)."""
-    from specjax.loading import DEMO_PROMPTS
+    from specjax.decoding.loading import DEMO_PROMPTS
 
     def check_text(text, where, what="the prompt"):
         try:
@@ -182,7 +182,7 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
 
 
 def main(argv=None) -> int:
-    ap = cli.ArgumentParser(prog="python -m specjax.prompts",
+    ap = cli.ArgumentParser(prog="python -m specjax.decoding.prompts",
                             description="Write held-out code-completion prompts (JSONL).")
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=50)
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         except OSError as e:
             raise SpecjaxError(f"out {args.out} cannot be written ({e.strerror})") from None
     except SpecjaxError as e:
-        print(f"python -m specjax.prompts: error: {e}", file=sys.stderr)
+        print(f"python -m specjax.decoding.prompts: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {len(prompts)} prompts to {args.out}")
     return 0

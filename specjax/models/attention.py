@@ -1,6 +1,6 @@
 """Attention of a few new queries into a KV cache, at a cost that follows the context.
 
-The cache is static-shape (capacity S, `specjax.kv_cache`), but a row only ever needs
+The cache is static-shape (capacity S, `specjax.models.kv_cache`), but a row only ever needs
 its slots up to its current position. `cache_attention` reads the cache in chunks of
 `chunk` slots inside a `lax.fori_loop` whose trip count is the number of chunks holding
 any visible slot of any row (flash-decoding's online softmax over chunks: a running
@@ -39,7 +39,7 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
         scalar) naming the layer: chunks are then sliced from it in place (slicing the
         layer first would copy all S slots of it on XLA:CPU, every step).
       q_pos: i32[B, Q] the absolute position of each query row; it sees slots
-        0..q_pos (a causal mask by position, as `specjax.model` uses). Every q_pos must
+        0..q_pos (a causal mask by position, as `specjax.models.model` uses). Every q_pos must
         be >= 0 (slot 0 is visible to every query, so no row's softmax is empty).
       chunk: slots per chunk (> 0). S <= chunk: one unchunked pass.
       dot_dtype: dtype of the two attention dots (default: q's); scores, softmax and

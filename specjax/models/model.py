@@ -6,7 +6,7 @@ One code path serves prefill, single-token decoding and multi-token verification
 layout and every projection contracts the last axis (fast on XLA:CPU, docs/design.md 9).
 
 The layer's pieces (RMSNorm, RoPE, q/k/v with Qwen3's q/k norms, SwiGLU MLP) live in
-`specjax.layers`, shared with the drafters; this module adds the attention (GQA by one
+`specjax.models.layers`, shared with the drafters; this module adds the attention (GQA by one
 batched matmul per KV head, into the cache or cache-free) and the layer loop.
 """
 
@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.attention import DEFAULT_CHUNK, cache_attention
-from specjax.config import ModelConfig
-from specjax.kv_cache import KVCache
-from specjax.layers import layer_out, layer_qkv, logits, rope_cos_sin
+from specjax.models.attention import DEFAULT_CHUNK, cache_attention
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+from specjax.models.layers import layer_out, layer_qkv, logits, rope_cos_sin
 
 # Stacked per-layer weights: name -> shape as a function of the config (HF [out, in]).
 LAYER_SHAPES = {
@@ -148,7 +148,7 @@ class Transformer(nnx.Module):
       dtype: parameter and activation dtype (f32 on CPU, bf16 on TPU/GPU).
       rngs: initialisation randomness (normal, std 0.02; norms at 1).
       attention_chunk: cache slots per chunk of attention into the KV cache
-        (`specjax.attention.cache_attention`): decoding reads only the chunks that hold
+        (`specjax.models.attention.cache_attention`): decoding reads only the chunks that hold
         a visible slot, so its cost follows the context, not the cache capacity.
     """
 
@@ -214,12 +214,12 @@ class Transformer(nnx.Module):
             forward only: with a cache, read them from the cache). Training of KV-reuse
             drafters uses them.
           attention: how the queries attend into the cache (ignored without one). None:
-            `specjax.attention.cache_attention`, the chunked jnp path (any T: prefill,
+            `specjax.models.attention.cache_attention`, the chunked jnp path (any T: prefill,
             decode, verify). Or fn(q [B,T,N,H], k_cache, v_cache [L,B,K,S,H], layer,
             lengths i32[B], k_new, v_new [B,T,K,H]) -> [B,T,N,H], causal attention over
             each row's slots < lengths plus the T new tokens, with the layer read in
             place, such as `pallas_kernels.attention.decode_attention(mode="causal",
-            layer=...)` (`specjax.generate.LoopConfig.target_attention` builds it). It
+            layer=...)` (`specjax.decoding.generate.LoopConfig.target_attention` builds it). It
             gets lengths = positions[:, 0] (the slots before a row's first new token)
             and the new tokens' K/V separately; they are also written into the cache
             (for later forwards) before the call, but at slots >= lengths, which it does
@@ -295,7 +295,7 @@ class Transformer(nnx.Module):
         return carry
 
     def _layer(self, f: _Forward, carry: LayerCarry, w: dict) -> LayerCarry:
-        """One decoder layer (weights w, see `specjax.layers`) on carry.x [B,T,D]: writes
+        """One decoder layer (weights w, see `specjax.models.layers`) on carry.x [B,T,D]: writes
         its K/V into the cache (or captures them, cache-free) and records carry.x as the
         input of depth carry.layer when captured."""
         c = self.cfg

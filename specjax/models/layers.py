@@ -1,4 +1,4 @@
-"""The decoder layer's pieces, written once for the target (`specjax.model`) and the
+"""The decoder layer's pieces, written once for the target (`specjax.models.model`) and the
 learned drafters (`specjax.drafters`).
 
 A layer's weights are a dict w of one layer's arrays under the target's names (HF
@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.matmul import linear
+from specjax.models.matmul import linear
 
 
 def rms_norm(x, weight, eps):

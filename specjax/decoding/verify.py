@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
+from specjax.decoding.sampling import sample
 
 
 class Verdict(NamedTuple):

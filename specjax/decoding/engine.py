@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.kernel_policy import resolve_kernels
+from specjax.decoding.sampling import SamplingParams
 from specjax.errors import SpecjaxError
-from specjax.generate import LoopConfig, autoregressive_loop, speculative_loop
-from specjax.kernel_policy import resolve_kernels
-from specjax.model import decoding_params
-from specjax.sampling import SamplingParams
+from specjax.models.model import decoding_params
 
 
 def prompt_width_for(longest: int, max_length: int, multiple: int = 16) -> int:
@@ -106,9 +106,9 @@ class Engine:
       prompt_width: padded prompt width Tp (>= the longest prompt).
       batch_size: rows per compiled batch; short batches are padded with empty rows.
       eos_token_ids: ids that end a row (empty for --ignore-eos).
-      layer_loop: "auto", "scan" or "unroll" (see `specjax.model.decoding_params`).
-      kernels: verification path, see `specjax.kernel_policy.resolve_kernels`.
-      mesh: None (one device) or a (data, fsdp, model) mesh (`specjax.sharding.decode_mesh`):
+      layer_loop: "auto", "scan" or "unroll" (see `specjax.models.model.decoding_params`).
+      kernels: verification path, see `specjax.decoding.kernel_policy.resolve_kernels`.
+      mesh: None (one device) or a (data, fsdp, model) mesh (`specjax.decoding.sharding.decode_mesh`):
         the target's and the drafter's weights and the KV cache are sharded over `model`,
         rows over `data` x `fsdp` (`batch_size` must split evenly).
       prefill_chunk, prefill_min_chunk: the prefill's largest and smallest pieces (see
@@ -133,7 +133,7 @@ class Engine:
         self.mesh = mesh
         cache_sharding = None
         if mesh is not None:
-            from specjax import sharding
+            from specjax.decoding import sharding
 
             c = target.cfg
             sharding.check_batch(mesh, batch_size)
@@ -173,7 +173,7 @@ class Engine:
             budgets[b] = max_new_tokens
         if self.mesh is None:
             return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets)
-        from specjax.sharding import rows_sharding
+        from specjax.decoding.sharding import rows_sharding
 
         return tuple(jax.device_put(a, rows_sharding(self.mesh, a.shape))
                      for a in (tokens, lengths, budgets))

@@ -1,7 +1,7 @@
 """Loading a target and a drafter for decoding, as decode.py does, from plain arguments.
 
     from specjax import load_target, load_drafter, read_prompts
-    from specjax.engine import Engine
+    from specjax.decoding.engine import Engine
 
     target = load_target("checkpoints/demo/target")            # dtype "auto": f32 on CPU
     prompts = read_prompts(target.tokenizer, target.cfg.vocab_size, prompt="def f(x):")
@@ -21,7 +21,7 @@ import os
 from typing import Any, NamedTuple
 
 # The repository checkout: the bundled demo lives in its checkpoints/demo.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo")
 DEMO_TARGET = os.path.join(DEMO_DIR, "target")
 DEMO_PROMPTS = os.path.join(DEMO_DIR, "prompts.jsonl")
@@ -31,8 +31,8 @@ DEFAULT_GAMMA = 4  # n-gram and draft LM (learned drafters default to their trai
 
 
 class Target(NamedTuple):
-    """A loaded target: `model` (a `specjax.model.Transformer`), its `cfg`
-    (`specjax.config.ModelConfig`), its `tokenizer` (transformers' AutoTokenizer, or None
+    """A loaded target: `model` (a `specjax.models.model.Transformer`), its `cfg`
+    (`specjax.models.config.ModelConfig`), its `tokenizer` (transformers' AutoTokenizer, or None
     where the directory has no tokenizer files), the directory `path` and the parameter
     `dtype` (a jnp dtype) it was loaded with."""
 
@@ -44,7 +44,7 @@ class Target(NamedTuple):
 
 
 class LoadedDrafter(NamedTuple):
-    """What `load_drafter` resolved: `drafter` and `params` for `specjax.engine.Engine`
+    """What `load_drafter` resolved: `drafter` and `params` for `specjax.decoding.engine.Engine`
     (both None for "none"), `name` (the drafter argument, or the default drafter it
     chose: a directory or "ngram") and `gamma` (the G it uses: the given one, a learned
     drafter's trained G, else DEFAULT_GAMMA; None for "none")."""
@@ -98,14 +98,14 @@ def load_target(path: str = DEMO_TARGET, *, dtype="auto", matmul_dtype="auto", c
       dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU), "float32", "bfloat16" or a jnp
         dtype: the parameters' dtype.
       matmul_dtype: "auto" (= dtype), "float32", "bfloat16" or a jnp dtype / None: the
-        weight matrices' dtype (`specjax.checkpoint.load_model`).
+        weight matrices' dtype (`specjax.models.checkpoint.load_model`).
       cfg: its ModelConfig when the caller has already read config.json (else read here).
       tokenizer: "auto" loads the directory's tokenizer (None when it has none); any
         other value (a tokenizer already loaded, or None) is used as it is.
-    Raises: SpecjaxError as `specjax.checkpoint.load_model` and `load_tokenizer`.
+    Raises: SpecjaxError as `specjax.models.checkpoint.load_model` and `load_tokenizer`.
     """
-    from specjax.checkpoint import load_model, load_tokenizer
-    from specjax.config import ModelConfig
+    from specjax.models.checkpoint import load_model, load_tokenizer
+    from specjax.models.config import ModelConfig
 
     dtype = resolve_dtype(dtype)
     if cfg is None:
@@ -119,7 +119,7 @@ def load_target(path: str = DEMO_TARGET, *, dtype="auto", matmul_dtype="auto", c
 def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
                          draft_vocab="full", stop_below=0.0):
     """(drafter, params) from a drafter directory written by train.py, checked against the
-    target (a `specjax.model.Transformer` loaded from `target_dir`): same shapes, and
+    target (a `specjax.models.model.Transformer` loaded from `target_dir`): same shapes, and
     trained against these weights (the fingerprint recorded at export). draft_vocab:
     "auto" drafts over the directory's hot vocabulary (draft_vocab.json,
     `specjax.drafters.vocab`) when it has one, "full" over all ids. stop_below: early
@@ -127,10 +127,10 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
     Raises SpecjaxError naming both directories otherwise."""
     from flax import nnx
 
-    from specjax.checkpoint import fingerprint
     from specjax.drafters import build_network, make_drafter
     from specjax.drafters.io import load_drafter as read_drafter
     from specjax.errors import SpecjaxError
+    from specjax.models.checkpoint import fingerprint
 
     dcfg, params, record = read_drafter(path, dtype=dtype)
     trained_on = record.get("path", "an unrecorded target")
@@ -179,9 +179,9 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
       the target, or a draft_stop given to a drafter that cannot stop early.
     """
+    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
     from specjax.errors import SpecjaxError
-    from specjax.sampling import SamplingParams
 
     sampling = SamplingParams() if sampling is None else sampling
     dtype = target.dtype if dtype is None else resolve_dtype(dtype)
@@ -210,8 +210,8 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         drafter, dparams = load_external(name, target.model, gamma=gamma, sampling=sampling,
                                          dtype=dtype, matmul_dtype=mm, draft_vocab=draft_vocab)
         return LoadedDrafter(drafter, dparams, name, drafter.gamma)
-    from specjax.checkpoint import load_model
     from specjax.drafters.draft_lm import DraftLMDrafter
+    from specjax.models.checkpoint import load_model
 
     G = gamma or DEFAULT_GAMMA
     drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), G, sampling, V)

@@ -19,10 +19,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from specjax.config import ModelConfig
 from specjax.dtypes import parse_dtype  # noqa: F401  (re-exported: its callers import it here)
 from specjax.errors import SpecjaxError
-from specjax.model import Transformer, layer_shapes
+from specjax.models.config import ModelConfig
+from specjax.models.model import Transformer, layer_shapes
 
 # HF per-layer suffix (after "model.layers.{i}.") -> stacked specjax weight.
 _LAYER_NAMES = {
@@ -185,7 +185,7 @@ def load_model(path: str, dtype=jnp.float32, matmul_dtype=None,
       matmul_dtype: None (= dtype) or jnp.bfloat16 with dtype float32: the weight
         matrices (projections, embedding, LM head) are kept in bf16 and every matmul,
         attention dots included, takes bf16 inputs with f32 accumulation
-        (`specjax.matmul.linear`); norms, softmax, activations and the KV cache stay f32. On
+        (`specjax.models.matmul.linear`); norms, softmax, activations and the KV cache stay f32. On
         XLA:CPU this makes a forward of a few tokens about 2x cheaper than f32
         (benchmarks/matmul_rows.py). A one-token and an 8-token forward give bitwise-equal
         rows there at most positions but not all (measured on the demo target: 40 of

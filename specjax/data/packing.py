@@ -1,6 +1,6 @@
 """Fixed-length training rows cut from a flat token stream, in a resumable order.
 
-The stream (see specjax.data.tokenize_corpus) is cut into num_sequences
+The stream (see specjax.data.corpus.tokenize_corpus) is cut into num_sequences
 non-overlapping windows of T + 1 tokens that share their end tokens:
 
     sequence j = tokens[j*T : j*T + T + 1]      j = 0 .. num_sequences - 1

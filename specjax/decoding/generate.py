@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax import kernel_policy
+from specjax.decoding import kernel_policy
+from specjax.decoding.sampling import SamplingParams, filtered_probs, sample_logits
+from specjax.decoding.verify import VERIFIERS, Verdict
 from specjax.drafters.base import Drafter, LoopView
-from specjax.kv_cache import KVCache
-from specjax.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
-from specjax.sampling import SamplingParams, filtered_probs, sample_logits
-from specjax.verify import VERIFIERS, Verdict
+from specjax.models.kv_cache import KVCache
+from specjax.models.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
 KERNEL_CHOICES = kernel_policy.LOOP_KERNELS
@@ -48,32 +48,32 @@ class LoopConfig:
     eos_token_ids: tokens that stop a row (empty: only budgets stop rows).
     verify: "greedy", "token", "block", or a VerifyFn (tests inject biased ones);
       with temperature 0 every rule is replaced by greedy.
-    kernels: how verification runs. "off": `specjax.verify` on the filtered
+    kernels: how verification runs. "off": `specjax.decoding.verify` on the filtered
       probabilities; "reference" / "pallas": `pallas_kernels.verify.verify_logits`
       straight from the target's logits, as jnp or as Pallas kernels (interpret mode on
       CPU); the two give identical output for the same seed. Top-k / top-p and custom
       VerifyFns are not fused: they take the "off" path (one log line). "pallas" also
       runs the target's attention into its KV cache in decode and verify forwards
       through `pallas_kernels.attention` (see `target_attention`); "off" and
-      "reference" keep the chunked jnp attention (`specjax.attention`).
+      "reference" keep the chunked jnp attention (`specjax.models.attention`).
     pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
     prefill_chunk: prompts wider than this many tokens are prefilled in pieces of at
-      most this many (`specjax.prefill.scan_prompt_pieces`: whole chunks in a `lax.scan`,
+      most this many (`specjax.models.prefill.scan_prompt_pieces`: whole chunks in a `lax.scan`,
       then the rest as one piece of the smallest size in `prefill_pieces` that covers
       it), each writing its K/V before the next attends to them, so activation memory
       follows the chunk, not the prompt: a 32k-token prompt needs scores for one chunk
       of tokens against one chunk of cache slots at a time. Pieces wholly past every
       row's prompt are skipped, so a short prompt padded to a wide Tp pays for its own
-      pieces only. None: `specjax.prefill.default_prefill_chunk()` (256 on the CPU
+      pieces only. None: `specjax.models.prefill.default_prefill_chunk()` (256 on the CPU
       backend, 512 elsewhere).
     prefill_min_chunk: the smallest piece: the sizes are prefill_chunk and its exact
-      halves down to the smallest >= this (`specjax.prefill.prefill_pieces`). None:
-      `specjax.prefill.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
+      halves down to the smallest >= this (`specjax.models.prefill.prefill_pieces`). None:
+      `specjax.models.prefill.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
       elsewhere the chunk itself, whole chunks only).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
-      the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.sharding.cache_sharding`),
+      the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.decoding.sharding.cache_sharding`),
       applied where the cache is created.
     """
 
@@ -98,7 +98,7 @@ class LoopConfig:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
 
     def prefill_sizes(self) -> tuple[int, ...]:
-        """The prefill's static piece sizes, largest first (`specjax.prefill.prefill_pieces`)."""
+        """The prefill's static piece sizes, largest first (`specjax.models.prefill.prefill_pieces`)."""
         return prefill_pieces(self.prefill_chunk, self.prefill_min_chunk)
 
     def fused_verify(self) -> Callable | None:
@@ -109,7 +109,7 @@ class LoopConfig:
         sp = self.sampling
         if not isinstance(self.verify, str) or (not sp.greedy and (sp.top_k or sp.top_p < 1)):
             _log.info("kernels=%s: top-k/top-p or a custom verify rule is not fused; "
-                      "verifying with specjax.verify", self.kernels)
+                      "verifying with specjax.decoding.verify", self.kernels)
             return None
         from pallas_kernels.verify import verify_logits
 
@@ -126,8 +126,8 @@ class LoopConfig:
 
     def target_attention(self) -> Callable | None:
         """The `attention=` argument of the target's decode and verify forwards
-        (`specjax.model.Transformer.__call__`): None (the chunked jnp
-        `specjax.attention.cache_attention`) unless kernels == "pallas", then the causal
+        (`specjax.models.model.Transformer.__call__`): None (the chunked jnp
+        `specjax.models.attention.cache_attention`) unless kernels == "pallas", then the causal
         `pallas_kernels.attention.decode_attention` over the layer-major cache, read in
         place, whose cost follows each row's length, not the capacity.
 
@@ -140,13 +140,13 @@ class LoopConfig:
         the kernel is not partitioned over the mesh (XLA would gather the cache)."""
         if self.kernels == "pallas" and self.cache_sharding is not None:
             _log.info("kernels=pallas: the attention kernel does not run on a mesh; the "
-                      "target attends with specjax.attention")
+                      "target attends with specjax.models.attention")
         return kernel_policy.target_attention(self.kernels, self.cache_sharding,
                                               self.pallas_backend, self.pallas_interpret)
 
     def drafter_attention(self) -> Callable | None:
         """The kernel a learned drafter attends with (its `attention` field, set by
-        `speculative_loop` through `specjax.kernel_policy.with_drafter_attention`; the
+        `speculative_loop` through `specjax.decoding.kernel_policy.with_drafter_attention`; the
         `kernel` of `specjax.drafters.attend.attend`): None (the drafters' jnp attention)
         unless kernels == "pallas", then `pallas_kernels.attention.packed_attention` for
         every source given by a per-query limit (the drafter's own cache, the merged
@@ -232,7 +232,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
 
 def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
     """The prefill forward over Tp > sizes[0] prompt tokens, in the pieces of
-    `specjax.prefill.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
+    `specjax.models.prefill.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
     piece of the smallest size in `sizes` that covers it).
 
     Returns (logits f32[B,V] at each row's last prompt token, hidden [C,B,Tp,D] or None,

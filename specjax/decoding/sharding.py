@@ -85,7 +85,7 @@ def whole_heads(axes, mesh, num_heads: int, num_kv_heads: int):
 def param_shardings(mesh, params, num_heads: int, num_kv_heads: int):
     """NamedShardings for a decoding params tree (a target's or a drafter's nnx.State):
     the training rules (`specjax.mesh.PARAM_AXES`), also for layer weights that
-    `specjax.model.decoding_params` unstacked into per-layer tuples (their rule minus the
+    `specjax.models.model.decoding_params` unstacked into per-layer tuples (their rule minus the
     leading layer axis); heads kept whole (see `whole_heads`); the rest replicated."""
 
     def one(path, leaf):

@@ -5,7 +5,7 @@
     fn = drafter_attention(kernels, cache_sharding, "auto", None)  # attend(kernel=)
     drafter = with_drafter_attention(drafter, fn)   # a learned drafter attends with fn
 
-Every choice is made from static configuration (`specjax.generate.LoopConfig`, the
+Every choice is made from static configuration (`specjax.decoding.generate.LoopConfig`, the
 trainers' `train.kernels`, `specjax.train.kernels`) and passed explicitly: the target's
 forward takes `attention=`, a learned drafter carries its kernel in its `attention`
 field (a frozen dataclass, static under jit, so a jit cache entry never mixes the kernel
@@ -32,7 +32,7 @@ LOOP_KERNELS = ("off", "reference", "pallas")  # resolved: `LoopConfig.kernels`
 def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     """The verification path for `LoopConfig.kernels`.
 
-    "off": specjax.verify on the filtered probabilities (the original path);
+    "off": specjax.decoding.verify on the filtered probabilities (the original path);
     "reference" / "pallas": pallas_kernels.verify from the target's logits, as jnp or as
     Pallas kernels (interpret mode on CPU, slow there); the two give identical output.
     "pallas" also runs the target's decode and verify attention into its KV cache through
@@ -64,10 +64,10 @@ def pallas_layout(pallas_backend: str, interpret: bool | None) -> tuple[str, boo
 def target_attention(kernels: str, cache_sharding, pallas_backend: str,
                      interpret: bool | None) -> Callable | None:
     """The `attention=` argument of the target's decode and verify forwards: None (the
-    chunked jnp `specjax.attention.cache_attention`) unless kernels == "pallas" and the
+    chunked jnp `specjax.models.attention.cache_attention`) unless kernels == "pallas" and the
     cache is not sharded over a mesh (the kernel is not partitioned: XLA would gather the
     cache), then the causal `pallas_kernels.attention.decode_attention` over the
-    layer-major cache, read in place. See `specjax.generate.LoopConfig.target_attention`."""
+    layer-major cache, read in place. See `specjax.decoding.generate.LoopConfig.target_attention`."""
     if kernels != "pallas" or cache_sharding is not None:
         return None
     from pallas_kernels.attention import decode_attention
@@ -87,7 +87,7 @@ def drafter_attention(kernels: str, cache_sharding, pallas_backend: str,
     """The kernel a learned drafter attends with (`specjax.drafters.attend.attend`'s
     `kernel`): None (the jnp path) unless kernels == "pallas" and no mesh, then
     `pallas_kernels.attention.packed_attention` for every source given by a per-query
-    limit. See `specjax.generate.LoopConfig.drafter_attention`."""
+    limit. See `specjax.decoding.generate.LoopConfig.drafter_attention`."""
     if kernels != "pallas" or cache_sharding is not None:
         return None
     from pallas_kernels.attention import packed_attention

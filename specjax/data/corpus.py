@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specjax.data.packing import PackedStream
 from specjax.errors import SpecjaxError
 from specjax.fileio import atomic_write
-from specjax.packing import PackedStream
-from specjax.tokenizer import train_bpe
+from specjax.models.tokenizer import train_bpe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -123,7 +123,7 @@ def _splits(root: str | None, val_fraction: float,
 
 def train_tokenizer(out_dir: str, vocab_size: int = 8192, root: str | None = None, *,
                     val_fraction: float = VAL_FRACTION) -> PreTrainedTokenizerFast:
-    """Trains a byte-level BPE (specjax.tokenizer.train_bpe) on the TRAIN files only.
+    """Trains a byte-level BPE (specjax.models.tokenizer.train_bpe) on the TRAIN files only.
 
     Writes `out_dir` with `save_pretrained`, so that
     `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it offline. Files are
@@ -256,7 +256,7 @@ def tokenize_corpus(tokenizer_dir: str, cache_dir: str, root: str | None = None,
     tok_json = os.path.join(tokenizer_dir, "tokenizer.json")
     if not os.path.isfile(tok_json):
         raise SpecjaxError(f"no tokenizer.json in {tokenizer_dir!r}; run "
-                           "specjax.data.train_tokenizer first or pass a fast HF tokenizer")
+                           "specjax.data.corpus.train_tokenizer first or pass a fast HF tokenizer")
     root, splits = _splits(root, val_fraction, need=("train", "val"))
     paths = {split: os.path.join(cache_dir, f"{split}.npy") for split in splits}
     fingerprint = _fingerprint(tokenizer_dir, root, splits, val_fraction)
