@@ -8,13 +8,17 @@
 #        decode.py --kernels pallas against --kernels off on the demo, and a Qwen3-8B-shaped
 #        random bf16 target (autoregressive tokens/s, self-drafting loop overhead);
 #        -> OUT/device_round.json, OUT/device_round.log
-#   5.   with what is left (STUDY_S or more seconds), scripts/gpu_eagle3_round.sh.
+#   5.   with what is left (STUDY_S or more seconds): the KVShot study's data, the demo
+#        target's f32 greedy continuations (the settings of configs/study2/'s
+#        runs/data/regen-cpu: seed 5, 256 new tokens), -> OUT/study_{train,val}.npy.gz and
+#        OUT/study_manifest.json; STEP5=eagle3 runs scripts/gpu_eagle3_round.sh instead.
 #
 #   bash scripts/device_round.sh --budget SECONDS --out DIR [--dry-run]
 #
-# --dry-run runs every step on the CPU (Pallas interpret mode, tiny shapes; no step 5);
+# --dry-run runs every step on the CPU (Pallas interpret mode, tiny shapes; step 5
+# regenerates 4 prompts x 8 tokens);
 # tests/test_device_round.py runs it in CI. Environment: PYTHON (default python3),
-# STUDY_S (least seconds left for step 5, default 240).
+# STUDY_S (least seconds left for step 5, default 120), STEP5 (regen | eagle3 | none).
 set -uo pipefail
 BUDGET=""; OUTD=""; DRY=0
 while [ $# -gt 0 ]; do
@@ -22,7 +26,7 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=${2:-}; shift 2 ;;
     --out) OUTD=${2:-}; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "device_round.sh: error: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -45,9 +49,23 @@ fi
 $PY benchmarks/device_round.py "${ARGS[@]}" 2>&1 | tee "$OUTD/device_round.log"
 RC=${PIPESTATUS[0]}
 LEFT=$(( BUDGET - ($(date +%s) - START) ))
-if [ $DRY = 0 ] && [ "$LEFT" -ge "${STUDY_S:-240}" ]; then
-  echo "[device_round.sh] step 5: eagle3 round with $LEFT s left" | tee -a "$OUTD/device_round.log"
-  bash scripts/gpu_eagle3_round.sh $(( LEFT - 20 )) "$OUTD/eagle3" 2>&1 | tail -40 \
-    >>"$OUTD/device_round.log"
+STEP5=${STEP5:-regen}
+if [ "$STEP5" != none ] && { [ $DRY = 1 ] || [ "$LEFT" -ge "${STUDY_S:-120}" ]; }; then
+  echo "[device_round.sh] step 5 ($STEP5) with $LEFT s left" | tee -a "$OUTD/device_round.log"
+  if [ "$STEP5" = eagle3 ] && [ $DRY = 0 ]; then
+    bash scripts/gpu_eagle3_round.sh $(( LEFT - 20 )) "$OUTD/eagle3" 2>&1 | tail -40 \
+      >>"$OUTD/device_round.log"
+  else
+    REGEN=$(mktemp -d)/regen
+    SIZE=(--max-new-tokens 256 --batch-size 1024 --time-limit $(( LEFT - 90 )))
+    [ $DRY = 1 ] && SIZE=(--max-new-tokens 8 --batch-size 4 --limit 4)
+    JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m specjax.regenerate --out "$REGEN" \
+        --prompts-per-file 100000 --seed 5 --dtype float32 "${SIZE[@]}" 2>&1 | tr '\r' '\n' \
+        | grep -v "it/s\]$" | tail -5 >>"$OUTD/device_round.log"
+    for s in train val; do
+      [ -f "$REGEN/$s.npy" ] && gzip -1 -c "$REGEN/$s.npy" >"$OUTD/study_$s.npy.gz"
+    done
+    [ -f "$REGEN/manifest.json" ] && cp "$REGEN/manifest.json" "$OUTD/study_manifest.json"
+  fi
 fi
 exit $RC

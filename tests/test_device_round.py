@@ -53,6 +53,7 @@ def test_dry_run_every_step_passes(tmp_path):
     assert len(steps["verify_check"]["cases"]) == 2 * 2 * 5  # shapes x dtypes x cases
     assert all(r["pallas_ms"] > 0 for r in steps["attention_time"]["rows"])
     assert (out / "device_round.log").exists()
+    assert (out / "study_manifest.json").exists() and (out / "study_train.npy.gz").exists()
 
 
 def test_device_results_match_documents(tmp_path):
