@@ -10,7 +10,7 @@
 #        -> OUT/device_round.json, OUT/device_round.log
 #   5.   with what is left (STUDY_S or more seconds): the KVShot study's data, the demo
 #        target's f32 greedy continuations (the settings of configs/study2/'s
-#        runs/data/regen-cpu: seed 5, 256 new tokens), -> OUT/study_{train,val}.npy.gz and
+#        benchmarks/data/study2: seed 5, 256 new tokens), -> OUT/study_{train,val}.npy.gz and
 #        OUT/study_manifest.json; STEP5=eagle3 runs scripts/gpu_eagle3_round.sh instead.
 #
 #   bash scripts/device_round.sh --budget SECONDS --out DIR [--dry-run]
