@@ -30,6 +30,20 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(parse_dtype(name))
 
 
+def storage_name(dtype) -> str:
+    """How specjax stores weights of `dtype` (safetensors files, exports): "bfloat16" for
+    bf16 (a jnp dtype, ml_dtypes' bfloat16 or the name), "float32" for anything else."""
+    import ml_dtypes
+
+    bf16 = dtype == "bfloat16" or dtype in (jnp.bfloat16, ml_dtypes.bfloat16)
+    return "bfloat16" if bf16 else "float32"
+
+
+def storage_dtype(dtype) -> np.dtype:
+    """The numpy dtype of `storage_name(dtype)` (ml_dtypes' bfloat16 or float32)."""
+    return numpy_dtype(storage_name(dtype))
+
+
 def backend_default(backend: str | None = None):
     """The compute dtype "auto" means: float32 on the CPU backend (bfloat16 is slower
     there), bfloat16 on TPU and GPU."""

@@ -24,7 +24,6 @@ the platform and the error when something does not lower or the input is bad.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -72,6 +71,7 @@ def abstract_engine(args):
     from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
     from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
+    from specjax.drafters.io import read_config
     from specjax.drafters.ngram import NgramDrafter
     from specjax.dtypes import parse_dtype
     from specjax.errors import SpecjaxError
@@ -85,8 +85,8 @@ def abstract_engine(args):
         if not DrafterConfig.is_drafter_dir(args.drafter):
             raise SpecjaxError(f"--drafter {args.drafter}: not a drafter directory written "
                                "by train.py (config.json with format specjax-drafter)")
-        with open(os.path.join(args.drafter, "config.json")) as f:
-            dcfg = DrafterConfig.from_json_dict(json.load(f), where=f"drafter {args.drafter}")
+        dcfg = DrafterConfig.from_json_dict(read_config(args.drafter),
+                                            where=f"drafter {args.drafter}")
         dcfg.check_target(cfg, where=f"drafter {args.drafter}")
     dtype = parse_dtype(args.dtype)
     sampling = SamplingParams(temperature=args.temperature)

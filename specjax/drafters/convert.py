@@ -43,6 +43,7 @@ import numpy as np
 from specjax import cli
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
+from specjax.dtypes import storage_dtype
 from specjax.errors import SpecjaxError
 from specjax.models.config import ModelConfig
 
@@ -173,7 +174,7 @@ def export_dir(src: str, dst: str, layout: str, target_dir: str | None = None,
         raise SpecjaxError(f"{src} records no target directory; pass --target")
     target = ModelConfig.from_dir(target_dir)
     dcfg.check_target(target, where=f"drafter {src}")
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    np_dtype = storage_dtype(dtype)
     weights = param_tensors(params)
     head = hot = None
     if layout == EAGLE3:

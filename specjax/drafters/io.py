@@ -26,11 +26,11 @@ import shutil
 import tempfile
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from specjax.drafters.config import CONFIG_NAME, FORMAT, DrafterConfig
+from specjax.dtypes import storage_dtype
 from specjax.errors import SpecjaxError
 from specjax.fileio import read_config_json
 
@@ -57,7 +57,7 @@ def target_record(target_dir: str) -> dict:
 def param_tensors(params: nnx.State, dtype=jnp.float32) -> dict[str, np.ndarray]:
     """Host numpy tensors of an nnx.State of parameters, named by their dotted nnx path,
     in f32 or bf16 (`dtype`). Sharded arrays are gathered (one process)."""
-    np_dtype = ml_dtypes.bfloat16 if dtype in (jnp.bfloat16, ml_dtypes.bfloat16) else np.float32
+    np_dtype = storage_dtype(dtype)
     out = {}
     for path, var in nnx.to_flat_state(params):
         arr = np.asarray(jnp.asarray(var.get_value()).astype(jnp.float32))

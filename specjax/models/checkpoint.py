@@ -15,11 +15,14 @@ import shutil
 import tempfile
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from specjax.dtypes import parse_dtype  # noqa: F401  (re-exported: its callers import it here)
+from specjax.dtypes import (
+    parse_dtype,  # noqa: F401  (re-exported: its callers import it here)
+    storage_dtype,
+    storage_name,
+)
 from specjax.errors import SpecjaxError
 from specjax.models.config import ModelConfig
 from specjax.models.model import Transformer, layer_shapes
@@ -227,7 +230,7 @@ def load_tokenizer(path: str):
 def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of `model` (inverse of `load_weights`)."""
     cfg = model.cfg
-    np_dtype = ml_dtypes.bfloat16 if dtype in (jnp.bfloat16, ml_dtypes.bfloat16) else np.float32
+    np_dtype = storage_dtype(dtype)
     out = {}
     for hf_name, (name, layer, _) in _expected_tensors(cfg).items():
         arr = np.asarray(getattr(model, name)[...].astype(jnp.float32))
@@ -249,7 +252,7 @@ def save_model(model: Transformer, path: str, *, dtype=jnp.float32, tokenizer=No
     """
 
     cfg = model.cfg
-    dtype_name = "bfloat16" if dtype in (jnp.bfloat16, ml_dtypes.bfloat16) else "float32"
+    dtype_name = storage_name(dtype)
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
