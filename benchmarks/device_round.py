@@ -143,9 +143,10 @@ def gpu_backend() -> str:
 def shapes(dry_run: bool) -> dict:
     """name -> (V, N, K, H): the demo target's and Qwen3-8B's (dry run: demo only, and a
     reduced "qwen3-8b-heads" with V cut to 4096)."""
-    with open(os.path.join(DEMO_TARGET, "config.json")) as f:
-        c = json.load(f)
-    demo = (c["vocab_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+    from specjax.models.config import ModelConfig
+
+    c = ModelConfig.from_dir(DEMO_TARGET)
+    demo = (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim)
     q = kb.QWEN3_8B
     if dry_run:
         return {"demo": demo, "qwen3-8b-heads": (4096, q["N"], q["K"], q["H"])}

@@ -114,11 +114,11 @@ def held_out(directory: str) -> dict | None:
     directory's train_metrics*.jsonl files whose step and tau equal config.json's `train`
     record (train.py copies the best-tau record there at export). None for a directory
     without such a record (the draft LM)."""
-    try:
-        with open(os.path.join(directory, "config.json")) as f:
-            train = json.load(f).get("train") or {}
-    except FileNotFoundError:
+    from specjax.fileio import read_config_json
+
+    if not os.path.isfile(os.path.join(directory, "config.json")):
         return None
+    train = read_config_json(directory, "drafter").get("train") or {}
     if "tau" not in train:
         return None
     for name in sorted(os.listdir(directory)):
@@ -146,8 +146,9 @@ def describe(name: str) -> dict:
     weights = os.path.join(d, "model.safetensors")
     if not os.path.isfile(weights) or not os.path.isfile(os.path.join(d, "config.json")):
         raise SpecjaxError(f"{arg} has no model.safetensors or config.json")
-    with open(os.path.join(d, "config.json")) as f:
-        cfg = json.load(f)
+    from specjax.fileio import read_config_json
+
+    cfg = read_config_json(d, arg)
     kind = cfg.get("kind") or f"lm ({cfg.get('model_type', '?')})"
     return {"kind": kind, "own_params": count_params(weights),
             "weights_sha256": sha256_prefix(weights), "held_out": held_out(d)}

@@ -73,8 +73,9 @@ def read_run(name: str) -> dict:
                                  if k in r}})
             if r.get("event") == "done" and r.get("tokens_per_s"):
                 rates.append(r["tokens_per_s"])  # the run's mean (the last start's, if resumed)
-    with open(os.path.join(run, "drafter", "config.json")) as f:
-        best = json.load(f)["train"]
+    from specjax.fileio import read_config_json
+
+    best = read_config_json(os.path.join(run, "drafter"), "drafter")["train"]
     return {"evals": evals, "best": best, "params": params,
             "tok_s": rates[-1] if rates else None}
 
