@@ -31,9 +31,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ -z "$OUTD" ]; then echo "device_round.sh: error: --out DIR is required" >&2; exit 2; fi
+[ $DRY = 1 ] && [ -z "$BUDGET" ] && BUDGET=900
 if ! [[ "$BUDGET" =~ ^[0-9]+$ ]] || [ "$BUDGET" -lt 1 ]; then
-  [ $DRY = 1 ] && [ -z "$BUDGET" ] && BUDGET=900 || {
-    echo "device_round.sh: error: --budget SECONDS (a positive integer) is required" >&2; exit 2; }
+  echo "device_round.sh: error: --budget SECONDS (a positive integer) is required" >&2; exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2
 START=$(date +%s)

@@ -36,9 +36,8 @@ SPLIT_BELOW_PROGRAMS = 8
 MAX_SPLITS = 8
 MIN_TILES_PER_SPLIT = 4
 # backend "triton": split until B*K*P reaches the streaming multiprocessors of an H100 /
-# H200 (132), at most 32 splits: one split per (row, KV head) left 124 of them idle and
-# read a 32K-token context at 4% of the H100's bandwidth
-# (benchmarks/results/device/h100-2026-11-26).
+# H200 (132), at most 32 splits, so that a small batch still occupies every SM
+# (`scripts/device_round.sh` times both rules: step attention_time).
 GPU_PROGRAMS = 132
 MAX_SPLITS_GPU = 32
 

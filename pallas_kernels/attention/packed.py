@@ -38,10 +38,9 @@ IMPLS = ("pallas", "reference")
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_S = 128
 # triton: the most bytes of one query tile and one key tile, (bq + bs) * H * itemsize, per
-# itemsize. On an H100 (227 KiB of shared memory per block) bq = bs = 128 compiled and ran
-# forward and backward at H 128 in bf16 (64 KiB) but not at H 64 in f32 (also 64 KiB: the
-# kernels asked for 320 KiB), so f32 gets half the bytes
-# (benchmarks/results/device/h100-2026-11-26).
+# itemsize, so that the kernels fit a GPU's shared memory (227 KiB per block on H100);
+# f32 tiles need about twice the room of bf16 tiles of the same bytes
+# (`scripts/device_round.sh` compiles both: step packed_check).
 TRITON_TILE_BYTES = {2: 64 * 1024, 4: 32 * 1024}
 
 

@@ -40,9 +40,8 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     through packed_attention (`drafter_attention`); the others keep the chunked jnp
     attention.
     "auto": "pallas" on TPU (its Mosaic lowering is checked by the tests) and on GPU (the
-    Triton kernels ran on an H100 and matched the jnp reference; the Qwen3-8B-shaped
-    target decoded 1.26x faster than with "reference": benchmarks/results/device/
-    h100-2026-11-26), "reference" on CPU (interpret mode is slow).
+    Triton kernels match the jnp reference and decode faster there: `scripts/
+    device_round.sh`, docs/kernels.md), "reference" on CPU (interpret mode is slow).
     Raises SpecjaxError on any other name.
     """
     if kernels not in KERNELS:

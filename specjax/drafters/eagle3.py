@@ -158,7 +158,7 @@ class Eagle3Drafter(LearnedDrafter):
         cos, sin = layers.rope_cos_sin(params["inv_freq"], positions, net.dtype)
         q, k, v = net.project(emb, g, cos, sin)
         cache = _write(cache, k, v, positions)
-        attn = attend(q, [(cache.k[0], cache.v[0], _visible(cache, positions))],
+        attn = attend(q, [(cache.k[0], cache.v[0], _visible(positions))],
                       kernel=self.attention)
         out, _ = net.mix_memory(net.finish(g, attn), positions, positions,
                                 _first_memory(memory), params["inv_freq"], self.attention)
@@ -330,7 +330,7 @@ def _write(cache: KVCache, k, v, positions) -> KVCache:
                          v=cache.v.at[0, b, :, positions].set(v, mode="drop"))
 
 
-def _visible(cache: KVCache, positions):
+def _visible(positions):
     """Slot s is visible to the entry at positions[b,t] iff s <= it (a `Limit`:
     a long cache is read only up to the largest position)."""
     return Limit(positions)

@@ -89,11 +89,10 @@ def decoding_params(state, layer_loop: str = "auto"):
 
     layer_loop: "scan" (stacked weights under `lax.scan`: one compiled layer, the layout
       that compiles one layer whatever L), "unroll" (per-layer arrays, see
-      `unstack_layers`: about 1.7x faster per token on XLA:CPU, and 2.1x on an H100 at
-      Qwen3-8B's shapes, where the scan's per-layer weight slices cost extra HBM
-      traffic; compile time grows with L), or "auto" (scan on TPU, where it is
-      unmeasured, unroll elsewhere; H100 figures in
-      benchmarks/results/device/h100-2026-11-26).
+      `unstack_layers`: faster per token on XLA:CPU and on GPU, where slicing stacked
+      weights inside the loop copies them; compile time grows with L), or "auto" (scan
+      on TPU, where it is unmeasured, unroll elsewhere). `benchmarks/decode_speed.py`
+      and `scripts/device_round.sh` (step big_target) measure both.
     """
     if layer_loop == "auto":
         layer_loop = "scan" if jax.default_backend() == "tpu" else "unroll"
