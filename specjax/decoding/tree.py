@@ -1,0 +1,109 @@
+"""Draft trees with a static node budget: the fixed-shape structure the speculative loop
+carries when a step verifies more than one chain (docs/design.md, "Draft trees").
+
+A tree of N nodes per row (N static). Node 0 is the root: the row's pending token
+(committed, its target K/V not cached yet). Every other node is one draft token whose
+parent comes earlier in the node order (topological: parents[i] < i), so one pass in
+index order visits parents before children. The depth of a node is its distance from the
+root (root 0, at most G); its position is the root's position plus its depth. Unused
+nodes (a budget that a source does not fill) have valid = False and are never accepted,
+attended to or attended from.
+
+  tokens:  i32[B,N]   node tokens (tokens[:, 0] = the pending token)
+  parents: i32[B,N]   parent node index (-1 for the root and for unused nodes)
+  depths:  i32[B,N]   root 0; unused nodes 0
+  valid:   bool[B,N]  node in the tree (valid[:, 0] = True)
+  q:       f32[B,N,V] or None: q[b, i] is the draft distribution node i was proposed
+           from (the drafter's filtered distribution at its parent; one-hot at the token
+           for a deterministic choice such as a top-K child); q[:, 0] is unused. None at
+           temperature 0, where only tokens matter.
+
+A chain of G drafts is the tree with N = G + 1 and parents = [-1, 0, 1, ..., G-1].
+The verdict of a tree (`specjax.decoding.tree_verify`) is the accepted path: node
+indices path i32[B,G+1] with path[:, 0] = 0 and path[:, j] the accepted node of depth j
+for j <= tau (entries past tau repeat the last accepted node).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class DraftTree:
+    """See the module docstring for the fields and their shapes."""
+
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    valid: jax.Array
+    q: jax.Array | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the static node budget (root included)."""
+        return self.tokens.shape[1]
+
+
+def chain_tree(pending, draft, q=None) -> DraftTree:
+    """The chain [pending, x_1..x_G] as a tree of N = G + 1 nodes.
+
+    pending: i32[B]; draft: i32[B,G]; q: f32[B,G,V] (the chain's draft distributions) or
+    None."""
+    B, G = draft.shape
+    idx = jnp.arange(G + 1, dtype=jnp.int32)
+    tokens = jnp.concatenate([pending[:, None].astype(jnp.int32), draft.astype(jnp.int32)], 1)
+    qn = None
+    if q is not None:
+        qn = jnp.concatenate([jnp.zeros_like(q[:, :1]), q], axis=1)
+    return DraftTree(tokens=tokens, parents=jnp.broadcast_to(idx - 1, (B, G + 1)),
+                     depths=jnp.broadcast_to(idx, (B, G + 1)),
+                     valid=jnp.ones((B, G + 1), bool), q=qn)
+
+
+def tree_from_drafts(pending, drafts, q=None) -> DraftTree:
+    """K drafts of length G per row as a tree of N = 1 + K*G nodes: every draft is its own
+    branch from the root (no prefix sharing), draft k's token j is node 1 + k*G + j.
+
+    pending: i32[B]; drafts: i32[B,K,G]; q: f32[B,K,G,V] (draft k's distributions) or
+    None. Drafts that share a prefix stay separate branches; verification treats them as
+    siblings (a duplicate of a rejected sibling is rejected again, see tree_verify)."""
+    B, K, G = drafts.shape
+    j = jnp.arange(G, dtype=jnp.int32)
+    k = jnp.arange(K, dtype=jnp.int32)
+    node = 1 + k[:, None] * G + j[None, :]  # [K,G]
+    parent = jnp.where(j[None, :] == 0, 0, node - 1)
+    parents = jnp.concatenate([jnp.array([-1], jnp.int32), parent.reshape(-1)])
+    depths = jnp.concatenate([jnp.array([0], jnp.int32),
+                              jnp.broadcast_to(j[None, :] + 1, (K, G)).reshape(-1)])
+    tokens = jnp.concatenate([pending[:, None].astype(jnp.int32),
+                              drafts.reshape(B, K * G).astype(jnp.int32)], axis=1)
+    qn = None
+    if q is not None:
+        V = q.shape[-1]
+        qn = jnp.concatenate([jnp.zeros((B, 1, V), q.dtype), q.reshape(B, K * G, V)], 1)
+    N = 1 + K * G
+    return DraftTree(tokens=tokens, parents=jnp.broadcast_to(parents, (B, N)),
+                     depths=jnp.broadcast_to(depths, (B, N)), valid=jnp.ones((B, N), bool),
+                     q=qn)
+
+
+def ancestor_mask(tree: DraftTree, max_depth: int) -> jax.Array:
+    """bool[B,N,N]: mask[b, i, j] = node j is node i itself or one of its ancestors (the
+    tree attention mask: node i attends to the committed prefix and to these nodes).
+    Unused nodes see only themselves (their rows are never read). `max_depth` (static)
+    bounds the depth of every node (G)."""
+    B, N = tree.parents.shape
+    eye = jnp.broadcast_to(jnp.eye(N, dtype=bool), (B, N, N))
+    mask, cur = eye, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    for _ in range(max_depth):  # walk up one level per iteration
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(tree.parents, jnp.maximum(cur, 0), 1), -1)
+        mask = mask | ((cur[:, :, None] == jnp.arange(N)[None, None, :]) & (cur >= 0)[..., None])
+    return mask & tree.valid[:, :, None]
+
+
+def path_tokens(tree: DraftTree, path) -> jax.Array:
+    """i32[B,G+1]: the tokens of the nodes on `path` (i32[B,G+1] node indices)."""
+    return jnp.take_along_axis(tree.tokens, path, axis=1)
