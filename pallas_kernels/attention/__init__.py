@@ -5,9 +5,11 @@ block) over one layer of specjax's layer-major cache (`specjax.models.kv_cache.K
 [B, K, S, H], valid slots 0..lengths[b]-1; or the whole [L, B, K, S, H] cache plus a
 `layer` index, read in place) plus the T tokens' own keys and values, which are NOT
 read from the cache (slots >= lengths[b] are never read, so a caller may already have
-written them there). Two masks over the new tokens: "causal" (query t sees new tokens
-0..t: verification, autoregressive decoding) and "block" (every query sees all T new
-tokens: bidirectional block drafters). `specjax.models.model.Transformer` calls it (causal,
+written them there). Three masks over the new tokens: "causal" (query t sees new tokens
+0..t: verification, autoregressive decoding), "block" (every query sees all T new
+tokens: bidirectional block drafters) and "tree" (the T new tokens are the nodes of a
+draft tree; query t sees new token u iff `tree_mask[b, t, u]`, its ancestors and
+itself: draft-tree verification). `specjax.models.model.Transformer` calls it (causal,
 layer-major) for its decode and verify forwards when `LoopConfig.kernels` is "pallas".
 
 `impl="pallas"` runs `kernel.py` (TPU: Mosaic with scalar-prefetched lengths and tile
@@ -26,7 +28,11 @@ import numpy as np
 
 from pallas_kernels.attention import kernel, reference
 from pallas_kernels.attention.packed import packed_attention, packed_attention_reference
-from pallas_kernels.attention.reference import MODES, decode_attention_reference
+from pallas_kernels.attention.reference import (
+    MODES,
+    decode_attention_reference,
+    tree_visibility,
+)
 
 BACKENDS = ("tpu", "triton")
 DEFAULT_BLOCK_S = 128
@@ -94,7 +100,7 @@ def pick_num_splits(B: int, K: int, S: int, block_s: int, backend: str = "tpu") 
 
 def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
                      block_s=DEFAULT_BLOCK_S, interpret=None, backend="tpu", impl="pallas",
-                     layer=None, num_splits=None):
+                     layer=None, num_splits=None, tree_mask=None):
     """Attention of T new queries over each row's valid cache prefix plus the new tokens.
 
     Args:
@@ -107,7 +113,10 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
       lengths: i32[B] valid cache length per row; 0 allowed; values are clipped to 0..S.
       k_new, v_new: [B, T, K, H] keys/values of the T query tokens themselves.
       mode: "causal": query t sees cache slots < lengths[b] and new tokens 0..t;
-        "block": it sees cache slots < lengths[b] and all T new tokens.
+        "block": it sees cache slots < lengths[b] and all T new tokens;
+        "tree": it sees cache slots < lengths[b] and new token u iff tree_mask[b, t, u]
+        (a draft tree's ancestor mask). "causal" is "tree" with a lower-triangular mask,
+        "block" is "tree" with an all-true one (the results are identical).
       block_s: S tile of the kernel (see `pick_block_s`); cost follows lengths, not S.
       interpret: Pallas interpret mode: None = on CPU only (jax.default_backend() ==
         "cpu"); True/False; or a `pltpu.InterpretParams` (TPU backend).
@@ -126,19 +135,28 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
         combine merges and normalises. P = 1 is the single-pass kernel (no partials).
         The result is the same up to f32 rounding for every P. Ignored by
         impl="reference" (but still validated).
+      tree_mask: mode "tree" only (required there, a ValueError in the other modes):
+        [B, T, T] bool, or an integer array read as != 0; [b, t, u] = query t sees new
+        token u (node u is node t or one of its ancestors, e.g.
+        `specjax.decoding.tree.ancestor_mask`). The diagonal is always visible whatever
+        the mask holds (a node sees itself; so every query has a key, even with
+        lengths[b] = 0, and unused nodes whose rows are all false stay finite). Per row,
+        not per head: the kernels read it as one i32 [T*R, T] block per row (the folded
+        query rows) when they fold the new tokens in. Not differentiated.
 
     GQA: N = K * R; query head n uses KV head n // R. Scale 1/sqrt(H), f32 softmax.
 
     Returns: [B, T, N, H] in q.dtype.
 
-    Raises: ValueError on bad shapes (N not a multiple of K, k_new not [B, T, K, H], ...),
-    an unknown mode, backend or impl, a bad block_s, or num_splits not None and not an
-    int >= 1.
+    Raises: ValueError on bad shapes (N not a multiple of K, k_new not [B, T, K, H],
+    tree_mask not a bool / integer [B, T, T], ...), an unknown mode, backend or impl,
+    tree_mask missing in mode "tree" or given in another mode, a bad block_s, or
+    num_splits not None and not an int >= 1.
 
     Differentiable (reverse mode) w.r.t. q, k_cache, v_cache, k_new, v_new: the
     backward pass is the reference's.
     """
-    reference.check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer)
+    reference.check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer, tree_mask)
     if impl not in ("pallas", "reference"):
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'reference'")
     S = k_cache.shape[-2]
@@ -149,32 +167,38 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
     kernel.split_tiles(-(-S // bs), num_splits)  # raises on a bad num_splits
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new,
-                                          mode=mode, layer=layer)
+                                          mode=mode, layer=layer, tree_mask=tree_mask)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     fwd_kernel = kernel.KERNELS[backend]
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
+    # bool [B, T, T] with the diagonal set (tree mode), else None: causal and block calls
+    # build the kernels they always did, with no mask input.
+    see = None if tree_mask is None else tree_visibility(jnp.asarray(tree_mask))
 
-    def ref(q, kc, vc, kn, vn, lengths, layer):
-        return decode_attention_reference(q, kc, vc, lengths, kn, vn, mode=mode, layer=layer)
+    def ref(q, kc, vc, kn, vn, lengths, layer, see):
+        return decode_attention_reference(q, kc, vc, lengths, kn, vn, mode=mode, layer=layer,
+                                          tree_mask=see)
 
     @jax.custom_vjp
-    def attn(q, kc, vc, kn, vn, lengths, layer):
+    def attn(q, kc, vc, kn, vn, lengths, layer, see):
         return fwd_kernel(q, kc, vc, lengths, kn, vn, causal=mode == "causal", block_s=bs,
-                          interpret=interpret, layer=layer, num_splits=num_splits)
+                          interpret=interpret, layer=layer, num_splits=num_splits,
+                          tree_mask=see)
 
-    def attn_fwd(q, kc, vc, kn, vn, lengths, layer):
-        return attn(q, kc, vc, kn, vn, lengths, layer), (q, kc, vc, kn, vn, lengths, layer)
+    def attn_fwd(q, kc, vc, kn, vn, lengths, layer, see):
+        return (attn(q, kc, vc, kn, vn, lengths, layer, see),
+                (q, kc, vc, kn, vn, lengths, layer, see))
 
     def attn_bwd(res, g):
-        *diff, lengths, layer = res
-        _, vjp = jax.vjp(lambda *a: ref(*a, lengths, layer), *diff)
-        return (*vjp(g), None, None)
+        *diff, lengths, layer, see = res
+        _, vjp = jax.vjp(lambda *a: ref(*a, lengths, layer, see), *diff)
+        return (*vjp(g), None, None, None)
 
     attn.defvjp(attn_fwd, attn_bwd)
-    return attn(q, k_cache, v_cache, k_new, v_new, lengths, layer)
+    return attn(q, k_cache, v_cache, k_new, v_new, lengths, layer, see)
 
 
 __all__ = ["decode_attention", "decode_attention_reference", "packed_attention",
            "packed_attention_reference", "pick_block_s",
-           "pick_num_splits", "MODES", "BACKENDS", "DEFAULT_BLOCK_S", "kernel", "reference"]
+           "pick_num_splits", "tree_visibility", "MODES", "BACKENDS", "DEFAULT_BLOCK_S", "kernel", "reference"]

@@ -5,6 +5,14 @@ per (row b, KV head k) the queries are one [T*R, H] block; row i = t*R + r is qu
 token t = i // R of head k*R + r. New token u is visible to row i in causal mode iff
 u <= t, i.e. u*R <= i (no integer division in the kernel).
 
+Tree mode (`tree_mask` given, a draft tree's [B, T, T] visibility with the diagonal set):
+the wrapper expands it once per call to the folded rows, i32 [B, M, Tn] with
+[b, t*R + r, u] = tree_mask[b, t, u] (`_tree_rows`: rows repeated R times, padded new
+tokens 0, padded query rows 1), and each program reads its row's [M, Tn] block, the same
+block for every KV head and S tile (block index (b, 0, 0): one copy per row), only where
+it folds the new tokens in (`_new_scores`). Causal and block modes take no such input:
+their kernels are unchanged.
+
 The cache comes in layer-major, [L, B, K, S, H] (specjax's `KVCache.k`), with the layer
 to read as an i32 scalar (static or traced, e.g. under `lax.scan` over layers): the
 kernels address that layer's tiles in place, so no [B, K, S, H] copy of the layer is
@@ -109,14 +117,27 @@ def _tile_scores(q, k, v, start, length, scale):
     return s, v
 
 
-def _new_scores(q, kn, scale, causal, R, T_valid):
-    """Scores of the new tokens [M, Tn]: causal (u*R <= row) and/or padded (u >= T_valid)."""
+def _new_scores(q, kn, scale, causal, R, T_valid, see=None):
+    """Scores of the new tokens [M, Tn]: causal (u*R <= row) and/or padded (u >= T_valid)
+    masked; in tree mode `see` (i32 [M, Tn], the row's `_tree_rows` block) masks where 0."""
     s = _dot_nt(q, kn) * scale
     u = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     keep = u < T_valid
     if causal:
         keep = keep & (u * R <= jax.lax.broadcasted_iota(jnp.int32, s.shape, 0))
+    if see is not None:
+        keep = keep & (see != 0)
     return jnp.where(keep, s, NEG_INF)
+
+
+def _tree_rows(tree_mask, R, Mp, Tp):
+    """bool [B, T, T] (diagonal set) -> i32 [B, Mp, Tp]: row t*R + r is tree_mask[b, t]
+    (the folded query layout), new-token columns past T are 0 (also masked by T_valid),
+    query rows past T*R (padding, dropped) are 1 so that they too see a key."""
+    B, T, _ = tree_mask.shape
+    rows = jnp.repeat(tree_mask.astype(jnp.int32), R, axis=1)  # [B, T*R, T]
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, Tp - T)))
+    return jnp.pad(rows, ((0, 0), (0, Mp - T * R), (0, 0)), constant_values=1)
 
 
 # ----------------------------------------------------------------------------- split-S
@@ -171,15 +192,18 @@ def _layer_major(k_cache, v_cache, layer):
 
 
 def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                         interpret=False, count_tiles=False, layer=None, num_splits=1):
+                         interpret=False, count_tiles=False, layer=None, num_splits=1,
+                         tree_mask=None):
     """Grid (B, K, nS) kernel with scalar-prefetched lengths and layer, or with
     num_splits > 1 the split-S grid (B, K, P, chunk) plus `combine_splits` (module doc).
 
     Arguments as `decode_attention` (validated there): k_cache, v_cache [B, K, S, H], or
     [L, B, K, S, H] with `layer` (i32 scalar) naming the one to read; lengths already
     clipped to 0..S and block_s a multiple of 8 or equal to S; num_splits an int >= 1
-    (see `split_tiles`). count_tiles=True (tests) also returns the number of cache tiles
-    each program actually computed: i32[B, K], or i32[B, K, P] with splits."""
+    (see `split_tiles`); tree_mask None (causal / block: `causal`) or bool [B, T, T] with
+    the diagonal set (tree mode; `causal` must be False). count_tiles=True (tests) also
+    returns the number of cache tiles each program actually computed: i32[B, K], or
+    i32[B, K, P] with splits."""
     from jax.experimental.pallas import tpu as pltpu
 
     B, T, N, H = q.shape
@@ -198,6 +222,7 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
     pad_t = ((0, 0), (0, 0), (0, Tn - T), (0, 0))
     kn = jnp.pad(k_new.transpose(0, 2, 1, 3), pad_t)  # [B, K, Tn, H]
     vn = jnp.pad(v_new.transpose(0, 2, 1, 3), pad_t)
+    tree = tree_mask is not None
 
     if split:  # grid (B, K, P, chunk): step i of split p is global tile p * chunk + i
         grid, steps = (B, K, P, chunk), chunk
@@ -210,6 +235,9 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
 
         def per_split(b, h, p, i, len_ref, layer_ref):  # partials, tile counts
             return b, h, p, 0, 0
+
+        def per_row(b, h, p, i, len_ref, layer_ref):  # the tree mask
+            return b, 0, 0
     else:
         grid, steps = (B, K, nS), nS
 
@@ -219,9 +247,13 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
         def fixed(b, h, j, len_ref, layer_ref):  # q, new tokens, output: one per (b, h)
             return b, h, 0, 0
 
+        def per_row(b, h, j, len_ref, layer_ref):  # the tree mask: one per row b
+            return b, 0, 0
+
     n_out = (3 if split else 1) + count_tiles
 
     def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, *rest):
+        see_ref, rest = (rest[0], rest[1:]) if tree else (None, rest)
         outs, (m_sc, l_sc, acc_sc) = rest[:n_out], rest[n_out:]
         cnt_ref = outs[-1] if count_tiles else None
         b, i = pl.program_id(0), pl.program_id(len(grid) - 1)
@@ -247,7 +279,8 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
                 cnt_ref[...] = cnt_ref[...] + 1
 
         def fold_new():
-            s = _new_scores(q_ref[0, 0], kn_ref[0, 0], scale, causal, R, T)
+            see = None if see_ref is None else see_ref[0]
+            s = _new_scores(q_ref[0, 0], kn_ref[0, 0], scale, causal, R, T, see)
             return _online_step(m_sc[...], l_sc[...], acc_sc[...], s, vn_ref[0, 0])
 
         @pl.when(i == steps - 1)
@@ -283,16 +316,21 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
         cnt_shape = jax.ShapeDtypeStruct((B, K, 1, 1), jnp.int32)
     if count_tiles:
         out_specs, out_shape = out_specs + [cnt_spec], out_shape + [cnt_shape]
+    in_specs = [
+        pl.BlockSpec((1, 1, M, H), fixed),
+        pl.BlockSpec((None, 1, 1, block_s, H), kv_index),  # layer axis squeezed
+        pl.BlockSpec((None, 1, 1, block_s, H), kv_index),
+        pl.BlockSpec((1, 1, Tn, H), fixed),
+        pl.BlockSpec((1, 1, Tn, H), fixed),
+    ]
+    inputs = [qf, k_cache, v_cache, kn, vn]
+    if tree:  # [M, Tn] i32, full dims (the (8, 128) rule holds for any M, Tn)
+        in_specs.append(pl.BlockSpec((1, M, Tn), per_row))
+        inputs.append(_tree_rows(tree_mask, R, M, Tn))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((1, 1, M, H), fixed),
-            pl.BlockSpec((None, 1, 1, block_s, H), kv_index),  # layer axis squeezed
-            pl.BlockSpec((None, 1, 1, block_s, H), kv_index),
-            pl.BlockSpec((1, 1, Tn, H), fixed),
-            pl.BlockSpec((1, 1, Tn, H), fixed),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((M, 1), f32), pltpu.VMEM((M, 1), f32),
                         pltpu.VMEM((M, H), f32)],
@@ -304,8 +342,9 @@ def decode_attention_tpu(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, 
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",)),
         interpret=interpret,
-        name="decode_attention_split" if split else "decode_attention",
-    )(lengths, layer.reshape(1), qf, k_cache, v_cache, kn, vn)
+        name=("decode_attention_split" if split else "decode_attention")
+        + ("_tree" if tree else ""),
+    )(lengths, layer.reshape(1), *inputs)
     o = combine_splits(*out[:3]).astype(q.dtype) if split else out[0]
     o = _unfold_o(o, T, R)
     if count_tiles:
@@ -322,7 +361,7 @@ def _pow2_at_least(n, lo):
 
 
 def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causal, block_s,
-                            interpret=False, layer=None, num_splits=1):
+                            interpret=False, layer=None, num_splits=1, tree_mask=None):
     """Grid (B, K) kernel looping over the valid S tiles inside, or with num_splits > 1
     grid (B, K, P), each program looping over the valid tiles of its chunk, plus
     `combine_splits` (see the module doc).
@@ -347,8 +386,15 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
     layer_arr = layer.reshape(1, 1)
     kc = k_cache.reshape(L * B * K, S, H)  # a free view of the layer-major cache
     vc = v_cache.reshape(L * B * K, S, H)
+    tree = tree_mask is not None
 
     def kernel(len_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, *outs):
+        see_ref, outs = (outs[0], outs[1:]) if tree else (None, outs)
+
+        def new_scores():  # the tree mask is loaded here, after the loop over S tiles
+            see = None if see_ref is None else see_ref[0]
+            return _new_scores(qb, kn_ref[0, 0], scale, causal, R, T, see)
+
         length = len_ref[0, 0]
         qb = q_ref[0, 0]
         row = (layer_ref[0, 0] * B + pl.program_id(0)) * K + pl.program_id(1)
@@ -370,8 +416,7 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         n_tiles = jax.lax.div(length + block_s - 1, block_s)
         if not split:
             m, l, acc = jax.lax.fori_loop(0, n_tiles, body, carry)
-            s = _new_scores(qb, kn_ref[0, 0], scale, causal, R, T)
-            m, l, acc = _online_step(m, l, acc, s, vn_ref[0, 0])
+            m, l, acc = _online_step(m, l, acc, new_scores(), vn_ref[0, 0])
             outs[0][0, 0] = (acc / l).astype(outs[0].dtype)
             return
         p = pl.program_id(2)
@@ -379,8 +424,7 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + chunk, n_tiles), body, carry)
         # The last split folds the new tokens in (computed everywhere, kept there: the new
         # scores always have a finite entry per row, so the discarded fold is finite too).
-        s = _new_scores(qb, kn_ref[0, 0], scale, causal, R, T)
-        m2, l2, acc2 = _online_step(m, l, acc, s, vn_ref[0, 0])
+        m2, l2, acc2 = _online_step(m, l, acc, new_scores(), vn_ref[0, 0])
         last = p == P - 1
         m_ref, l_ref, acc_ref = outs
         m_ref[0, 0, 0] = jnp.where(last, m2, m)
@@ -402,26 +446,32 @@ def decode_attention_triton(q, k_cache, v_cache, lengths, k_new, v_new, *, causa
         fixed = lambda b, h: (b, h, 0, 0)  # noqa: E731
         out_specs = [pl.BlockSpec((1, 1, Mp, H), fixed)]
         out_shape = [jax.ShapeDtypeStruct((B, K, Mp, H), q.dtype)]
+    in_specs = [
+        pl.BlockSpec((1, 1), lambda b, h, *_: (b, 0)),
+        pl.BlockSpec((1, 1), lambda b, h, *_: (0, 0)),
+        pl.BlockSpec((1, 1, Mp, H), fixed),
+        # The whole cache, addressed in the kernel (pl.ds slices: integer indexing,
+        # `ref.at[0, ...]`, breaks the interpreter's discharge of masked loads).
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec((1, 1, Tp, H), fixed),
+        pl.BlockSpec((1, 1, Tp, H), fixed),
+    ]
+    inputs = [lens, layer_arr, qf, kc, vc, kn, vn]
+    if tree:  # the row's [Mp, Tp] i32 mask, power-of-two dims as Triton wants
+        in_specs.append(pl.BlockSpec((1, Mp, Tp), lambda b, h, *_: (b, 0, 0)))
+        inputs.append(_tree_rows(tree_mask, R, Mp, Tp))
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((1, 1), lambda b, h, *_: (b, 0)),
-            pl.BlockSpec((1, 1), lambda b, h, *_: (0, 0)),
-            pl.BlockSpec((1, 1, Mp, H), fixed),
-            # The whole cache, addressed in the kernel (pl.ds slices: integer indexing,
-            # `ref.at[0, ...]`, breaks the interpreter's discharge of masked loads).
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec((1, 1, Tp, H), fixed),
-            pl.BlockSpec((1, 1, Tp, H), fixed),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        name="decode_attention_triton_split" if split else "decode_attention_triton",
-    )(lens, layer_arr, qf, kc, vc, kn, vn)
+        name=("decode_attention_triton_split" if split else "decode_attention_triton")
+        + ("_tree" if tree else ""),
+    )(*inputs)
     o = combine_splits(*out).astype(q.dtype) if split else out[0]
     return _unfold_o(o[:, :, :M], T, R)
 

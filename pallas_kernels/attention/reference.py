@@ -1,6 +1,7 @@
 """Pure-jnp reference of `decode_attention` (few queries into a long KV cache).
 
 Everything in f32 (inputs are upcast), with explicit masks; no tiling, no online softmax.
+Mode "tree" takes a per-row [T, T] mask over the new tokens (`tree_visibility`).
 Slots at or past a row's length are zeroed BEFORE any arithmetic, so stale or NaN
 entries there can reach neither the result nor (through `jax.vjp`) the gradient.
 """
@@ -11,14 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("causal", "block")
+MODES = ("causal", "block", "tree")
 
 
-def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer=None):
+def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer=None, tree_mask=None):
     """Validates shapes and mode; returns (B, T, N, K, R, S, H). Raises ValueError.
-    With `layer` the caches are layer-major [L, B, K, S, H], else [B, K, S, H]."""
+    With `layer` the caches are layer-major [L, B, K, S, H], else [B, K, S, H].
+    `tree_mask` ([B, T, T], bool or integer) is required for mode "tree" and rejected
+    for the other modes."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    if (tree_mask is None) != (mode != "tree"):
+        raise ValueError("tree_mask is required for mode='tree'" if tree_mask is None else
+                         f"tree_mask is only for mode='tree' (got mode={mode!r})")
     if q.ndim != 4:
         raise ValueError(f"q {q.shape} must be [B, T, N, H]")
     B, T, N, H = q.shape
@@ -37,21 +43,37 @@ def check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer=None):
     for name, a in (("k_new", k_new), ("v_new", v_new)):
         if a.shape != (B, T, K, H):
             raise ValueError(f"{name} {a.shape} must be [B, T, K, H] = {(B, T, K, H)}")
+    if tree_mask is not None:
+        dt = getattr(tree_mask, "dtype", None)
+        if getattr(tree_mask, "shape", None) != (B, T, T) or not (
+                dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer)):
+            raise ValueError(f"tree_mask {getattr(tree_mask, 'shape', None)} {dt} must be a "
+                             f"bool or integer [B, T, T] = {(B, T, T)}")
     return B, T, N, K, N // K, S, H
 
 
+def tree_visibility(tree_mask):
+    """bool[B, T, T] from a mode-"tree" mask: [b, t, u] = tree_mask[b, t, u] != 0, or
+    u == t (the diagonal is always visible: a node sees itself whatever the mask holds,
+    so every query has at least one key and its softmax is defined)."""
+    T = tree_mask.shape[-1]
+    return (tree_mask != 0) | jnp.eye(T, dtype=bool)[None]
+
+
 def decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal",
-                               layer=None):
+                               layer=None, tree_mask=None):
     """Attention of T new queries over a row's cached prefix plus the T new tokens.
 
     Same arguments and result as `pallas_kernels.attention.decode_attention` (without the
     kernel knobs): q [B, T, N, H], k_cache/v_cache [B, K, S, H] (or [L, B, K, S, H] with
     `layer`, an int or i32 scalar: that layer is sliced out), lengths i32[B] (clipped
-    to 0..S), k_new/v_new [B, T, K, H]; mode "causal" (query t sees new tokens 0..t) or
-    "block" (all T). Returns [B, T, N, H] in q.dtype; scale 1/sqrt(H); f32 softmax.
-    Raises ValueError on bad shapes or mode.
+    to 0..S), k_new/v_new [B, T, K, H]; mode "causal" (query t sees new tokens 0..t),
+    "block" (all T) or "tree" (new token u iff tree_mask[b, t, u] != 0 or u == t;
+    tree_mask [B, T, T] bool or integer, only for "tree"). Returns [B, T, N, H] in
+    q.dtype; scale 1/sqrt(H); f32 softmax. Raises ValueError on bad shapes or mode.
     """
-    B, T, N, K, R, S, H = check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer)
+    B, T, N, K, R, S, H = check_args(q, k_cache, v_cache, lengths, k_new, v_new, mode, layer,
+                                     tree_mask)
     if layer is not None:
         k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
@@ -68,6 +90,9 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, *, mo
     s_new = jnp.einsum("BTKRH,BUKH->BKRTU", qg, k_new.astype(f32)) * scale
     if mode == "causal":
         see = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [T (query), U (key)]
+        s_new = jnp.where(see, s_new, -jnp.inf)
+    elif mode == "tree":
+        see = tree_visibility(tree_mask)[:, None, None]  # [B, 1, 1, T (query), U (key)]
         s_new = jnp.where(see, s_new, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
     o = (jnp.einsum("BKRTS,BKSH->BTKRH", probs[..., :S], vc)
