@@ -136,7 +136,6 @@ def test_kernel_equals_reference_more_shapes(case):
     _check_case(*SLOW_CASES[case])
 
 
-@pytest.mark.slow
 def test_under_tpu_interpreter():
     """Partial last tile with NaN padding, a split past a row's length, an empty row: no
     out-of-bounds read and no uninitialised memory reaches the result in tree mode."""
