@@ -15,10 +15,11 @@ skipped), so a round cut off by its time limit still returns what it measured.
 
 Checks. Verification (greedy, token, block; probabilities and one-hot drafts): the Pallas
 verdict equals the jnp reference's for the same key (same tile functions, same order).
-Attention (decode_attention causal and block, one pass and split-S, a layer-major cache;
-packed_attention forward and backward): the largest error relative to the largest
-magnitude of the reference run at matmul precision "highest", at most 5e-3 for float32
-(TF32 dots on GPU tensor cores carry 10 mantissa bits) and 3e-2 for bfloat16.
+Attention (decode_attention causal, block and tree (a binary draft tree's ancestor mask),
+one pass and split-S, a layer-major cache; packed_attention forward and backward): the
+largest error relative to the largest magnitude of the reference run at matmul precision
+"highest", at most 5e-3 for float32 (TF32 dots on GPU tensor cores carry 10 mantissa
+bits) and 3e-2 for bfloat16.
 Timings: median of --repeats calls after one compile call, wall clock with
 block_until_ready; roofline fraction = (bytes the call must move / the device's vendor
 bandwidth) / measured time (benchmarks/kernels.py counts the bytes).
@@ -253,6 +254,17 @@ def _attention_inputs(B, T, N, K, H, S, dt, seed=0, layers=None):
     return q, kc, vc, kn, vn
 
 
+def _binary_tree_mask(B, T):
+    """bool[B, T, T]: the ancestor mask (diagonal included) of the draft tree where node
+    i > 0 has parent (i - 1) // 2, for decode_attention(mode="tree")."""
+    import numpy as np
+
+    mask = np.eye(T, dtype=bool)
+    for i in range(1, T):
+        mask[i] |= mask[(i - 1) // 2]
+    return np.broadcast_to(mask, (B, T, T))
+
+
 def step_attention_check(rec: dict, dry_run: bool) -> None:
     import jax
     import jax.numpy as jnp
@@ -263,7 +275,7 @@ def step_attention_check(rec: dict, dry_run: bool) -> None:
     B, T, S = (2, 4, 256) if dry_run else (4, 8, 4096)
     for sname, (_V, N, K, H) in shapes(dry_run).items():
         for dt in ("float32", "bfloat16"):
-            for mode in ("causal", "block"):
+            for mode in ("causal", "block", "tree"):
                 for splits, layered in ((1, False), (4, False), (1, True)):
                     q, kc, vc, kn, vn = _attention_inputs(B, T, N, K, H, S, dt,
                                                           layers=3 if layered else None)
@@ -271,6 +283,8 @@ def step_attention_check(rec: dict, dry_run: bool) -> None:
                     lengths = lengths.at[0].set(0)  # an empty row
                     layer = 1 if layered else None
                     kw = dict(mode=mode, layer=layer, num_splits=splits)
+                    if mode == "tree":
+                        kw["tree_mask"] = jnp.asarray(_binary_tree_mask(B, T))
                     got = jax.jit(lambda *a, kw=kw: decode_attention(
                         *a, impl="pallas", backend=gpu_backend(), **kw))(q, kc, vc, lengths, kn, vn)
                     with jax.default_matmul_precision("highest"):
