@@ -421,6 +421,24 @@ def test_chain_tree_equals_chain_rules(G):
     assert len(set(np.asarray(cases[2][0].num_accepted).tolist())) == G + 1  # every tau occurs
 
 
+def test_block_skips_a_draft_with_invalid_nodes():
+    """A draft with an unused node is never read: its tokens do not change the verdicts,
+    and no path enters it."""
+    rng = np.random.default_rng(4)
+    B, K, G = 4096, 2, 2
+    tab = _tables(2 * G + 2, 0)
+    tokens, parents, q, p = _draft_batch(tab, np.zeros(B, np.int64), np.zeros(B, np.int64), K, G, rng)
+    tree = _to_tree(tokens, parents, q)
+    tree = tree.replace(valid=tree.valid.at[:, 1 + G + 1].set(False))
+    other = tree.replace(tokens=tree.tokens.at[:, 1 + G:].set(jnp.asarray(tokens[:, 1:1 + G])))
+    rule = _rule("block", K, G)
+    a = rule(tree, jnp.asarray(p, jnp.float32), jax.random.key(2))
+    b = rule(other, jnp.asarray(p, jnp.float32), jax.random.key(2))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.asarray(a.path).max() <= G
+
+
 def test_errors():
     B, G = 2, 2
     draft, q, p = _chain_inputs(0, B, G)
@@ -439,8 +457,9 @@ def test_errors():
 
 # ----------------------------------------------------------------------------- exact laws
 
-ENUM_CASES = [("token", 2, 2), ("token", 3, 2), ("token", 2, 3), ("topc", 2, 2), ("topc", 3, 2),
-              ("block", 1, 2), ("block", 2, 2), ("block", 3, 2), ("block", 2, 3)]
+ENUM_CASES = [("token", 3, 1), ("token", 2, 2), ("token", 3, 2), ("token", 2, 3), ("topc", 2, 2),
+              ("topc", 3, 2), ("topc", 2, 3), ("block", 3, 1), ("block", 1, 2), ("block", 2, 2),
+              ("block", 3, 2), ("block", 2, 3)]
 
 
 @pytest.mark.parametrize("rule,K,G", ENUM_CASES)
@@ -468,11 +487,38 @@ def test_reference_block_at_k1_is_block_verification():
                 assert abs(law.get(tuple(flat[:t]) + (y,), 0.0) - ref[t, y]) < 1e-14
 
 
+@pytest.mark.parametrize("G", [2, 3])
+def test_block_verification_accepts_a_token_as_often_as_token_rule(G):
+    """The step of the block rule's E[tau] >= token argument (tree_verify docstring):
+    block verification accepts at least one token w.p. sum_x min(p_1, q_1)(x), the
+    token rule's probability, averaged over the draft."""
+    for seed in (0, 1):
+        tab = _tables(2 * G + 2, seed)
+        acc = 0.0
+        for flat in itertools.product(range(V), repeat=G):
+            x = np.array(flat)
+            w = _draft_prob(tab, x[None])
+            if w > 0:
+                _, _, q, p = _iid_tree(tab, (), x[None])
+                acc += w * (1 - du.exact_verdict("block", x, q[1:], p)[0].sum())
+        assert abs(acc - np.minimum(tab.p(()), tab.q(())).sum()) < 1e-12
+
+
 @pytest.mark.parametrize("G,Ks", [(2, (1, 2, 3)), (3, (1, 2))])
 def test_expected_tau_block_beats_token_and_rises_with_k(G, Ks):
     """Exact E[tau] of one step: block >= token for every K, and block rises with K;
     K = 1 token and block are verify.py's chain rules (du.expected_accepted)."""
-    for seed in (0, 1):
+    _check_expected_tau(G, Ks, seeds=(0, 1))
+
+
+@pytest.mark.slow
+def test_expected_tau_more_tables():
+    _check_expected_tau(2, (1, 2, 3), seeds=(2, 3, 4, 5))
+    _check_expected_tau(1, (1, 2, 3), seeds=(2, 3))
+
+
+def _check_expected_tau(G, Ks, seeds):
+    for seed in seeds:
         tok = {K: _enumerated("token", K, G, seed)[1] for K in Ks}
         blk = {K: _enumerated("block", K, G, seed)[1] for K in Ks}
         print(f"\n[E tau] G={G} seed={seed}: " + " ".join(

@@ -61,8 +61,8 @@ block (`verify_tree_block`): multi-draft block verification for K drafts of leng
   uniforms, and by induction they turn any state (s + accepted, res_t) into "res_t, then
   the target": substituting them for the single draw from res_t keeps the law.
   Consequences: K = 1 is block verification (identical verdicts for the same key); a
-  draft can only lengthen the accepted prefix, so tau never decreases when drafts are
-  added; and at the root the rule is recursive rejection over branches in which each
+  draft appended at the end can only lengthen the accepted prefix (for the same draws of
+  the earlier drafts), so E[tau] cannot fall as K grows; and at the root the rule is recursive rejection over branches in which each
   branch is block-verified instead of token-verified. Block verification accepts at
   least one token w.p. sum_x min(r, q)(x), as the token rule does, so both rules reach
   draft k with the same probability and residual, and block verification's larger
@@ -292,7 +292,3 @@ def verify_tree_block(tree: DraftTree, p, key, *, max_depth: int,
                      1 + owner[:, None] * G + i[:, None] - 1)
     path = jnp.where(jnp.minimum(depth[None, :], i[:, None]) == 0, 0, path)
     return TreeVerdict(i, sample(k_next, r), path.astype(jnp.int32))
-
-
-TREE_VERIFIERS = {"greedy": verify_tree_greedy, "token": verify_tree_token,
-                  "block": verify_tree_block}
