@@ -32,11 +32,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load_run(name: str):
     """(cfg, DrafterRun) of study run `name` (target and data loaded, no state)."""
     from specjax.train import load_config
+
+    return run_of_config(load_config(os.path.join(ROOT, "configs", "study", f"{name}.yaml")))
+
+
+def run_of_config(cfg):
+    """(cfg, DrafterRun) of any drafter run's validated TrainConfig `cfg` (target and data
+    loaded, f32, no state): what `load_run` does for a configs/study/ run, for a config
+    loaded elsewhere (the redone study's runs/study2/NAME-sSEED, a test's tiny run)."""
     from specjax.train import mesh as mesh_lib
     from specjax.train.drafter_run import DrafterRun
     from specjax.train.optim import make_optimizer
 
-    cfg = load_config(os.path.join(ROOT, "configs", "study", f"{name}.yaml"))
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     return cfg, DrafterRun(cfg, mesh, tx, schedule, jnp.float32)
@@ -124,7 +131,11 @@ def _cos(a, b) -> float:
 def query_cosines(name: str, rows: int = 4) -> dict:
     """{"layers": [{"layer", "target_layer", "trained", "init"}], "target_between":
     cosine of the target's own queries at two reused layers} for KV run `name`."""
-    cfg, run = load_run(name)
+    return {"run": name, **query_cosines_of(*load_run(name), rows)}
+
+
+def query_cosines_of(cfg, run, rows: int = 4) -> dict:
+    """`query_cosines` of a loaded KV-only (TTT) run (`run_of_config`), without "run"."""
     dcfg = run.trainer.dcfg
     data = held_out_rows(run, rows)
     tokens = jnp.asarray(data[:, :-1])
@@ -145,7 +156,7 @@ def query_cosines(name: str, rows: int = 4) -> dict:
                     "init": _cos(got[False][i][:, :-1], ref),
                     "best_target_layer": best, "best": per_layer[best]})
     between = _cos(tq[layers[0]], tq[layers[-1]])
-    return {"run": name, "layers": out, "target_between": between,
+    return {"layers": out, "target_between": between,
             "target_between_layers": [layers[0], layers[-1]]}
 
 
@@ -155,14 +166,21 @@ KV_PARTS = ("k_proj", "v_proj", "merge_k", "merge_v")
 def grad_fractions(name: str, rows: int = 8) -> dict:
     """{"init": {...}, "trained": {...}}: per KV_PARTS and q_proj, the gradient norm and
     its fraction of the whole gradient's norm, on `rows` held-out sequences."""
-    cfg, run = load_run(name)
+    return {"run": name, **grad_fractions_of(*load_run(name), rows)}
+
+
+def grad_fractions_of(cfg, run, rows: int = 8, trained_params=None) -> dict:
+    """`grad_fractions` of a loaded run (`run_of_config`), without "run"; trained_params:
+    the trained weights (default: the run's export, `params_of`)."""
     tr = run.trainer
     batch = jnp.asarray(held_out_rows(run, rows))
     key = jax.random.PRNGKey(0)
     grad = jax.jit(jax.grad(tr.loss))
     out = {}
     for trained in (False, True):
-        g = grad(params_of(cfg, run, trained), batch, tr.target_params, key)
+        params = params_of(cfg, run, trained) if trained_params is None or not trained \
+            else trained_params
+        g = grad(params, batch, tr.target_params, key)
         flat = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
                 for p, v in nnx.to_flat_state(g)}
         total = float(np.sqrt(sum((x ** 2).sum() for x in flat.values())))
@@ -171,7 +189,7 @@ def grad_fractions(name: str, rows: int = 8) -> dict:
             norm = float(np.sqrt((flat[part] ** 2).sum())) if part in flat else float("nan")
             parts[part] = {"norm": norm, "fraction": norm / total if total else float("nan")}
         out["trained" if trained else "init"] = {"total": total, "parts": parts}
-    return {"run": name, "objective": cfg.objective, **out}
+    return {"objective": cfg.objective, **out}
 
 
 def evaluate_export(name: str) -> dict:
@@ -194,3 +212,76 @@ def evaluate_init(name: str) -> dict:
     else:
         state = tr.init_state()
     return run.validate(state)
+
+
+def block_queries(run, params, rows, gamma: int | None = None) -> list[jax.Array]:
+    """Queries [B,A,G+1,N,H] of each layer of a block drafter (context kv), one block
+    anchored at every position a = 1 .. T-G (A = T-G anchors), recorded from the block
+    objective's own forward (`BlockNet.contexts` and `BlockNet.blocks`, as `block_loss`
+    runs them). Block position j holds position a+j (j = 0: the anchor's own token,
+    j >= 1: mask tokens), so its query compares with the target's query at a+j."""
+    from specjax.drafters import block as block_lib
+    from specjax.train.objectives import Frozen
+
+    tr = run.trainer
+    target = _target(run)
+    net = tr.network(params)
+    G = gamma or tr.dcfg.gamma
+    tokens = jnp.asarray(rows[:, :-1])
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    tgt = target(tokens, positions, None, capture=tr.dcfg.capture,
+                 capture_kv=tr.dcfg.kv_layers)
+    frozen = Frozen.from_target(target)
+    anchors = jnp.broadcast_to(jnp.arange(1, T - G + 1, dtype=jnp.int32), (B, T - G))
+    seen = []
+    attend = block_lib.attend  # the name BlockNet.run_block calls
+
+    def recording(q, *a, **k):
+        seen.append(q)
+        return attend(q, *a, **k)
+
+    block_lib.attend = recording
+    try:
+        contexts = net.contexts(tgt.hidden, tgt.kv, positions, frozen.inv_freq)
+        net.blocks(contexts, anchors, tokens, frozen.embed, frozen.inv_freq, G)
+    finally:
+        block_lib.attend = attend
+    A = anchors.shape[1]
+    return [q.reshape(B, A, G + 1, *q.shape[2:]) for q in seen[: tr.dcfg.num_layers]]
+
+
+def block_query_cosines_of(cfg, run, rows: int = 2) -> dict:
+    """The query probe for a block drafter with KV context (the block-wise KV-only
+    drafter): per drafter layer i, whose merged memory starts as target layer j, the
+    cosine between its queries and the target's own queries at layer j, same positions
+    and heads: "trained" / "init" at block position 0 (the anchor token, the analogue of
+    TTT step 0 in `query_cosines`), "trained_mask" / "init_mask" averaged over the mask
+    positions 1..G; "best_target_layer" by the block-position-0 cosine. `rows` held-out
+    sequences. Same keys as `query_cosines_of` plus the mask columns."""
+    dcfg = run.trainer.dcfg
+    if not dcfg.uses_kv:
+        raise ValueError(f"block_query_cosines_of needs a KV context, not {dcfg.context!r}")
+    data = held_out_rows(run, rows)
+    tokens = jnp.asarray(data[:, :-1])
+    T = tokens.shape[1]
+    G = dcfg.gamma
+    layers = list(dcfg.kv_layers)
+    tq = target_queries(_target(run), tokens, layers)
+    at = np.arange(1, T - G + 1)[:, None] + np.arange(G + 1)[None, :]  # [A, G+1] positions
+    got = {t: block_queries(run, params_of(cfg, run, t), data) for t in (True, False)}
+    out = []
+    for i, src in enumerate(dcfg.merge_sources()[: len(got[True])]):
+        j = layers[src]
+        ref = {jj: np.asarray(tq[jj])[:, at] for jj in layers}  # [B,A,G+1,N,H]
+        per_layer = {jj: _cos(got[True][i][:, :, 0], ref[jj][:, :, 0]) for jj in layers}
+        best = max(per_layer, key=per_layer.get)
+        out.append({"layer": i, "target_layer": j,
+                    "trained": _cos(got[True][i][:, :, 0], ref[j][:, :, 0]),
+                    "init": _cos(got[False][i][:, :, 0], ref[j][:, :, 0]),
+                    "trained_mask": _cos(got[True][i][:, :, 1:], ref[j][:, :, 1:]),
+                    "init_mask": _cos(got[False][i][:, :, 1:], ref[j][:, :, 1:]),
+                    "best_target_layer": best, "best": per_layer[best]})
+    between = _cos(tq[layers[0]], tq[layers[-1]])
+    return {"layers": out, "target_between": between,
+            "target_between_layers": [layers[0], layers[-1]]}
