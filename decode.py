@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--verify", choices=("token", "block"), default="block",
                     help="verification rule when sampling (greedy at temperature 0)")
+    ap.add_argument("--num-drafts", type=int, default=1, metavar="K",
+                    help="drafts per step, verified as one draft tree of 1 + K*G nodes (at "
+                         "temperature 0 the drafter's top-K first tokens, each continued "
+                         "greedily; above it K independent samples); 1 = one chain")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
@@ -174,6 +178,11 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.batch_size < 1:
         raise SpecjaxError(f"--batch-size={args.batch_size} must be >= 1")
+    if args.num_drafts < 1:
+        raise SpecjaxError(f"--num-drafts={args.num_drafts} must be >= 1 (1 = one chain)")
+    if args.num_drafts > 1 and args.drafter == "none":
+        raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
+                           "autoregressively)")
     from specjax.fileio import check_output_file
 
     for flag, path in (("--output", args.output), ("--summary", args.summary)):
@@ -192,6 +201,9 @@ def _format_table(summary: dict) -> str:
     if summary.get("tau") is not None:
         rows.append(("tau (tokens/step)", f"{summary['tau']:.3f}"))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
+        if summary.get("num_drafts", 1) > 1:
+            rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
+                                                f"{summary['nodes_per_step']}"))
     if "speedup" in summary:
         rows.append(("AR tokens/s", f"{summary['ar_tokens_per_s']:.1f}"))
         rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))
@@ -211,7 +223,8 @@ def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
     from specjax.models.config import ModelConfig
 
     B = args.batch_size
-    S = max_length + (args.gamma or DEFAULT_GAMMA) + 1  # room for a draft block
+    G = args.gamma or DEFAULT_GAMMA
+    S = max_length + (G + 1 if args.num_drafts == 1 else 1 + args.num_drafts * G)  # draft room
     cache = plan.kv_cache_bytes(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, dtype)
     parts = {"target weights": plan.weight_bytes(cfg, dtype),
              "KV cache": cache * (2 if args.compare_ar and args.drafter != "none" else 1),
@@ -302,7 +315,9 @@ def run(args) -> int:
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
-    engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams, **common)}
+    engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
+                              num_drafts=args.num_drafts if drafter is not None else 1,
+                              **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
 
@@ -328,6 +343,9 @@ def run(args) -> int:
                "drafter": drafter_arg, "gamma": loaded.gamma if drafter is not None else 0,
                "verify": "greedy" if sampling.greedy else args.verify,
                "kernels": engines["main"].cfg.kernels,
+               "num_drafts": engines["main"].cfg.num_drafts,
+               "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma)
+                                  if drafter is not None else 1),
                "batch_size": args.batch_size, "prompts": len(prompts),
                "mesh": dict(mesh.shape) if mesh is not None else None}
     if args.compare_ar:

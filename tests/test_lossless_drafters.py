@@ -286,16 +286,18 @@ class StaleQDrafter:
 
 
 @functools.cache
-def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=None):
+def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=None,
+         num_drafts=1):
     """One loop call over `batch` copies of PROMPT (None: BATCH per rule) -> (tokens
-    i32[B,N_NEW], steps i32[B], accepted i32[B,G])."""
+    i32[B,N_NEW], steps i32[B], accepted i32[B,G]). num_drafts > 1: K drafts per step,
+    verified as one draft tree (`LoopConfig.num_drafts`)."""
     batch = batch or BATCH * (2 if callable(VERIFY[verify]) else 1)
     drafter, dparams = _drafter(name, sp, hot)
     if stale:
         drafter = StaleQDrafter(drafter)
     g, params = nnx.split(_target())
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=sp,
-                    verify=VERIFY[verify], kernels=kernels)
+                    verify=VERIFY[verify], kernels=kernels, num_drafts=num_drafts)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
     prompt[: len(PROMPT)] = PROMPT
     res = speculative_loop(g, params, drafter, dparams, lc,
@@ -332,12 +334,14 @@ def _halves(verify, batch):
     return {verify: slice(0, batch)}
 
 
-def _check(name, verify, sp, hot=None, kernels="off", stale=False):
+def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1):
     """-> {rule: (statistic, threshold, worst view, acceptance of draft 1, of draft G)}.
     Each case draws with its own seed (cases that share a drafter would otherwise
     share most of their randomness)."""
-    seed = zlib.crc32(f"{name} {verify} {sp} {hot} {kernels} {stale}".encode())
-    tokens, steps, accepted = _run(name, verify, sp, hot, kernels, stale, seed)
+    tag = f" K={num_drafts}" if num_drafts > 1 else ""
+    seed = zlib.crc32(f"{name} {verify} {sp} {hot} {kernels} {stale}{tag}".encode())
+    tokens, steps, accepted = _run(name, verify, sp, hot, kernels, stale, seed,
+                                   num_drafts=num_drafts)
     exact = _exact(sp)
     out = {}
     for rule, rows in _halves(verify, len(tokens)).items():
@@ -348,7 +352,7 @@ def _check(name, verify, sp, hot=None, kernels="off", stale=False):
         n_steps = steps[rows].sum()
         acc = accepted[rows].sum(axis=0) / n_steps  # per draft position, per round
         out[rule] = (stat, thresh, worst, acc[0], acc[-1])
-        print(f"\n[{name} {rule} {_id(sp)} hot={hot is not None} kernels={kernels}"
+        print(f"\n[{name}{tag} {rule} {_id(sp)} hot={hot is not None} kernels={kernels}"
               f"{' stale' if stale else ''}] z={stat:.2f} thresh={thresh:.2f} worst {worst}; "
               f"accepted per round {acc.round(3)} rounds/row {steps[rows].mean():.2f}")
     return out
@@ -424,6 +428,32 @@ def test_setup_is_discriminating():
 @pytest.mark.parametrize("name,verify,sp,hot,kernels", CASES, ids=_id)
 def test_multi_round_sampling_is_lossless(name, verify, sp, hot, kernels):
     _assert_lossless(name, verify, sp, hot, kernels)
+
+
+# Draft trees (issue 30): K drafts per step from one drafter state, verified as one tree
+# by the tree rules (specjax.decoding.tree_verify), the accepted path compacted into the
+# caches. (drafter, rule, sampling, hot vocabulary, K).
+TREE_FAST = [
+    ("eagle3", "token", PLAIN, None, 2),
+    ("block-kv", "block", TOP_K, None, 3),
+    ("draft-lm", "block", PLAIN, None, 2),
+]
+TREE_SLOW = [
+    ("eagle3", "block", TOP_P, HOT, 3),
+    ("kv", "token", TOP_K, None, 3),
+    ("hybrid", "block", PLAIN, None, 2),
+    ("block-hidden", "token", PLAIN, None, 2),
+    ("ngram", "token", PLAIN, None, 3),
+    ("ngram", "block", PLAIN, None, 2),
+    ("draft-lm", "token", TOP_P, None, 3),
+    ("dflash", "block", PLAIN, HOT, 2),
+]
+TREE_CASES = TREE_FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in TREE_SLOW]
+
+
+@pytest.mark.parametrize("name,verify,sp,hot,num_drafts", TREE_CASES, ids=_id)
+def test_draft_trees_are_lossless(name, verify, sp, hot, num_drafts):
+    _assert_lossless(name, verify, sp, hot, num_drafts=num_drafts)
 
 
 def test_stale_q_after_first_round_is_caught():

@@ -113,6 +113,7 @@ class Engine:
         rows over `data` x `fsdp` (`batch_size` must split evenly).
       prefill_chunk, prefill_min_chunk: the prefill's largest and smallest pieces (see
         `LoopConfig`); None: the backend's defaults.
+      num_drafts: drafts per step, verified as one draft tree when > 1 (see `LoopConfig`).
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
     divide.
@@ -123,7 +124,7 @@ class Engine:
                  max_length: int, prompt_width: int, batch_size: int = 1,
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
-                 prefill_min_chunk: int | None = None):
+                 prefill_min_chunk: int | None = None, num_drafts: int = 1):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
@@ -142,14 +143,15 @@ class Engine:
                 n, k = _drafter_heads(drafter, drafter_params, c)
                 self.drafter_params = sharding.shard_params(mesh, drafter_params, n, k)
             gamma = drafter.gamma if drafter is not None else 0
-            shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + gamma + 1,
+            nodes = gamma + 1 if num_drafts == 1 else 1 + num_drafts * gamma
+            shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + nodes,
                      c.head_dim)
             cache_sharding = sharding.cache_sharding(mesh, shape, c.num_heads)
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
                               verify=verify, kernels=resolve_kernels(kernels),
                               cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
-                              prefill_min_chunk=prefill_min_chunk)
+                              prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0

@@ -28,6 +28,7 @@ from flax import nnx, struct
 
 from specjax.decoding import kernel_policy
 from specjax.decoding.sampling import SamplingParams, filtered_probs, sample_logits
+from specjax.decoding.tree import DraftTree, ancestor_mask, path_tokens, tree_from_drafts
 from specjax.decoding.verify import VERIFIERS, Verdict
 from specjax.drafters.base import Drafter, LoopView
 from specjax.models.kv_cache import KVCache
@@ -72,6 +73,12 @@ class LoopConfig:
       halves down to the smallest >= this (`specjax.models.prefill.prefill_pieces`). None:
       `specjax.models.prefill.default_prefill_min_chunk(prefill_chunk)` (64 on the CPU backend;
       elsewhere the chunk itself, whole chunks only).
+    num_drafts: K >= 1 drafts per step. K = 1: one chain of G drafts (the drafter's
+      propose). K > 1: K drafts of G tokens from the same state (at temperature 0 the
+      top-K first tokens, each continued greedily; above it K independent samples),
+      verified as one draft tree of N = 1 + K*G nodes in one target forward with a tree
+      mask (`specjax.decoding.tree`, `specjax.decoding.tree_verify`); the accepted path's
+      K/V are compacted into place (`compact_path`).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.decoding.sharding.cache_sharding`),
       applied where the cache is created.
@@ -88,8 +95,11 @@ class LoopConfig:
     prefill_chunk: int | None = None
     prefill_min_chunk: int | None = None
     cache_sharding: Any = None
+    num_drafts: int = 1
 
     def __post_init__(self):
+        if self.num_drafts < 1:
+            raise ValueError(f"num_drafts={self.num_drafts} must be >= 1")
         for name in ("prefill_chunk", "prefill_min_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -157,6 +167,26 @@ class LoopConfig:
         return kernel_policy.drafter_attention(self.kernels, self.cache_sharding,
                                                self.pallas_backend, self.pallas_interpret)
 
+    def tree_nodes(self, gamma: int) -> int:
+        """N, the verify forward's tokens per row: G + 1 for a chain, 1 + K*G for K drafts."""
+        return gamma + 1 if self.num_drafts == 1 else 1 + self.num_drafts * gamma
+
+    def tree_verifier(self, gamma: int) -> Callable:
+        """fn(tree, p f32[B,N,V], key) -> `specjax.decoding.tree_verify.TreeVerdict` for the
+        num_drafts > 1 loop: greedy at temperature 0, else the tree form of `verify`
+        ("token": recursive rejection sampling over siblings; "block": multi-draft block
+        verification). A custom VerifyFn has no tree form (ValueError)."""
+        from specjax.decoding import tree_verify
+
+        if self.sampling.greedy:
+            return functools.partial(tree_verify.verify_tree_greedy, max_depth=gamma)
+        if self.verify == "token":
+            return functools.partial(tree_verify.verify_tree_token, max_depth=gamma,
+                                     max_children=self.num_drafts)
+        if self.verify == "block":
+            return functools.partial(tree_verify.verify_tree_block, max_depth=gamma)
+        raise ValueError(f"verify={self.verify!r} has no draft-tree form (num_drafts > 1)")
+
     def verifier(self) -> VerifyFn:
         if self.sampling.greedy:
             return VERIFIERS["greedy"]
@@ -197,7 +227,7 @@ def _is_eos(tokens, eos_ids):
 def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma, capture):
     """Prefill, first token, and the initial loop state (shared by both loops)."""
     B, Tp = prompts.shape
-    capacity = cfg.max_length + gamma + 1
+    capacity = cfg.max_length + cfg.tree_nodes(gamma)
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
     cache = model.init_cache(B, capacity)
     if cfg.cache_sharding is not None:
@@ -309,6 +339,75 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
     return _result(final)
 
 
+def _emit(s: LoopState, cfg: LoopConfig, draft, tau, nxt):
+    """Writes each active row's x_1..x_tau and the correction/bonus token `nxt`, cut at
+    its first EOS and at its budget. draft i32[B,G]; tau, nxt i32[B].
+    -> (tokens, lengths, done, act i32[B] = 1 for rows that were active)."""
+    B, G = draft.shape
+    offsets = jnp.arange(G + 1, dtype=jnp.int32)
+    cand = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    cand = jnp.where(offsets[None, :] == tau[:, None], nxt[:, None], cand)
+    in_block = offsets[None, :] <= tau[:, None]
+    eos = _is_eos(cand, cfg.eos_token_ids) & in_block
+    first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), G + 1)
+    remaining = s.budgets - (s.lengths - s.prompt_lengths)
+    active = ~s.done
+    n_emit = jnp.minimum(jnp.minimum(tau + 1, remaining), first_eos + 1)
+    n_emit = jnp.where(active, n_emit, 0).astype(jnp.int32)
+    write_pos = jnp.where(offsets[None, :] < n_emit[:, None], s.lengths[:, None] + offsets,
+                          s.tokens.shape[1])
+    tokens = s.tokens.at[jnp.arange(B)[:, None], write_pos].set(cand, mode="drop")
+    lengths = s.lengths + n_emit
+    stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
+    return tokens, lengths, s.done | (active & stop), active.astype(jnp.int32)
+
+
+def _advance(s: LoopState, tokens, lengths, done, act, cache, dstate, key, tau) -> LoopState:
+    """The next loop state; counts the step and the accepted drafts per position."""
+    G = s.accepted.shape[1]
+    accepted = s.accepted + act[:, None] * (jnp.arange(G)[None, :] < tau[:, None])
+    return s.replace(tokens=tokens, lengths=lengths, done=done, cache=cache,
+                     drafter_state=dstate, key=key, steps=s.steps + act,
+                     accepted=accepted.astype(jnp.int32))
+
+
+def compact_path(cache: KVCache, base, path) -> KVCache:
+    """Moves the accepted path's K/V into place after a draft tree's verify forward: node
+    path[b, j] was written at slot base[b] + path[b, j]; it goes to slot base[b] + j
+    (j = 0..G, every layer), so the cache holds the committed tokens contiguously again
+    and the rejected branches' entries sit past the row's length, stale.
+    cache k, v [L,B,K,S,H]; base i32[B]; path i32[B,G+1] (`specjax.decoding.tree`)."""
+    B, P = path.shape
+    rows = jnp.arange(B)[:, None]
+    src = base[:, None] + path
+    dst = base[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]
+    # advanced indices around a slice: the gathered block is [B,P,L,K,H]
+    k = cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src], mode="drop")
+    v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")
+    return cache.replace(k=k, v=v)
+
+
+def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_drafts: int,
+                   pending) -> DraftTree:
+    """K = num_drafts drafts of G tokens from one drafter state, as a tree of 1 + K*G nodes
+    (`specjax.decoding.tree.tree_from_drafts`): `drafter.propose` vmapped over K keys and
+    first_rank = (0..K-1, K): at temperature 0 the top-K first tokens, each continued
+    greedily (`specjax.decoding.sampling.ranked_choice`), above it K independent samples
+    (a deterministic drafter such as n-gram uses the rank at every temperature). The proposals' drafter states are
+    dropped: the loop updates the drafter from the state before the step
+    (`update_after_tree` where a drafter has it). pending: i32[B] the root tokens."""
+    keys = jax.random.split(key, num_drafts)
+    ranks = jnp.arange(num_drafts, dtype=jnp.int32)
+
+    def one(k, r):
+        draft, q, _ = drafter.propose(params, state, view, k, first_rank=(r, num_drafts))
+        return draft, (None if drafter.sampling.greedy else q)
+    drafts, q = jax.vmap(one)(keys, ranks)  # [K,B,G], [K,B,G,V] or None
+    if q is None:
+        return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1))
+    return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
 def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
                      prompts, prompt_lengths, budgets, key):
@@ -316,6 +415,9 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
     output follows the filtered target distribution (docs/design.md section 4).
+    With `cfg.num_drafts` K > 1 each step verifies K drafts as one draft tree
+    (`propose_drafts`, a tree-masked target forward, `LoopConfig.tree_verifier`,
+    `compact_path`).
     """
     model = nnx.merge(graphdef, params)
     G = drafter.gamma
@@ -329,10 +431,9 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     with jax.named_scope("drafter_init"):
         dstate = drafter.init(drafter_params, view, k_init)
     state = state.replace(drafter_state=dstate, key=key)
-    B = prompts.shape[0]
     offsets = jnp.arange(G + 1, dtype=jnp.int32)
 
-    def step(s: LoopState) -> LoopState:
+    def chain_step(s: LoopState) -> LoopState:
         key, k_draft, k_verify = jax.random.split(s.key, 3)
         view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
         # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
@@ -349,30 +450,45 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
             else:
                 p = filtered_probs(out.logits, cfg.sampling)
                 tau, nxt = verify(draft, q, p, k_verify)
-        # Candidate emission: x_1..x_tau, then the correction/bonus token.
-        cand = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
-        cand = jnp.where(offsets[None, :] == tau[:, None], nxt[:, None], cand)
-        in_block = offsets[None, :] <= tau[:, None]
-        eos = _is_eos(cand, cfg.eos_token_ids) & in_block
-        first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), G + 1)
-        remaining = s.budgets - (s.lengths - s.prompt_lengths)
-        active = ~s.done
-        n_emit = jnp.minimum(jnp.minimum(tau + 1, remaining), first_eos + 1)
-        n_emit = jnp.where(active, n_emit, 0).astype(jnp.int32)
-        write_pos = jnp.where(offsets[None, :] < n_emit[:, None], s.lengths[:, None] + offsets,
-                              s.tokens.shape[1])
-        tokens = s.tokens.at[jnp.arange(B)[:, None], write_pos].set(cand, mode="drop")
-        lengths = s.lengths + n_emit
-        stop = (first_eos < n_emit) | (lengths - s.prompt_lengths >= s.budgets)
+        tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
         cache = out.cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, out.hidden, pos)
         with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
-        act = active.astype(jnp.int32)
-        accepted = s.accepted + act[:, None] * (offsets[None, :G] < tau[:, None])
-        return s.replace(tokens=tokens, lengths=lengths, done=s.done | (active & stop),
-                         cache=cache, drafter_state=dstate, key=key, steps=s.steps + act,
-                         accepted=accepted.astype(jnp.int32))
+        return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
+
+    def tree_step(s: LoopState) -> LoopState:
+        key, k_draft, k_verify = jax.random.split(s.key, 3)
+        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+        base = s.lengths - 1  # the root's (pending token's) position and slot
+        pending = jnp.take_along_axis(s.tokens, base[:, None], axis=1)[:, 0]
+        with jax.named_scope("drafter_propose"):
+            tree = propose_drafts(drafter, drafter_params, s.drafter_state, view, k_draft,
+                                  cfg.num_drafts, pending)
+        pos = base[:, None] + tree.depths  # [B,N]
+        with jax.named_scope("target_verify_forward"):
+            out = model(tree.tokens, pos, s.cache, capture=drafter.capture,
+                        attention=attention, tree_mask=ancestor_mask(tree, G))
+        with jax.named_scope("verify_rule"):
+            p = filtered_probs(out.logits, cfg.sampling)  # [B,N,V]
+            tau, nxt, path = tree_verify(tree, p, k_verify)
+        draft = path_tokens(tree, path)[:, 1:]  # [B,G] the accepted path's drafts
+        tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
+        cache = compact_path(out.cache, base, path).rewind(lengths - 1)
+        hidden = None
+        if out.hidden is not None:  # [C,B,N,D] -> the path's [C,B,G+1,D]
+            hidden = jnp.take_along_axis(out.hidden, path[None, :, :, None], axis=2)
+        after = LoopView(tokens, lengths, cache, hidden, base[:, None] + offsets[None, :])
+        with jax.named_scope("drafter_update"):
+            dstate = update_after_tree(drafter_params, s.drafter_state, after, tau)
+        return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
+
+    if cfg.num_drafts > 1:
+        tree_verify = cfg.tree_verifier(G)
+        update_after_tree = getattr(drafter, "update_after_tree", drafter.update)
+        step = tree_step
+    else:
+        step = chain_step
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
     return _result(final)

@@ -66,14 +66,19 @@ def target_attention(kernels: str, cache_sharding, pallas_backend: str,
     chunked jnp `specjax.models.attention.cache_attention`) unless kernels == "pallas" and the
     cache is not sharded over a mesh (the kernel is not partitioned: XLA would gather the
     cache), then the causal `pallas_kernels.attention.decode_attention` over the
-    layer-major cache, read in place. See `specjax.decoding.generate.LoopConfig.target_attention`."""
+    layer-major cache, read in place (its tree mode when the forward passes tree_mask=, a
+    draft tree's verify forward). See `specjax.decoding.generate.LoopConfig.target_attention`."""
     if kernels != "pallas" or cache_sharding is not None:
         return None
     from pallas_kernels.attention import decode_attention
 
     backend, interpret = pallas_layout(pallas_backend, interpret)
 
-    def fn(q, k_cache, v_cache, layer, lengths, k_new, v_new):
+    def fn(q, k_cache, v_cache, layer, lengths, k_new, v_new, tree_mask=None):
+        if tree_mask is not None:  # a draft tree's verify forward: the kernel's tree mode
+            return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mode="tree",
+                                    tree_mask=tree_mask, backend=backend,
+                                    interpret=interpret, layer=layer)
         return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new,
                                 mode="causal", backend=backend, interpret=interpret,
                                 layer=layer)

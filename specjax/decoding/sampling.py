@@ -80,3 +80,20 @@ def sample_logits(key: jax.Array, logits: jax.Array, sp: SamplingParams):
     if sp.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), probs
     return sample(key, probs), probs
+
+
+def ranked_choice(logits: jax.Array, probs: jax.Array, token: jax.Array, sp: SamplingParams,
+                  first_rank):
+    """A draft's first token when several drafts start from one state (`--num-drafts`).
+
+    first_rank: None (keep `token` and `probs`: one draft, or independent samples at
+    temperature > 0), or (rank i32 scalar, K static int): at temperature 0 the token of the
+    rank-th largest logit (0 = argmax; lower index first on ties, as `jax.lax.top_k`) with
+    a one-hot q, so K drafts start with the top-K first tokens (a deterministic choice:
+    verification stays exact). logits f32[B,V], probs f32[B,V], token i32[B]."""
+    if first_rank is None or not sp.greedy:
+        return token, probs
+    rank, k = first_rank
+    choice = jax.lax.top_k(logits.astype(jnp.float32), k)[1]  # [B,K]
+    x = jnp.take(choice, rank, axis=-1).astype(jnp.int32)
+    return x, jax.nn.one_hot(x, logits.shape[-1], dtype=probs.dtype)

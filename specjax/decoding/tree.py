@@ -101,7 +101,7 @@ def ancestor_mask(tree: DraftTree, max_depth: int) -> jax.Array:
     for _ in range(max_depth):  # walk up one level per iteration
         cur = jnp.where(cur >= 0, jnp.take_along_axis(tree.parents, jnp.maximum(cur, 0), 1), -1)
         mask = mask | ((cur[:, :, None] == jnp.arange(N)[None, None, :]) & (cur >= 0)[..., None])
-    return mask & tree.valid[:, :, None]
+    return (mask & tree.valid[:, :, None]) | eye
 
 
 def path_tokens(tree: DraftTree, path) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import sample_logits
+from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Blocks, Limit, attend
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -169,7 +169,7 @@ class BlockDrafter(LearnedDrafter):
         state = BlockState(empty if c.uses_hidden else None, empty if c.uses_kv else None)
         return self._extend(net, params, state, view)
 
-    def propose(self, params, state, view, key):
+    def propose(self, params, state, view, key, first_rank=None):
         net = self.net(params)
         G, B = self.gamma, view.lengths.shape[0]
         offsets = jnp.arange(G + 1, dtype=jnp.int32)
@@ -189,6 +189,9 @@ class BlockDrafter(LearnedDrafter):
         keys = jax.random.split(key, G)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)
+        if first_rank is not None:  # only the first position's token changes
+            x, q1 = ranked_choice(logits[:, 0], q[:, 0], draft[:, 0], self.sampling, first_rank)
+            draft, q = draft.at[:, 0].set(x), q.at[:, 0].set(q1)
         return draft, q, state
 
     def update(self, params, state, view, num_accepted):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.decoding.sampling import SamplingParams, sample_logits
+from specjax.decoding.sampling import SamplingParams, ranked_choice, sample_logits
 from specjax.errors import SpecjaxError
 from specjax.models.model import decoding_params
 
@@ -61,7 +61,7 @@ class DraftLMDrafter:
         out = model(prompt, view.positions, cache, logits_at=jnp.zeros((B, 1), jnp.int32))
         return out.cache
 
-    def propose(self, params, state, view, key):
+    def propose(self, params, state, view, key, first_rank=None):
         model = nnx.merge(self.graphdef, params)
         lengths = view.lengths
         pos0 = jnp.stack([lengths - 2, lengths - 1], axis=1)
@@ -69,6 +69,7 @@ class DraftLMDrafter:
         out = model(tok0, pos0, state, logits_at=jnp.ones((tok0.shape[0], 1), jnp.int32))
         keys = jax.random.split(key, self.gamma)
         x, q = sample_logits(keys[0], out.logits[:, 0], self.sampling)
+        x, q = ranked_choice(out.logits[:, 0], q, x, self.sampling, first_rank)
 
         def step(carry, k):
             cache, tok, pos = carry
@@ -83,3 +84,15 @@ class DraftLMDrafter:
 
     def update(self, params, state, view, num_accepted):
         return state.rewind(view.lengths - 2)
+
+    def update_after_tree(self, params, state, view, num_accepted):
+        """The state after a draft-tree step (`specjax.decoding.generate`): `state` is the
+        one from before the step's proposals (their cache entries belong to branches the
+        target may have rejected), so the accepted path is fed again: the draft model
+        writes its entries for positions view.positions[:, 0] - 1 .. view.positions[:, -1]
+        (one forward of G + 2 tokens), then rewinds as `update`."""
+        model = nnx.merge(self.graphdef, params)
+        pos = jnp.concatenate([view.positions[:, :1] - 1, view.positions], axis=1)
+        toks = jnp.take_along_axis(view.tokens, jnp.minimum(pos, view.tokens.shape[1] - 1), 1)
+        out = model(toks, pos, state, logits_at=jnp.zeros((toks.shape[0], 1), jnp.int32))
+        return out.cache.rewind(view.lengths - 2)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import sample_logits
+from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
@@ -219,8 +219,9 @@ class Eagle3Drafter(LearnedDrafter):
             forward, (cache, jnp.zeros((B, D), net.dtype)), T, sizes, last)
         return Eagle3State(cache, h_last, memory)
 
-    def propose(self, params, state, view, key):
-        """G draft tokens: the first from h_last, then G-1 one-token forwards. The draft
+    def propose(self, params, state, view, key, first_rank=None):
+        """G draft tokens: the first from h_last (or the first_rank-th choice, see
+        `specjax.decoding.sampling.ranked_choice`), then G-1 one-token forwards. The draft
         entries' keys and values go to a small [B,K,G-1,H] buffer beside the cache (the
         cache itself is read only: copying its S slots in and out of the loop cost more
         than the draft steps' attention on XLA:CPU); update() writes the committed
@@ -237,6 +238,7 @@ class Eagle3Drafter(LearnedDrafter):
         keys = jax.random.split(key, self.gamma)
         lg0 = self.logits(net, state.h_last, params)
         x, q = sample_logits(keys[0], lg0, self.sampling)
+        x, q = ranked_choice(lg0, q, x, self.sampling, first_rank)
         B, n = x.shape[0], self.gamma - 1
         pos0 = (view.lengths - 1)[:, None]  # the first draft entry's position
         anchor = pos0 - 1  # the last committed entry: cache and memory slots <= it

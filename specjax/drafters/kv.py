@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import sample_logits
+from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
@@ -98,7 +98,7 @@ class KVDrafter(LearnedDrafter):
         return KVState(memory_update(net, self.cfg, memory, view.target_cache,
                                      view.positions, params["inv_freq"]))
 
-    def propose(self, params, state, view, key):
+    def propose(self, params, state, view, key, first_rank=None):
         net = self.net(params)
         c, G = self.cfg, self.gamma
         B = view.lengths.shape[0]
@@ -122,7 +122,11 @@ class KVDrafter(LearnedDrafter):
                 attn = attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
                                   (own_k[i], own_v[i], own_mask)], kernel=self.attention)
                 x = layer_out(net, i, x, attn)
-            nxt, probs = sample_logits(k, self.logits(net, x[:, 0], params), self.sampling)
+            lg = self.logits(net, x[:, 0], params)
+            nxt, probs = sample_logits(k, lg, self.sampling)
+            if first_rank is not None:  # the first draft token only (j == 0)
+                first, q1 = ranked_choice(lg, probs, nxt, self.sampling, first_rank)
+                nxt, probs = jnp.where(j == 0, first, nxt), jnp.where(j == 0, q1, probs)
             return (own_k, own_v, nxt), (nxt, probs)
 
         zeros = jnp.zeros(own_shape, net.dtype)

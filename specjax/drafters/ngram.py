@@ -35,8 +35,13 @@ class NgramDrafter:
     def update(self, params, state, view, num_accepted):
         return state
 
-    def propose(self, params, state, view, key):
-        """draft i32[B,G] and its one-hot q f32[B,G,V]; reads only `view.tokens`."""
+    def propose(self, params, state, view, key, first_rank=None):
+        """draft i32[B,G] and its one-hot q f32[B,G,V]; reads only `view.tokens`.
+
+        first_rank (rank i32 scalar, K static) for several drafts per step (`--num-drafts`,
+        at every temperature: the proposals are deterministic): the continuation of the
+        rank-th latest occurrence (0 = the latest) of the longest suffix that occurs more
+        than rank times; none: the last token repeated, as without a match."""
         tokens, lengths = view.tokens, view.lengths
         B, S = tokens.shape
         j = jnp.arange(S)[None, :]  # candidate end index of an earlier occurrence
@@ -47,7 +52,12 @@ class NgramDrafter:
                 last_k = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1 - k, 0)[:, None], 1)
                 shifted = jnp.roll(tokens, k, axis=1)  # shifted[b, j] = tokens[b, j-k]
                 match &= shifted == last_k
-            found = jnp.max(jnp.where(match, j, -1), axis=1).astype(jnp.int32)
+            if first_rank is None:
+                found = jnp.max(jnp.where(match, j, -1), axis=1).astype(jnp.int32)
+            else:  # the rank-th latest occurrence, or -1
+                rank, k = first_rank
+                latest = jax.lax.top_k(jnp.where(match, j, -1), min(k, S))[0]
+                found = jnp.take(latest, rank, axis=1).astype(jnp.int32)
             best = jnp.where(found >= 0, found, best)
         period = jnp.maximum(lengths - 1 - best, 1)
         i = jnp.arange(self.gamma)[None, :]

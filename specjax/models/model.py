@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models.attention import DEFAULT_CHUNK, cache_attention
+from specjax.models.attention import DEFAULT_CHUNK, cache_attention, cache_attention_stats
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.layers import layer_out, layer_qkv, logits, rope_cos_sin
@@ -125,7 +125,9 @@ class _Forward(NamedTuple):
     """The per-call constants every layer of one forward reads: RoPE cos, sin [B,T,H];
     positions i32[B,T]; mask_q bool[B,R*T,T] (the folded causal mask; None with a cache);
     q_pos i32[B,R*T]; causal_limit i32[B,T]; depths / kv_layers (the capture and
-    capture_kv layers as i32 arrays, or None); and the attention callables."""
+    capture_kv layers as i32 arrays, or None); the attention callables; and for a draft
+    tree's verify forward tree_mask bool[B,T,T] (None otherwise) and slots i32[B,T], the
+    cache slots the new tokens' K/V go to (= positions without a tree)."""
 
     cos: jax.Array
     sin: jax.Array
@@ -137,6 +139,8 @@ class _Forward(NamedTuple):
     kv_layers: jax.Array | None
     attention: Callable | None
     self_attention: Callable | None
+    tree_mask: jax.Array | None = None
+    slots: jax.Array | None = None
 
 
 class Transformer(nnx.Module):
@@ -196,6 +200,7 @@ class Transformer(nnx.Module):
         capture_kv: tuple[int, ...] = (),
         attention: Callable | None = None,
         self_attention: Callable | None = None,
+        tree_mask: jax.Array | None = None,
     ) -> ForwardOutput:
         """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
 
@@ -241,9 +246,14 @@ class Transformer(nnx.Module):
         R = c.num_heads // c.num_kv_heads
         if capture_kv and cache is not None:
             raise ValueError("capture_kv needs a cache-free forward (cache=None)")
+        if tree_mask is not None and cache is None:
+            raise ValueError("tree_mask needs a cache (a draft tree's verify forward)")
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
         cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
+        slots = positions
+        if tree_mask is not None:
+            slots = positions[:, :1] + jnp.arange(T, dtype=jnp.int32)[None, :]
         if cache is None:  # keys are the T new tokens themselves: a causal mask [B,T,T]
             mask = positions[:, None, :] <= positions[:, :, None]
             k_cache = v_cache = jnp.zeros((), self.dtype)  # unused carry
@@ -259,7 +269,8 @@ class Transformer(nnx.Module):
             causal_limit=jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T)),
             depths=jnp.asarray(capture, jnp.int32) if capture else None,
             kv_layers=jnp.asarray(capture_kv, jnp.int32) if capture_kv else None,
-            attention=attention, self_attention=self_attention)
+            attention=attention, self_attention=self_attention, tree_mask=tree_mask,
+            slots=slots)
         carry = LayerCarry(
             x=x, k_cache=k_cache, v_cache=v_cache,
             captured=(jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype)
@@ -276,7 +287,7 @@ class Transformer(nnx.Module):
         head = embed if self.lm_head is None else self.lm_head[...]
         out = logits(x, self.final_norm[...], head, c.rms_norm_eps)
         new_cache = None if cache is None else KVCache(
-            k=carry.k_cache, v=carry.v_cache, lengths=(positions[:, -1] + 1).astype(jnp.int32))
+            k=carry.k_cache, v=carry.v_cache, lengths=(slots[:, -1] + 1).astype(jnp.int32))
         return ForwardOutput(out, captured, new_cache, carry.kv_out)
 
     def _layers(self, f: _Forward, carry: LayerCarry) -> LayerCarry:
@@ -351,14 +362,45 @@ class Transformer(nnx.Module):
         """Writes layer carry.layer's new K/V into the cache, then attends into it:
         (attn, k_cache, v_cache), attn folded [B,K,R*T,H] on the jnp path or [B,T,N,H]
         from `f.attention`."""
-        l, positions = carry.layer, f.positions
-        batch_idx = jnp.arange(positions.shape[0])[:, None]
-        k_all = carry.k_cache.at[l, batch_idx, :, positions].set(k, mode="drop")
-        v_all = carry.v_cache.at[l, batch_idx, :, positions].set(v, mode="drop")
+        l, slots = carry.layer, f.slots
+        batch_idx = jnp.arange(slots.shape[0])[:, None]
+        k_all = carry.k_cache.at[l, batch_idx, :, slots].set(k, mode="drop")
+        v_all = carry.v_cache.at[l, batch_idx, :, slots].set(v, mode="drop")
+        if f.tree_mask is not None:
+            return self._tree_attention(f, l, q, qg, k, v, k_all, v_all, ad)
         if f.attention is not None:  # e.g. the Pallas kernel, in the cache's dtype
-            attn = f.attention(q.astype(k_all.dtype), k_all, v_all, l, positions[:, 0],
+            attn = f.attention(q.astype(k_all.dtype), k_all, v_all, l, slots[:, 0],
                                k, v).astype(v_all.dtype)
         else:  # chunks up to the longest row's position: cost follows the context
             attn = cache_attention(qg, k_all, v_all, f.q_pos, chunk=self.attention_chunk,
                                    dot_dtype=ad, layer=l).astype(v_all.dtype)
         return attn, k_all, v_all
+
+    def _tree_attention(self, f: _Forward, l, q, qg, k, v, k_all, v_all, ad):
+        """A draft tree's attention (see `__call__`'s tree_mask): the committed prefix
+        (slots < positions[:, 0]) and the node's ancestors among the T new tokens, under one
+        softmax. -> (attn, k_cache, v_cache) as `_cache_attention`."""
+        base = f.slots[:, 0]
+        if f.attention is not None:
+            attn = f.attention(q.astype(k_all.dtype), k_all, v_all, l, base, k, v,
+                               tree_mask=f.tree_mask).astype(v_all.dtype)
+            return attn, k_all, v_all
+        B, K, RT, H = qg.shape
+        R = RT // f.tree_mask.shape[1]
+        # prefix statistics: every query sees slots <= base - 1 (base >= 1 in the loop)
+        prefix_pos = jnp.broadcast_to((base - 1)[:, None], (B, RT))
+        m, s, acc = cache_attention_stats(qg, k_all, v_all, prefix_pos,
+                                          chunk=self.attention_chunk, dot_dtype=ad, layer=l)
+        k_new, v_new = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [B,K,T,H]
+        scores = jnp.einsum("BKQH,BKSH->BKQS", qg.astype(ad), k_new.astype(ad),
+                            preferred_element_type=jnp.float32) * np.float32(1 / np.sqrt(H))
+        mask = jnp.tile(f.tree_mask, (1, R, 1))[:, None]  # [B,1,R*T,T]
+        scores = jnp.where(mask, scores, -jnp.inf)
+        m_all = jnp.maximum(m, jnp.max(scores, axis=-1))
+        e = jnp.exp(scores - m_all[..., None])
+        scale = jnp.exp(m - m_all)
+        denom = s * scale + jnp.sum(e, axis=-1)
+        num = acc * scale[..., None] + jnp.einsum(
+            "BKQS,BKSH->BKQH", e.astype(ad), v_new.astype(ad),
+            preferred_element_type=jnp.float32)
+        return (num / denom[..., None]).astype(v_all.dtype), k_all, v_all
