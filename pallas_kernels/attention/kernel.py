@@ -8,10 +8,10 @@ u <= t, i.e. u*R <= i (no integer division in the kernel).
 Tree mode (`tree_mask` given, a draft tree's [B, T, T] visibility with the diagonal set):
 the wrapper expands it once per call to the folded rows, i32 [B, M, Tn] with
 [b, t*R + r, u] = tree_mask[b, t, u] (`_tree_rows`: rows repeated R times, padded new
-tokens 0, padded query rows 1), and each program reads its row's [M, Tn] block, the same
-block for every KV head and S tile (block index (b, 0, 0): one copy per row), only where
-it folds the new tokens in (`_new_scores`). Causal and block modes take no such input:
-their kernels are unchanged.
+tokens 0, padded query rows 1). Its block is the row's [M, Tn], index (b, 0, 0) for every
+KV head, split and S step (the TPU pipeline copies it once per row), and the kernels read
+it only where they fold the new tokens in (`_new_scores`: the last S step, the last
+split). Causal and block modes take no such input: their kernels are unchanged.
 
 The cache comes in layer-major, [L, B, K, S, H] (specjax's `KVCache.k`), with the layer
 to read as an i32 scalar (static or traced, e.g. under `lax.scan` over layers): the
