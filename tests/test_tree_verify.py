@@ -734,8 +734,8 @@ def test_variant_controls_pass():
     assert (np.asarray(a.next_token) == np.asarray(b.next_token)).mean() > 0.99
 
 
-FIXED_CASES = [("token", "iid", 3, 2), ("token", "topc", 3, 2), ("block", "iid", 2, 2),
-               ("block", "iid", 3, 2)]
+FIXED_CASES = [("token", "iid", 3, 2), ("token", "iid", 2, 3), ("token", "topc", 3, 2),
+               ("block", "iid", 2, 2), ("block", "iid", 3, 2), ("block", "iid", 2, 3)]
 
 
 @pytest.mark.parametrize("name,kind,K,G", FIXED_CASES)
