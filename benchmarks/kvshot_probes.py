@@ -216,7 +216,8 @@ def evaluate_init(name: str) -> dict:
 
 def block_queries(run, params, rows, gamma: int | None = None) -> list[jax.Array]:
     """Queries [B,A,G+1,N,H] of each layer of a block drafter (context kv), one block
-    anchored at every position a = 1 .. T-G (A = T-G anchors), recorded from the block
+    anchored at every position a = 1 .. T-G-1 (A = T-G-1 anchors: block positions up to
+    T-1, where the target has queries too), recorded from the block
     objective's own forward (`BlockNet.contexts` and `BlockNet.blocks`, as `block_loss`
     runs them). Block position j holds position a+j (j = 0: the anchor's own token,
     j >= 1: mask tokens), so its query compares with the target's query at a+j."""
@@ -233,7 +234,7 @@ def block_queries(run, params, rows, gamma: int | None = None) -> list[jax.Array
     tgt = target(tokens, positions, None, capture=tr.dcfg.capture,
                  capture_kv=tr.dcfg.kv_layers)
     frozen = Frozen.from_target(target)
-    anchors = jnp.broadcast_to(jnp.arange(1, T - G + 1, dtype=jnp.int32), (B, T - G))
+    anchors = jnp.broadcast_to(jnp.arange(1, T - G, dtype=jnp.int32), (B, T - G - 1))
     seen = []
     attend = block_lib.attend  # the name BlockNet.run_block calls
 
@@ -268,7 +269,7 @@ def block_query_cosines_of(cfg, run, rows: int = 2) -> dict:
     G = dcfg.gamma
     layers = list(dcfg.kv_layers)
     tq = target_queries(_target(run), tokens, layers)
-    at = np.arange(1, T - G + 1)[:, None] + np.arange(G + 1)[None, :]  # [A, G+1] positions
+    at = np.arange(1, T - G)[:, None] + np.arange(G + 1)[None, :]  # [A, G+1] positions
     got = {t: block_queries(run, params_of(cfg, run, t), data) for t in (True, False)}
     out = []
     for i, src in enumerate(dcfg.merge_sources()[: len(got[True])]):

@@ -432,7 +432,8 @@ def measure_run(name: str, seed: int, *, runs_root: str = MATRIX_ROOT,
     from specjax.models.checkpoint import fingerprint
 
     drafter_dir = cfg.export_dir
-    rec["weights"] = {"drafter": os.path.relpath(drafter_dir, ROOT),
+    rec["weights"] = {"drafter": os.path.join(*os.path.normpath(runs_root).split(os.sep)[-2:],
+                                              f"{name}-s{seed}", "drafter"),
                       "drafter_sha256": _sha256(os.path.join(drafter_dir, "model.safetensors")),
                       "target": os.path.relpath(cfg.target_dir, ROOT),
                       "target_fingerprint": fingerprint(cfg.target_dir)}

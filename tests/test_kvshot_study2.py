@@ -225,3 +225,28 @@ def test_zero_kv_branch_zeroes_only_gate_d():
                                     rngs=nnx.Rngs(0)), nnx.Param)
     with pytest.raises(ValueError):
         k2.zero_kv_branch(eagle)
+
+
+@pytest.mark.parametrize("kind,sets", [
+    pytest.param("kv", ["drafter.kind=kv", "drafter.num_layers=2"], marks=pytest.mark.slow),
+    ("block", ["objective=block", "drafter.kind=block", "drafter.context=kv",
+               "drafter.num_anchors=4"]),
+])
+def test_probes_on_tiny_kv_drafters(fake_study, kind, sets):
+    """The query and gradient probes run on both drafters with a KV memory (TTT and
+    block-wise) and give cosines in [-1, 1] and gradient shares in [0, 1]."""
+    from benchmarks import kvshot_probes
+
+    f = fake_study
+    cfg = k2.load_config_for("eagle3", 0, runs_root=str(f["dir"] / f"runs_{kind}"),
+                             config_dir=f["configs"], overrides=[*f["overrides"], *sets])
+    cfg, run = kvshot_probes.run_of_config(cfg)
+    run.export(run.trainer.init_state(), 0, None)
+    params = run.trainer.load_init_params(cfg.export_dir, cfg.target_dir)[0]
+    got = k2.probes(kind, cfg, run, params, {"query": 1, "grad": 2})
+    q, g = got["query_cosine"], got["grad"]
+    assert len(q["layers"]) == 2 and all(-1 <= x["trained"] <= 1 for x in q["layers"])
+    assert ("trained_mask" in q["layers"][0]) == (kind == "block")
+    for which in ("init", "trained"):
+        parts = g[which]["parts"]
+        assert all(0 <= parts[p]["fraction"] <= 1 for p in ("k_proj", "v_proj", "merge_k"))
