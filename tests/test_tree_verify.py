@@ -357,7 +357,8 @@ def _numpy_greedy(tokens, parents, valid, p, G):
         cur, path = 0, [0]
         for _ in range(G):
             best = np.argmax(p[b, cur])
-            kids = [j for j in range(N) if valid[b, j] and parents[b, j] == cur and tokens[b, j] == best]
+            kids = [j for j in range(N)
+                    if valid[b, j] and parents[b, j] == cur and tokens[b, j] == best]
             if not kids:
                 break
             cur = kids[0]
@@ -378,7 +379,8 @@ def test_greedy_matches_numpy_walk():
     tree = _to_tree(tokens, parents, None)
     depth = np.asarray(tree.depths)
     G = int(depth[valid].max())
-    out = _jit_rule(verify_tree_greedy, max_depth=G)(tree, jnp.asarray(p, jnp.float32), jax.random.key(0))
+    greedy = _jit_rule(verify_tree_greedy, max_depth=G)
+    out = greedy(tree, jnp.asarray(p, jnp.float32), jax.random.key(0))
     tau, nxt, path = _numpy_greedy(tokens, parents, valid, p, G)
     assert tau.max() >= 3
     np.testing.assert_array_equal(np.asarray(out.num_accepted), tau)
@@ -407,7 +409,8 @@ def test_chain_tree_equals_chain_rules(G):
     one = dtree.tree_from_drafts(pending, draft[:, None], q[:, None])
     key = jax.random.key(G)
     cases = [
-        (_jit_rule(verify_tree_greedy, max_depth=G)(chain, p, key), verify_greedy(draft, q, p, key)),
+        (_jit_rule(verify_tree_greedy, max_depth=G)(chain, p, key),
+         verify_greedy(draft, q, p, key)),
         (_jit_rule(verify_tree_token, max_depth=G, max_children=1)(chain, p, key),
          verify_token(draft, q, p, key)),
         (_jit_rule(verify_tree_block, max_depth=G)(one, p, key), verify_block(draft, q, p, key)),
@@ -427,7 +430,8 @@ def test_block_skips_a_draft_with_invalid_nodes():
     rng = np.random.default_rng(4)
     B, K, G = 4096, 2, 2
     tab = _tables(2 * G + 2, 0)
-    tokens, parents, q, p = _draft_batch(tab, np.zeros(B, np.int64), np.zeros(B, np.int64), K, G, rng)
+    zeros = np.zeros(B, np.int64)
+    tokens, parents, q, p = _draft_batch(tab, zeros, zeros, K, G, rng)
     tree = _to_tree(tokens, parents, q)
     tree = tree.replace(valid=tree.valid.at[:, 1 + G + 1].set(False))
     other = tree.replace(tokens=tree.tokens.at[:, 1 + G:].set(jnp.asarray(tokens[:, 1:1 + G])))
@@ -575,7 +579,8 @@ def _token_rule_variant(tree, p, key, *, max_depth, max_children, bias):
         path.append(cur)
     path = jnp.stack(path, 1)
     tau = jnp.sum(path[:, 1:] != path[:, :-1], axis=1).astype(jnp.int32)
-    nxt = jax.random.categorical(k_next, jnp.log(jnp.maximum(r, 1e-38)) + jnp.where(r > 0, 0, -jnp.inf))
+    logr = jnp.log(jnp.maximum(r, 1e-38)) + jnp.where(r > 0, 0, -jnp.inf)
+    nxt = jax.random.categorical(k_next, logr)
     return TreeVerdict(tau, nxt.astype(jnp.int32), path)
 
 
@@ -591,7 +596,8 @@ def _block_variant(tree, p, key, *, max_depth, bias):
     verdicts = []
     for k in range(K):
         nodes = jnp.concatenate([jnp.zeros((1,), jnp.int32), 1 + k * G + jnp.arange(G)])
-        verdicts.append(verify_block(tree.tokens[:, nodes[1:]], tree.q[:, nodes[1:]], p[:, nodes], keys[k]))
+        verdicts.append(verify_block(tree.tokens[:, nodes[1:]], tree.q[:, nodes[1:]],
+                                     p[:, nodes], keys[k]))
     taus = jnp.stack([v.num_accepted for v in verdicts], 1)
     nexts = jnp.stack([v.next_token for v in verdicts], 1)
     if bias == "best_draft":
@@ -671,7 +677,8 @@ def _two_steps(name, tree_kind, K, G, seed=0, n=N_SAMPLES, steps=2):
             tokens, parents, q, p = _draft_batch(tab, idx, ln, K, G, rng)
         else:
             tokens, parents, q, p = _topc_batch(tab, idx, ln, K, G)
-        out = rule(_to_tree(tokens, parents, q), jnp.asarray(p, jnp.float32), jax.random.fold_in(key, step))
+        out = rule(_to_tree(tokens, parents, q), jnp.asarray(p, jnp.float32),
+                   jax.random.fold_in(key, step))
         tau, nxt, path = (np.asarray(x) for x in out)
         first_tau = tau if first_tau is None else first_tau
         for j in range(G):
@@ -727,9 +734,11 @@ def test_variant_controls_pass():
     tab = _tables(7, 0)
     rng = np.random.default_rng(5)
     n = N_SAMPLES
-    tokens, parents, q, p = _draft_batch(tab, np.zeros(n, np.int64), np.zeros(n, np.int64), 3, 2, rng)
-    a = rule(_to_tree(tokens, parents, q), jnp.asarray(p, jnp.float32), jax.random.key(1))
-    b = _rule("token", 3, 2)(_to_tree(tokens, parents, q), jnp.asarray(p, jnp.float32), jax.random.key(1))
+    zeros = np.zeros(n, np.int64)
+    tokens, parents, q, p = _draft_batch(tab, zeros, zeros, 3, 2, rng)
+    tree, pj = _to_tree(tokens, parents, q), jnp.asarray(p, jnp.float32)
+    a = rule(tree, pj, jax.random.key(1))
+    b = _rule("token", 3, 2)(tree, pj, jax.random.key(1))
     assert (np.asarray(a.num_accepted) == np.asarray(b.num_accepted)).mean() > 0.999
     assert (np.asarray(a.next_token) == np.asarray(b.next_token)).mean() > 0.99
 

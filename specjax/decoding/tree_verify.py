@@ -60,16 +60,21 @@ block (`verify_tree_block`): multi-draft block verification for K drafts of leng
   process (r, then p). The later drafts are independent of this draft and of its
   uniforms, and by induction they turn any state (s + accepted, res_t) into "res_t, then
   the target": substituting them for the single draw from res_t keeps the law.
+  Requirement: the drafts are independent of each other and draft k's tokens were drawn
+  from the q stored at its nodes (K i.i.d. drafts of one drafter; duplicates allowed).
   Consequences: K = 1 is block verification (identical verdicts for the same key); a
   draft appended at the end can only lengthen the accepted prefix (for the same draws of
-  the earlier drafts), so E[tau] cannot fall as K grows; and at the root the rule is recursive rejection over branches in which each
-  branch is block-verified instead of token-verified. Block verification accepts at
-  least one token w.p. sum_x min(r, q)(x), as the token rule does, so both rules reach
-  draft k with the same probability and residual, and block verification's larger
-  expected length per branch gives E[tau] >= the token tree rule's on the same tree.
+  the earlier drafts), so E[tau] cannot fall as K grows; at the root the rule is
+  recursive rejection over branches, each branch block-verified instead of
+  token-verified. Block verification accepts at least one token w.p. sum_x min(r, q)(x)
+  averaged over the draft, as the token rule does, so both rules reach draft k with the
+  same probability and residual, and block verification's larger expected length per
+  branch gives E[tau] >= the token tree rule's (in expectation over the drafts, not for
+  every tree).
   What it does not achieve: it does not claim the optimum over all verifiers of K i.i.d.
-  drafts (SpecTr-GBV's claim); drafts before the current one are never revisited (their
-  acceptance decision depended on their later tokens), and a draft is only reused when
+  drafts (SpecTr-GBV's claim; at G = 1 it is recursive rejection, not SpecTr's optimal
+  transport); drafts before the current one are never revisited (their acceptance
+  decision depended on their later tokens), and past the root a draft is used only when
   it repeats the whole accepted prefix.
 
 Randomness: every acceptance test has its own uniform (token: per (depth, sibling slot);
