@@ -201,7 +201,7 @@ def _format_table(summary: dict) -> str:
     if summary.get("tau") is not None:
         rows.append(("tau (tokens/step)", f"{summary['tau']:.3f}"))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
-        if summary.get("num_drafts", 1) > 1:
+        if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
                                                 f"{summary['nodes_per_step']}"))
     if "speedup" in summary:
@@ -344,7 +344,7 @@ def run(args) -> int:
                "verify": "greedy" if sampling.greedy else args.verify,
                "kernels": engines["main"].cfg.kernels,
                "num_drafts": engines["main"].cfg.num_drafts,
-               "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma)
+               "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma, drafter)
                                   if drafter is not None else 1),
                "batch_size": args.batch_size, "prompts": len(prompts),
                "mesh": dict(mesh.shape) if mesh is not None else None}

@@ -439,7 +439,7 @@ TREE_FAST = [
     ("draft-lm", "block", PLAIN, None, 2),
 ]
 TREE_SLOW = [
-    ("eagle3", "block", TOP_P, HOT, 3),
+    ("eagle3", "block", TOP_K, HOT, 3),
     ("kv", "token", TOP_K, None, 3),
     ("hybrid", "block", PLAIN, None, 2),
     ("block-hidden", "token", PLAIN, None, 2),

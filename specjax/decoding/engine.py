@@ -143,7 +143,10 @@ class Engine:
                 n, k = _drafter_heads(drafter, drafter_params, c)
                 self.drafter_params = sharding.shard_params(mesh, drafter_params, n, k)
             gamma = drafter.gamma if drafter is not None else 0
-            nodes = gamma + 1 if num_drafts == 1 else 1 + num_drafts * gamma
+            if hasattr(drafter, "propose_tree"):
+                nodes = drafter.tree_nodes
+            else:
+                nodes = gamma + 1 if num_drafts == 1 else 1 + num_drafts * gamma
             shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + nodes,
                      c.head_dim)
             cache_sharding = sharding.cache_sharding(mesh, shape, c.num_heads)

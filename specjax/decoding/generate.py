@@ -167,11 +167,14 @@ class LoopConfig:
         return kernel_policy.drafter_attention(self.kernels, self.cache_sharding,
                                                self.pallas_backend, self.pallas_interpret)
 
-    def tree_nodes(self, gamma: int) -> int:
-        """N, the verify forward's tokens per row: G + 1 for a chain, 1 + K*G for K drafts."""
+    def tree_nodes(self, gamma: int, drafter=None) -> int:
+        """N, the verify forward's tokens per row: G + 1 for a chain, 1 + K*G for K drafts,
+        a tree drafter's own `tree_nodes` (`specjax.drafters.base.TreeDrafter`)."""
+        if drafter is not None and hasattr(drafter, "propose_tree"):
+            return drafter.tree_nodes
         return gamma + 1 if self.num_drafts == 1 else 1 + self.num_drafts * gamma
 
-    def tree_verifier(self, gamma: int) -> Callable:
+    def tree_verifier(self, gamma: int, drafter=None) -> Callable:
         """fn(tree, p f32[B,N,V], key) -> `specjax.decoding.tree_verify.TreeVerdict` for the
         num_drafts > 1 loop: greedy at temperature 0, else the tree form of `verify`
         ("token": recursive rejection sampling over siblings; "block": multi-draft block
@@ -180,10 +183,15 @@ class LoopConfig:
 
         if self.sampling.greedy:
             return functools.partial(tree_verify.verify_tree_greedy, max_depth=gamma)
+        own = drafter is not None and hasattr(drafter, "propose_tree")
         if self.verify == "token":
-            return functools.partial(tree_verify.verify_tree_token, max_depth=gamma,
-                                     max_children=self.num_drafts)
+            return functools.partial(
+                tree_verify.verify_tree_token, max_depth=gamma,
+                max_children=drafter.max_children if own else self.num_drafts)
         if self.verify == "block":
+            if own:
+                raise ValueError("verify='block' needs K independent drafts (num_drafts); "
+                                 "a tree drafter's tree is verified with verify='token'")
             return functools.partial(tree_verify.verify_tree_block, max_depth=gamma)
         raise ValueError(f"verify={self.verify!r} has no draft-tree form (num_drafts > 1)")
 
@@ -224,10 +232,11 @@ def _is_eos(tokens, eos_ids):
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma, capture):
+def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma, capture,
+             drafter=None):
     """Prefill, first token, and the initial loop state (shared by both loops)."""
     B, Tp = prompts.shape
-    capacity = cfg.max_length + cfg.tree_nodes(gamma)
+    capacity = cfg.max_length + cfg.tree_nodes(gamma, drafter)
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
     cache = model.init_cache(B, capacity)
     if cfg.cache_sharding is not None:
@@ -256,7 +265,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
         steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
     )
-    view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes)
+    view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes, last_logits)
     return state, view
 
 
@@ -371,6 +380,11 @@ def _advance(s: LoopState, tokens, lengths, done, act, cache, dstate, key, tau) 
                      accepted=accepted.astype(jnp.int32))
 
 
+def _at_index(x, idx):
+    """x[b, idx[b]] for x [B,T,...] and idx i32[B]."""
+    return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
 def compact_path(cache: KVCache, base, path) -> KVCache:
     """Moves the accepted path's K/V into place after a draft tree's verify forward: node
     path[b, j] was written at slot base[b] + path[b, j]; it goes to slot base[b] + j
@@ -426,7 +440,8 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     attention = cfg.target_attention()
     # the drafter's attention: the kernel or jnp, fixed by cfg (part of this trace's key)
     drafter = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
-    state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture)
+    state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture,
+                           drafter)
     key, k_init = jax.random.split(state.key)
     with jax.named_scope("drafter_init"):
         dstate = drafter.init(drafter_params, view, k_init)
@@ -452,7 +467,8 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
                 tau, nxt = verify(draft, q, p, k_verify)
         tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
         cache = out.cache.rewind(lengths - 1)
-        after = LoopView(tokens, lengths, cache, out.hidden, pos)
+        after = LoopView(tokens, lengths, cache, out.hidden, pos,
+                         logits=_at_index(out.logits, tau) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
@@ -463,8 +479,11 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         base = s.lengths - 1  # the root's (pending token's) position and slot
         pending = jnp.take_along_axis(s.tokens, base[:, None], axis=1)[:, 0]
         with jax.named_scope("drafter_propose"):
-            tree = propose_drafts(drafter, drafter_params, s.drafter_state, view, k_draft,
-                                  cfg.num_drafts, pending)
+            if own_tree:
+                tree, _ = drafter.propose_tree(drafter_params, s.drafter_state, view, k_draft)
+            else:
+                tree = propose_drafts(drafter, drafter_params, s.drafter_state, view,
+                                      k_draft, cfg.num_drafts, pending)
         pos = base[:, None] + tree.depths  # [B,N]
         with jax.named_scope("target_verify_forward"):
             out = model(tree.tokens, pos, s.cache, capture=drafter.capture,
@@ -478,13 +497,17 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         hidden = None
         if out.hidden is not None:  # [C,B,N,D] -> the path's [C,B,G+1,D]
             hidden = jnp.take_along_axis(out.hidden, path[None, :, :, None], axis=2)
-        after = LoopView(tokens, lengths, cache, hidden, base[:, None] + offsets[None, :])
+        last = jnp.take_along_axis(path, tau[:, None], axis=1)[:, 0]  # the last accepted node
+        after = LoopView(tokens, lengths, cache, hidden, base[:, None] + offsets[None, :],
+                         logits=_at_index(out.logits, last) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = update_after_tree(drafter_params, s.drafter_state, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
 
-    if cfg.num_drafts > 1:
-        tree_verify = cfg.tree_verifier(G)
+    own_tree = hasattr(drafter, "propose_tree")  # a TreeDrafter (e.g. LogitSpec)
+    wants_logits = getattr(drafter, "reads_logits", False)
+    if cfg.num_drafts > 1 or own_tree:
+        tree_verify = cfg.tree_verifier(G, drafter)
         update_after_tree = getattr(drafter, "update_after_tree", drafter.update)
         step = tree_step
     else:

@@ -41,6 +41,9 @@ class LoopView:
     prefill_sizes: the static piece sizes of the loop's prefill
       (`LoopConfig.prefill_sizes()`, not a pytree leaf), for a drafter's own pass over
       the prompt in `init`; () outside the prefill.
+    logits: f32[B,V] the target's logits that the pending token came from (prefill: at
+      the last prompt token; after a step: at the last accepted token), in `init` and
+      `update` (None in `propose`). LogitSpec reads its next-next-token guesses here.
     """
 
     tokens: jax.Array
@@ -49,6 +52,7 @@ class LoopView:
     hidden: jax.Array | None
     positions: jax.Array
     prefill_sizes: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    logits: jax.Array | None = None
 
 
 class Drafter(Protocol):
@@ -68,4 +72,20 @@ class Drafter(Protocol):
     def update(self, params: Any, state: Any, view: LoopView, num_accepted: jax.Array) -> Any:
         """State after the target accepted `num_accepted` (i32[B]) drafts; `view.lengths`
         already counts them and the correction/bonus token."""
+        ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that proposes a draft tree itself (LogitSpec's retrieval tree, EAGLE-2's
+    dynamic tree) instead of one chain: the loop calls `propose_tree` in place of
+    `propose` and verifies the tree (`specjax.decoding.tree`, `tree_verify`); `update`
+    then sees the accepted path as if it had been a chain (view.positions = the root's
+    position + 0..G, view.hidden the path's hidden states)."""
+
+    tree_nodes: int  # N, the static node budget (root included)
+    max_children: int  # the most children any node has (the token rule's sibling loop)
+
+    def propose_tree(self, params: Any, state: Any, view: LoopView, key: jax.Array
+                     ) -> tuple[Any, Any]:
+        """-> (DraftTree with N = tree_nodes and depths <= gamma, new state)."""
         ...
