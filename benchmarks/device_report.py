@@ -86,6 +86,10 @@ def render(dirname: str) -> str:
             continue
         rnd, rec = steps[step]
         cases = rec.get("cases", [])
+        if step == "attention_check":  # the modes this round checked (tree came later)
+            modes = sorted({c["mode"] for c in cases if "mode" in c},
+                           key=("causal", "block", "tree").index)
+            what = f"decode_attention ({', '.join(modes + ['split-S', 'layer-major'])})"
         if "error" in rec:
             out.append(f"| {what} | {rnd} | - | error: {rec['error'][:80]} | - |")
             continue
