@@ -165,3 +165,17 @@ def test_decode_cli_bad_num_drafts(tiny_demo, tmp_path, capsys, extra, expect):
     code = decode.main([str(a) for a in args])
     err = capsys.readouterr().err
     assert code == 2 and expect in err and err.count("\n") == 1
+
+
+def test_tree_loop_with_pallas_attention_equals_autoregressive():
+    """kernels="pallas": the tree-masked verify forward runs the decode_attention kernel's
+    tree mode (interpret mode on CPU) and the output stays the autoregressive one."""
+    target, _ = sg.models()
+    g, p = nnx.split(target)
+    drafter, dparams = sg.make_drafter("draft_lm", 2)
+    cfg = LoopConfig(max_length=sg.TP + 8, prompt_width=sg.TP, num_drafts=2, kernels="pallas")
+    toks, lens = sg.prompts()
+    budgets = [8, 5, 3, 1]
+    res = speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
+                           jnp.asarray(budgets, jnp.int32), jax.random.key(0))
+    assert sg.rows(res) == sg.rows(sg.run_ar(budgets))
