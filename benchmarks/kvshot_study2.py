@@ -668,7 +668,7 @@ def _seeds_cell(results: dict, name: str) -> str:
 def verdict(d: dict | None, more: str = "above", what: str = "") -> str:
     """One sentence on a paired difference's interval: above / below / across 0."""
     if d is None:
-        return f"{MISSING} (a run it needs has no results yet)"
+        return f"{MISSING} (a run it needs has no results yet)."
     note = "" if d["seeds"] > 1 else (" Only one seed per drafter so far: the interval "
                                       "covers prompt-to-prompt variation, not seed-to-seed.")
     lo, hi = d["lo"], d["hi"]
@@ -697,16 +697,21 @@ def table_status(results: dict, runs_root: str) -> tuple[str, list[str]]:
                 cells.append("measured")
             else:
                 missing.append(f"{n}-s{s}")
-                cells.append("trained, " + MISSING if is_finished(n, s, runs_root)
-                             else "not trained yet")
+                if is_finished(n, s, runs_root):
+                    cells.append("trained, " + MISSING)
+                elif os.path.isdir(run_dir(n, s, runs_root)):
+                    cells.append("training (no export yet)")
+                else:
+                    cells.append("not trained yet")
         lines.append(f"| {LABELS[n]} | " + " | ".join(cells) + " |")
     return "\n".join(lines), missing
 
 
 def table_provenance(results: dict) -> str:
     lines = ["| run | measured (UTC) | code (git) | machine | load avg (start, end) | drafter "
-             "sha256 | best step | train tok/s | seconds (sim, probes, decode) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "sha256 | export's step (of last eval) | its validation tau (positions 0-63) "
+             "| train tok/s | seconds (sim, probes, decode) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (n, s), r in sorted(results.items(), key=lambda kv: (kv[0][1], MATRIX.index(kv[0][0])
                                                                if kv[0][0] in MATRIX else 99)):
         m, c, sec = r["machine"], r["code"], r["seconds"]
@@ -715,10 +720,21 @@ def table_provenance(results: dict) -> str:
         lines.append(f"| {n}-s{s} | {r['measured_at']} | `{c['rev']}`{dirty} | {m['cpu']}, "
                      f"{m['cores']} cores, jax {m['jax']} ({m['backend']}) | {la} "
                      f"| `{r['weights']['drafter_sha256'][:12]}` "
-                     f"| {r['train']['best'].get('step', '-')} "
+                     f"| {_best_step(r['train'])} "
+                     f"| {_f(r['train']['best'].get('tau'), '.3f')} "
                      f"| {_f(r['train'].get('tokens_per_s'), '.0f')} "
                      f"| {sec['simulated']:.0f}, {sec['probes']:.0f}, {sec['decode']:.0f} |")
     return "\n".join(lines)
+
+
+def _best_step(train: dict) -> str:
+    """"BEST of LAST" and whether validation tau still rose at the last evaluation."""
+    ev = train.get("evals") or []
+    best = train["best"].get("step", "-")
+    if not ev:
+        return str(best)
+    rising = len(ev) > 1 and ev[-1]["tau"] > ev[-2]["tau"]
+    return f"{best} of {ev[-1]['step']}{' (tau still rising)' if rising else ''}"
 
 
 def table_simulated(results: dict) -> str:
@@ -904,6 +920,7 @@ def write_plots(results: dict, img_dir: str = IMG_DIR) -> list[str]:
         if xs:
             ax.errorbar(xs, ys, yerr=np.asarray(err).T, fmt="o", capsize=4, label=label)
     ax.set_xticks(range(len(MATRIX)))
+    ax.set_xlim(-0.6, len(MATRIX) - 0.4)
     ax.set_xticklabels(MATRIX, rotation=15)
     ax.set_ylabel("tau (tokens per verification), 95% CI")
     ax.grid(alpha=0.3)
