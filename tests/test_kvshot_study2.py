@@ -250,3 +250,19 @@ def test_probes_on_tiny_kv_drafters(fake_study, kind, sets):
     for which in ("init", "trained"):
         parts = g[which]["parts"]
         assert all(0 <= parts[p]["fraction"] <= 1 for p in ("k_proj", "v_proj", "merge_k"))
+
+
+def test_decode_hybrid_with_its_kv_branch_zeroed(fake_study):
+    """The in-loop ablation runs through the same compiled loop with gate_d zeroed; both
+    variants stay lossless at T = 0."""
+    from specjax.testing.tiny import save_random_drafter
+
+    f = fake_study
+    drafter = save_random_drafter(str(f["dir"] / "target"), str(f["dir"] / "hybrid"),
+                                  kind="hybrid", gamma=3)
+    prompts = k2.held_out_prompts(str(f["dir"] / "val.npy"), 2, 8)
+    got = k2.decode(str(f["dir"] / "target"), drafter, prompts, 5, settings=("t0",),
+                    ablate=True)
+    assert set(got) == {"t0", "t0_nokv"}
+    for rec in got.values():
+        assert all(rec["identical"]) and len(rec["steps"]) == 2
