@@ -1,0 +1,287 @@
+"""Draft trees against one chain (issue 30): measured on this CPU with the library's
+Engine, as decode.py measures (speculative and autoregressive runs interleaved per
+batch of prompts, in one process), and projected to accelerators.
+
+    python benchmarks/trees.py                      # the full sweep (slow on 2 cores)
+    python benchmarks/trees.py --quick              # 4 prompts x 32 tokens, T = 0 only
+    python benchmarks/trees.py --render-only        # docs/trees.md's table from the JSON
+
+Systems (`SYSTEMS`): the shipped eagle3 drafter as one chain (its G = 7), as K = 2 and 4
+drafts per step (`--num-drafts`), as EAGLE-2 dynamic trees (`--tree-topk K --tree-nodes
+N`) when `specjax.drafters.dynamic_tree` exists, LogitSpec when `specjax.drafters.logitspec`
+exists, and n-gram lookup as a chain and as K = 3 drafts. Settings: T = 0 (greedy), T = 1
+with token-level and with block verification (block only where the tree is K independent
+drafts), batch 1 and 4 (4 at T = 0 only), on two prompt sets: the first --prompts bundled
+demo prompts and as many held-out prompts cut from the regenerated validation stream
+(benchmarks/data/study2/val.npy, `benchmarks.kvshot_study2.held_out_prompts`). Per
+(setting, batch, prompt set) one autoregressive Engine runs interleaved with every system,
+so speedups are ratios measured on the same machine state. Outputs must equal the
+autoregressive ones at T = 0 (recorded per run).
+
+Projection (labelled as such everywhere it is quoted): this CPU pays for every verified
+node (DESIGN 9), an accelerator does not below its compute ridge. `project` turns a
+measured tau and the nodes verified per step into a speedup for a Qwen3-8B-shaped target
+(bf16 weights, an EAGLE-3 head of one decoder layer + fc + a 32K hot-vocabulary head) on
+an H100 and a TPU v5e: each forward costs max(bytes read / bandwidth, FLOPs / peak) with
+`benchmarks.kernels`' vendor figures; one step = the target's verify forward over N nodes
++ the drafter's sequential forwards. It assumes the same efficiency for every forward and
+ignores launch overheads and the verification rule itself.
+
+Results: benchmarks/results/trees.json and the `<!-- trees:results -->` section of
+docs/trees.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import kernels as kb  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees.json")
+DOC = os.path.join(ROOT, "docs", "trees.md")
+EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
+TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
+VAL = os.path.join(ROOT, "benchmarks", "data", "study2", "val.npy")
+
+# Qwen3-8B-shaped target and an EAGLE-3 head for it (bf16 parameter counts).
+TARGET_PARAMS = 8.2e9
+DRAFT_PARAMS = (4096 * (4096 + 2 * 1024) + 4096 * 4096  # one layer's attention
+                + 3 * 4096 * 12288  # its MLP
+                + 3 * 4096 * 4096  # fc over the three captured hidden states
+                + 32_000 * 4096)  # the hot-vocabulary head
+KV_BYTES_PER_TOKEN = 2 * kb.QWEN3_8B["L"] * kb.QWEN3_8B["K"] * kb.QWEN3_8B["H"] * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """name; drafter: "eagle3" (the shipped head) or "ngram" / "logitspec"; num_drafts K;
+    tree: (topk, nodes) for an EAGLE-2 dynamic tree or None; rules it can verify at T > 0."""
+
+    name: str
+    drafter: str
+    num_drafts: int = 1
+    tree: tuple[int, int] | None = None
+    rules: tuple[str, ...] = ("token", "block")
+
+
+SYSTEMS = (
+    System("eagle3 chain", "eagle3"),
+    System("eagle3 K=2", "eagle3", num_drafts=2),
+    System("eagle3 K=4", "eagle3", num_drafts=4),
+    System("eagle3 tree 4x16", "eagle3", tree=(4, 16), rules=("token",)),
+    System("eagle3 tree 4x32", "eagle3", tree=(4, 32), rules=("token",)),
+    System("logitspec", "logitspec", rules=("token",)),
+    System("ngram chain", "ngram"),
+    System("ngram K=3", "ngram", num_drafts=3),
+)
+
+
+def step_seconds(params: float, rows: int, device: str, extra_bytes: float = 0.0) -> float:
+    """One forward of a `params`-parameter bf16 model over `rows` tokens (all rows of the
+    batch together): max(bytes / bandwidth, 2 * params * rows / peak) on `device`."""
+    return max((2 * params + extra_bytes) / kb.BANDWIDTH[device],
+               2 * params * rows / kb.PEAK_FLOPS[device])
+
+
+def project(tau: float, nodes: int, draft_forwards: int, draft_rows: int, device: str,
+            batch: int = 1, context: int = 1024) -> float:
+    """Projected speedup over autoregressive decoding (a model, not a measurement).
+
+    tau: tokens per step (measured); nodes: N tokens per row in the verify forward;
+    draft_forwards: the drafter's sequential forwards per step (0: retrieval drafters);
+    draft_rows: tokens per row in each of them (K for K drafts or a tree frontier of K);
+    batch: B rows; context: tokens of KV cache read per row by every target forward."""
+    kv = KV_BYTES_PER_TOKEN * context * batch
+    ar = step_seconds(TARGET_PARAMS, batch, device, kv)
+    spec = step_seconds(TARGET_PARAMS, batch * nodes, device, kv)
+    spec += draft_forwards * step_seconds(DRAFT_PARAMS, batch * draft_rows, device)
+    return tau * ar / spec
+
+
+def _draft_cost(system: System, gamma: int) -> tuple[int, int]:
+    """(the drafter's sequential forwards per step, tokens per row in each): G forwards of
+    K rows for K drafts or a tree frontier of K, none for the retrieval drafters."""
+    if system.drafter in ("ngram", "logitspec"):
+        return 0, 0
+    return gamma, system.tree[0] if system.tree is not None else system.num_drafts
+
+
+def _available(system: System) -> bool:
+    import importlib.util
+
+    if system.tree is not None:
+        return importlib.util.find_spec("specjax.drafters.dynamic_tree") is not None
+    if system.drafter == "logitspec":
+        return importlib.util.find_spec("specjax.drafters.logitspec") is not None
+    return True
+
+
+def _drafter(system: System, target, sampling):
+    """(drafter, params, G) for a system."""
+    from specjax.decoding.loading import load_drafter
+
+    spec = EAGLE3 if system.drafter == "eagle3" else system.drafter
+    loaded = load_drafter(spec, target, sampling=sampling)
+    drafter = loaded.drafter
+    if system.tree is not None:
+        from specjax.drafters.dynamic_tree import DynamicTree
+
+        drafter = DynamicTree(drafter, *system.tree)
+    return drafter, loaded.params, loaded.gamma
+
+
+def _prompt_sets(n: int, tokenizer, vocab: int):
+    from benchmarks.kvshot_study2 import held_out_prompts
+    from specjax.decoding.prompts import read_prompts
+
+    bundled = read_prompts(tokenizer, vocab)[:n]
+    return {"bundled": bundled, "held-out": held_out_prompts(VAL, n, 96)}
+
+
+def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
+    """Runs every (setting, batch, prompt set, system); returns the results record."""
+    import jax
+    import numpy as np
+
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_target
+    from specjax.decoding.sampling import SamplingParams
+    from specjax.models.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(TARGET)
+    target = load_target(TARGET, tokenizer=tokenizer)
+    sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
+    systems = [s for s in SYSTEMS if _available(s) and (not only or s.name in only)]
+    runs = []
+    settings = [(0.0, "greedy")] + [(t, r) for t in temps if t > 0 for r in ("token", "block")]
+    for temp, rule in settings:
+        sampling = SamplingParams(temperature=temp)
+        for B in batches if temp == 0 else batches[:1]:
+            for set_name, prompts in sets.items():
+                longest = max(len(ids) for _, ids in prompts)
+                max_length = longest + new_tokens
+                common = dict(sampling=sampling, verify="block" if rule == "greedy" else rule,
+                              max_length=max_length,
+                              prompt_width=prompt_width_for(longest, max_length),
+                              batch_size=B, eos_token_ids=target.cfg.eos_token_ids)
+                ar = Engine(target.model, **common)
+                ar.compile()
+                chosen = [s for s in systems if rule == "greedy" or rule in s.rules]
+                engines = {}
+                for s in chosen:
+                    drafter, params, G = _drafter(s, target, sampling)
+                    eng = Engine(target.model, drafter=drafter, drafter_params=params,
+                                 num_drafts=s.num_drafts, **common)
+                    t0 = time.perf_counter()
+                    eng.compile()
+                    engines[s.name] = (s, eng, G, time.perf_counter() - t0)
+                stats = {name: Stats() for name in ["AR", *engines]}
+                outs = {name: [] for name in stats}
+                base = jax.random.key(0)
+                for i in range(0, len(prompts), B):
+                    batch = [ids for _, ids in prompts[i:i + B]]
+                    key = jax.random.fold_in(base, i)
+                    for name, eng in [("AR", ar)] + [(n, e[1]) for n, e in engines.items()]:
+                        out = eng.run(batch, new_tokens, key)
+                        stats[name].add(out)
+                        outs[name].extend(out.outputs)
+                ar_tps = stats["AR"].tokens_per_s
+                for name, (s, eng, G, compile_s) in engines.items():
+                    st = stats[name]
+                    nodes = eng.cfg.tree_nodes(G, eng.drafter)
+                    forwards, rows = _draft_cost(s, G)
+                    rec = {"system": name, "temperature": temp, "verify": rule, "batch": B,
+                           "prompts": set_name, "tau": st.tau, "alpha": st.alpha,
+                           "tokens_per_s": st.tokens_per_s, "ar_tokens_per_s": ar_tps,
+                           "speedup": st.tokens_per_s / ar_tps, "nodes": nodes,
+                           "gamma": G, "compile_s": compile_s,
+                           "identical": outs[name] == outs["AR"] if temp == 0 else None,
+                           "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B)
+                                         for dev in ("H100", "TPU v5e")}}
+                    runs.append(rec)
+                    print(f"[trees] T={temp} {rule} B={B} {set_name} {name}: tau "
+                          f"{st.tau:.3f} N={nodes} {st.tokens_per_s:.1f} tok/s "
+                          f"{rec['speedup']:.2f}x (AR {ar_tps:.1f}) identical "
+                          f"{rec['identical']}", file=sys.stderr, flush=True)
+                del engines
+    import platform
+    import subprocess
+
+    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens,
+            "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
+            or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
+            "jax": jax.__version__, "weights": os.path.relpath(EAGLE3, ROOT)}
+
+
+def render(res: dict) -> str:
+    """The markdown table of a results record."""
+    head = ("| setting | B | prompts | system | N | tau | tok/s | speedup (CPU) | "
+            "identical | projected H100 | projected v5e |")
+    lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
+             f"{res['date']}; weights {res['weights']}; {res['prompts']} prompts per set x "
+             f"{res['new_tokens']} new tokens, EOS on). The two right columns are a "
+             "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
+             "not a measurement.", "", head, "|" + "---|" * 11]
+    for r in res["runs"]:
+        setting = "T=0" if r["temperature"] == 0 else f"T={r['temperature']:g} {r['verify']}"
+        ident = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        lines.append(f"| {setting} | {r['batch']} | {r['prompts']} | {r['system']} | "
+                     f"{r['nodes']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {ident} | {r['projected']['H100']:.2f}x | "
+                     f"{r['projected']['TPU v5e']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(res: dict, doc: str = DOC) -> None:
+    """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing)."""
+    begin, end = "<!-- trees:results -->", "<!-- /trees:results -->"
+    text = open(doc).read() if os.path.exists(doc) else "# Draft trees\n\n"
+    block = f"{begin}\n{render(res)}{end}"
+    if begin in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(doc + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(doc + ".tmp", doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--only", nargs="+", help="these systems only (names as in SYSTEMS)")
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, T=0, B=1")
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--json", default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.render_only:
+        write_doc(json.load(open(args.json)))
+        return 0
+    if args.quick:
+        args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
+    res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
+                  args.only)
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
+    if os.path.abspath(args.json) == RESULTS:  # the committed figures: the doc follows
+        write_doc(res)
+    print(render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
