@@ -27,6 +27,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
+from specjax.decoding.tree import DraftTree
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
@@ -295,6 +296,120 @@ class Eagle3Drafter(LearnedDrafter):
         draft = jnp.concatenate([x[:, None], toks], axis=1)  # [B,G]
         q_all = jnp.concatenate([q[:, None], qs], axis=1)  # [B,G,V]
         return draft, q_all, state
+
+    def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
+        """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858; `topK_genrate`
+        of SafeAILab/EAGLE) as a `specjax.decoding.tree.DraftTree` of N = `nodes` nodes;
+        `specjax.drafters.dynamic_tree.DynamicTree` is the loop's TreeDrafter around it.
+
+        Scores: the cumulative log-probability of a node's path under the drafter's
+        distribution at temperature 1 (log_softmax of the draft logits, -inf outside a hot
+        draft vocabulary), whatever the loop's temperature; the same tree at T = 0 and
+        T > 0. Expansion, K = topk, G = gamma:
+          depth 1: the top-K tokens of the first draft distribution (from h_last) form
+            the frontier (no forward, as in `propose`);
+          depth d = 2..G: ONE drafter forward over the K frontier nodes of depth d-1 (K
+            queries per row at RoPE position lengths-2+d; each attends to the committed
+            cache slots and, through a tree mask over a draft-entry buffer of
+            (G-1)*K slots, to the entries of its own ancestors and itself); every
+            frontier node's top-K children are the K*K candidates of depth d (child
+            score = parent score + log q(child)); the K best candidates by score are the
+            next frontier.
+        The tree: the N-1 best of all K + (G-1)*K*K candidates by score (`lax.top_k`,
+        lower index first on ties; candidates are indexed depth by depth, so a parent,
+        whose score is >= its child's, is always taken before it: the set is closed
+        under ancestors), laid out in candidate order (depth-major, so parents come
+        first) after node 0 = the pending token. Candidates of score -inf (ids outside a
+        hot draft vocabulary) are unused nodes (valid False). With K = 1 and N = G + 1
+        it is `propose`'s greedy chain.
+
+        q: None at temperature 0; above it one-hot at each node's token (the children
+        are deterministic top-K choices, distinct per parent: exact under
+        `specjax.decoding.tree_verify.verify_tree_token`). `key` is unused, `stop_below`
+        is ignored (every tree has G levels) and the drafter state is returned as it is
+        (`update` writes the accepted path's entries). Requires
+        2 <= N <= 1 + K + (G-1)*K*K (checked by DynamicTree)."""
+        del key
+        net = self.net(params)
+        G, K = self.gamma, topk
+        B = view.lengths.shape[0]
+        i32 = jnp.int32
+        rows = jnp.arange(B)[:, None]
+        logp0 = jax.nn.log_softmax(self.logits(net, state.h_last, params), axis=-1)  # [B,V]
+        V = logp0.shape[-1]
+        s1, t1 = jax.lax.top_k(logp0, K)  # [B,K] depth 1 (candidates 0..K-1)
+        t1 = t1.astype(i32)
+        n = G - 1  # forwards
+        c = self.cfg
+        S = max(n * K, 1)  # draft-entry buffer: forward j writes slots j*K .. j*K+K-1
+        empty = jnp.zeros((B, c.num_kv_heads, S, c.head_dim), state.cache.k.dtype)
+        anchor = jnp.broadcast_to((view.lengths - 2)[:, None], (B, K))  # last committed
+        committed = Limit(anchor)
+        slot = jnp.arange(S, dtype=i32)
+        own = jnp.arange(K, dtype=i32)
+
+        def forward(carry, j):
+            dk, dv, amask, h, fs, ft, fg = carry  # frontier: scores, tokens, cand. index
+            pos = anchor + 1 + j  # the frontier's position (depth j+1)
+            emb = jnp.take(params["embed"], ft, axis=0)  # [B,K,D]
+            cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
+            qh, kh, vh = net.project(emb, h, cos, sin)
+            dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype),
+                                                     j * K, axis=2)
+            dv = jax.lax.dynamic_update_slice_in_dim(dv, vh.swapaxes(1, 2).astype(dv.dtype),
+                                                     j * K, axis=2)
+            mine = amask | (slot[None, None, :] == (j * K + own)[None, :, None])  # [B,K,S]
+            attn = attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
+                               (dk, dv, mine)], kernel=self.attention)
+            out, _ = net.mix_memory(net.finish(h, attn), pos, anchor,
+                                    _first_memory(state.memory), params["inv_freq"],
+                                    self.attention)
+            logp = jax.nn.log_softmax(self.logits(net, out, params), axis=-1)  # [B,K,V]
+            cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
+            cand_s = (fs[:, :, None] + cs).reshape(B, K * K)
+            cand_t = ct.astype(i32).reshape(B, K * K)
+            cand_p = jnp.repeat(fg, K, axis=1)  # the parent's candidate index
+            ns, ni = jax.lax.top_k(cand_s, K)  # the next frontier
+            par = ni // K
+            nxt = (dk, dv, jnp.take_along_axis(mine, par[..., None], axis=1),
+                   jnp.take_along_axis(out, par[..., None], axis=1), ns,
+                   jnp.take_along_axis(cand_t, ni, axis=1), K + j * K * K + ni.astype(i32))
+            return nxt, (cand_s, cand_t, cand_p)
+
+        init = (empty, empty, jnp.zeros((B, K, S), bool),
+                jnp.broadcast_to(state.h_last[:, None], (B, K, state.h_last.shape[-1])),
+                s1, t1, jnp.broadcast_to(own, (B, K)))
+        _, (cs, ct, cp) = jax.lax.scan(forward, init, jnp.arange(n, dtype=i32))
+
+        def flat(first, later):  # [B,K] + [n,B,K*K] -> [B,M] in candidate order
+            return jnp.concatenate([first, jnp.moveaxis(later, 0, 1).reshape(B, -1)], 1)
+
+        score = flat(s1, cs)
+        tok = flat(t1, ct)
+        par = flat(jnp.full((B, K), -1, i32), cp)
+        depth = jnp.concatenate([jnp.ones((K,), i32),
+                                 jnp.repeat(jnp.arange(2, G + 1, dtype=i32), K * K)])
+        M = score.shape[1]
+        _, best = jax.lax.top_k(score, nodes - 1)
+        order = jnp.sort(best, axis=1)  # [B,N-1] candidate order: parents first
+        node_of = jnp.zeros((B, M), i32).at[rows, order].set(
+            jnp.broadcast_to(jnp.arange(1, nodes, dtype=i32), order.shape))
+        pg = jnp.take_along_axis(par, order, axis=1)
+        parents = jnp.where(pg >= 0, jnp.take_along_axis(node_of, jnp.maximum(pg, 0), 1), 0)
+        valid = jnp.isfinite(jnp.take_along_axis(score, order, axis=1))
+        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)
+        tokens = jnp.concatenate([pending.astype(i32), jnp.take_along_axis(tok, order, 1)], 1)
+        true = jnp.ones((B, 1), bool)
+        tree = DraftTree(
+            tokens=tokens,
+            parents=jnp.concatenate([jnp.full((B, 1), -1, i32),
+                                     jnp.where(valid, parents, -1)], 1),
+            depths=jnp.concatenate([jnp.zeros((B, 1), i32),
+                                    jnp.where(valid, depth[order], 0)], 1),
+            valid=jnp.concatenate([true, valid], 1),
+            q=None if self.sampling.greedy else jax.nn.one_hot(
+                tokens, V, dtype=jnp.float32).at[:, 0].set(0.0))
+        return tree, state
 
     def update(self, params, state, view, num_accepted):
         net = self.net(params)
