@@ -107,3 +107,38 @@ def ancestor_mask(tree: DraftTree, max_depth: int) -> jax.Array:
 def path_tokens(tree: DraftTree, path) -> jax.Array:
     """i32[B,G+1]: the tokens of the nodes on `path` (i32[B,G+1] node indices)."""
     return jnp.take_along_axis(tree.tokens, path, axis=1)
+
+
+def tree_from_candidates(pending, score, tokens, parent, depth, nodes: int, vocab=None
+                         ) -> DraftTree:
+    """The best `nodes` - 1 of M scored candidates as a DraftTree (EAGLE-2's rerank).
+
+    pending: i32[B] the root tokens; score: f32[B,M] cumulative draft log-probabilities
+    (-inf: not a candidate); tokens: i32[B,M]; parent: i32[B,M] the parent's candidate
+    index (-1: a child of the root); depth: i32[M] (static layout); candidates must be in
+    an order where a parent comes before its children. The N - 1 = `nodes` - 1 best by
+    score are kept (`lax.top_k`: the lower index first on ties, so a parent, whose score
+    is >= its child's, is kept before it and the set is closed under ancestors), laid out
+    in candidate order after node 0 = the root. Candidates of score -inf are unused
+    nodes. vocab: V for one-hot q at each node (deterministic children, sampling), None
+    for no q (greedy)."""
+    B, M = score.shape
+    i32 = jnp.int32
+    rows = jnp.arange(B)[:, None]
+    _, best = jax.lax.top_k(score, nodes - 1)
+    order = jnp.sort(best, axis=1)  # [B,N-1] candidate order: parents first
+    node_of = jnp.zeros((B, M), i32).at[rows, order].set(
+        jnp.broadcast_to(jnp.arange(1, nodes, dtype=i32), order.shape))
+    pg = jnp.take_along_axis(parent, order, axis=1)
+    parents = jnp.where(pg >= 0, jnp.take_along_axis(node_of, jnp.maximum(pg, 0), 1), 0)
+    valid = jnp.isfinite(jnp.take_along_axis(score, order, axis=1))
+    toks = jnp.concatenate([pending.astype(i32)[:, None],
+                            jnp.take_along_axis(tokens, order, 1).astype(i32)], 1)
+    true = jnp.ones((B, 1), bool)
+    return DraftTree(
+        tokens=toks,
+        parents=jnp.concatenate([jnp.full((B, 1), -1, i32), jnp.where(valid, parents, -1)], 1),
+        depths=jnp.concatenate([jnp.zeros((B, 1), i32), jnp.where(valid, depth[order], 0)], 1),
+        valid=jnp.concatenate([true, valid], 1),
+        q=None if vocab is None else jax.nn.one_hot(toks, vocab, dtype=jnp.float32)
+        .at[:, 0].set(0.0))

@@ -27,6 +27,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
+from specjax.decoding.tree import tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Blocks, Limit, attend
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -169,7 +170,8 @@ class BlockDrafter(LearnedDrafter):
         state = BlockState(empty if c.uses_hidden else None, empty if c.uses_kv else None)
         return self._extend(net, params, state, view)
 
-    def propose(self, params, state, view, key, first_rank=None):
+    def block_logits(self, params, state, view):
+        """f32[B,G,V]: the draft logits of block positions 1..G (one forward)."""
         net = self.net(params)
         G, B = self.gamma, view.lengths.shape[0]
         offsets = jnp.arange(G + 1, dtype=jnp.int32)
@@ -185,14 +187,53 @@ class BlockDrafter(LearnedDrafter):
                 contexts.append(((cache.k, cache.v), visible))
         out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
                             params["inv_freq"], self.attention)
-        logits = self.logits(net, out[:, 1:], params)  # [B,G,V]
-        keys = jax.random.split(key, G)
+        return self.logits(net, out[:, 1:], params)  # [B,G,V]
+
+    def propose(self, params, state, view, key, first_rank=None):
+        logits = self.block_logits(params, state, view)
+        keys = jax.random.split(key, self.gamma)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)
         if first_rank is not None:  # only the first position's token changes
             x, q1 = ranked_choice(logits[:, 0], q[:, 0], draft[:, 0], self.sampling, first_rank)
             draft, q = draft.at[:, 0].set(x), q.at[:, 0].set(q1)
         return draft, q, state
+
+    def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
+        """A draft tree from one block forward (`specjax.drafters.dynamic_tree.DynamicTree`
+        calls it): the block's per-position distributions (temperature 1, log_softmax of
+        the draft logits) combined as EAGLE-2 combines a step-wise drafter's. Depth 1:
+        the top-K tokens of position 1; depth d: each of the K best nodes of depth d-1
+        takes the top-K tokens of position d as children (score = parent's + log q_d:
+        position d's distribution does not depend on the tokens before it, the block was
+        drafted from mask tokens); the K best of those K*K form the next frontier; the
+        tree is the N - 1 best of all K + (G-1)*K*K candidates
+        (`specjax.decoding.tree.tree_from_candidates`). q: one-hot at each node's token
+        above temperature 0 (deterministic choices), None at 0. `key` is unused."""
+        del key
+        G, K = self.gamma, topk
+        logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
+        B, V = logp.shape[0], logp.shape[-1]
+        ls, lt = jax.lax.top_k(logp, K)  # [B,G,K] per position
+        lt = lt.astype(jnp.int32)
+        scores, toks, parents = [ls[:, 0]], [lt[:, 0]], [jnp.full((B, K), -1, jnp.int32)]
+        fs, fg = ls[:, 0], jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
+        start = K  # the candidate index of depth d's first candidate
+        for d in range(1, G):  # static: G - 1 levels of K*K candidates
+            cs = (fs[:, :, None] + ls[:, d][:, None, :]).reshape(B, K * K)
+            scores.append(cs)
+            toks.append(jnp.tile(lt[:, d], (1, K)))
+            parents.append(jnp.repeat(fg, K, axis=1))
+            fs, ni = jax.lax.top_k(cs, K)
+            fg = start + ni.astype(jnp.int32)
+            start += K * K
+        depth = jnp.concatenate([jnp.ones((K,), jnp.int32)] + [
+            jnp.full((K * K,), d + 1, jnp.int32) for d in range(1, G)])
+        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], 1)[:, 0]
+        tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
+                                    jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
+                                    depth, nodes, None if self.sampling.greedy else V)
+        return tree, state
 
     def update(self, params, state, view, num_accepted):
         net = self.net(params)

@@ -1,0 +1,118 @@
+"""Draft trees from a block (DFlash-style) drafter (issue 30, "block drafters give a tree
+too"): `BlockDrafter.propose_tree_topk` through `DynamicTree` — the tree against a numpy
+rebuild from the block's own per-position distributions, greedy identity with
+autoregressive decoding, and exactness at T = 1 through the multi-round harness of
+tests/test_lossless_drafters.py."""
+
+import _dist_utils as du
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_lossless_drafters as tl
+import test_speculative_greedy as sg
+from flax import nnx
+from test_drafters import net_for
+
+from specjax.decoding.generate import LoopConfig, _prefill, speculative_loop
+from specjax.decoding.sampling import SamplingParams
+from specjax.drafters import make_drafter
+from specjax.drafters.base import LoopView
+from specjax.drafters.dynamic_tree import DynamicTree
+
+GREEDY = SamplingParams()
+
+
+def _drafter(context, G, sp=GREEDY):
+    target, _ = sg.models()
+    dcfg, net = net_for("block", context)
+    return make_drafter(dcfg, net, target, gamma=G, sampling=sp)
+
+
+def _first_view(drafter, dparams, G):
+    target, _ = sg.models()
+    cfg = LoopConfig(max_length=sg.TP + 24, prompt_width=sg.TP)
+    toks, lens = sg.prompts()
+    key = jax.random.key(3)
+    state, view = _prefill(target, cfg, toks, lens, jnp.full((4,), 20, jnp.int32), key, G,
+                           drafter.capture)
+    dstate = drafter.init(dparams, view, key)
+    return dstate, LoopView(state.tokens, state.lengths, state.cache, None,
+                            (state.lengths - 1)[:, None])
+
+
+def _reference(logp, K, N):
+    """numpy: (tokens, parents, depths) per row of EAGLE-2's expansion and rerank over
+    per-position log-probabilities logp [G,V] whose children do not depend on the parent."""
+    G = logp.shape[0]
+    order = [np.argsort(-logp[d], kind="stable")[:K] for d in range(G)]
+    cands = [(float(logp[0, t]), int(t), -1, 1) for t in order[0]]  # (score, tok, par, depth)
+    frontier = list(range(K))
+    for d in range(1, G):
+        start = len(cands)
+        level = [(cands[f][0] + float(logp[d, t]), int(t), f, d + 1)
+                 for f in frontier for t in order[d]]
+        cands += level
+        ranked = sorted(range(len(level)), key=lambda i: (-level[i][0], i))[:K]
+        frontier = [start + i for i in ranked]
+    keep = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))[:N - 1])
+    node = {c: n + 1 for n, c in enumerate(keep)}
+    toks = [cands[c][1] for c in keep]
+    pars = [node[cands[c][2]] if cands[c][2] >= 0 else 0 for c in keep]
+    deps = [cands[c][3] for c in keep]
+    return toks, pars, deps
+
+
+@pytest.mark.parametrize("context,G,K,N", [("kv", 3, 2, 6), ("hidden", 4, 3, 12)])
+def test_block_tree_equals_numpy_reference(context, G, K, N):
+    drafter, dparams = _drafter(context, G)
+    dstate, view = _first_view(drafter, dparams, G)
+    logp = np.asarray(jax.nn.log_softmax(drafter.block_logits(dparams, dstate, view), -1))
+    tree, _ = DynamicTree(drafter, K, N).propose_tree(dparams, dstate, view, jax.random.key(0))
+    assert tree.q is None
+    for b in range(4):
+        toks, pars, deps = _reference(logp[b], K, N)
+        np.testing.assert_array_equal(np.asarray(tree.tokens[b, 1:]), toks)
+        np.testing.assert_array_equal(np.asarray(tree.parents[b, 1:]), pars)
+        np.testing.assert_array_equal(np.asarray(tree.depths[b, 1:]), deps)
+        assert np.asarray(tree.valid[b]).all()
+
+
+@pytest.mark.parametrize("context,G,K,N", [("kv", 3, 2, 7),
+                                           pytest.param("both", 4, 3, 16,
+                                                        marks=pytest.mark.slow)])
+def test_greedy_block_tree_equals_autoregressive(context, G, K, N):
+    drafter, dparams = _drafter(context, G)
+    target, _ = sg.models()
+    g, p = nnx.split(target)
+    cfg = LoopConfig(max_length=sg.TP + 24, prompt_width=sg.TP)
+    toks, lens = sg.prompts()
+    res = speculative_loop(g, p, DynamicTree(drafter, K, N), dparams, cfg, toks, lens,
+                           jnp.asarray(sg.BUDGETS, jnp.int32), jax.random.key(0))
+    assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
+
+
+def test_block_tree_is_lossless_at_t1():
+    """T = 1, verify "token": the first N_NEW tokens over several rounds follow the
+    target's exact law (tests/test_lossless_drafters.py's statistic and threshold)."""
+    sp = tl.PLAIN
+    drafter, dparams = tl._drafter("block-kv", sp)
+    batch = tl.BATCH
+    g, params = nnx.split(tl._target())
+    lc = LoopConfig(max_length=len(tl.PROMPT) + tl.N_NEW, prompt_width=tl.PROMPT_WIDTH,
+                    sampling=sp, verify="token")
+    prompt = np.full((tl.PROMPT_WIDTH,), tl.PAD, np.int32)
+    prompt[:len(tl.PROMPT)] = tl.PROMPT
+    res = speculative_loop(g, params, DynamicTree(drafter, 2, 5), dparams, lc,
+                           jnp.asarray(np.tile(prompt, (batch, 1))),
+                           jnp.full((batch,), len(tl.PROMPT), jnp.int32),
+                           jnp.full((batch,), tl.N_NEW, jnp.int32), jax.random.key(11))
+    Tp = len(tl.PROMPT)
+    seqs = np.asarray(res.tokens)[:, Tp:Tp + tl.N_NEW]
+    exact = tl._exact(sp)
+    assert (du.empirical_pmf(seqs)[exact == 0] == 0).all()
+    stat, thresh, worst = du.projection_test(seqs, exact, tl._null(sp, batch))
+    acc = np.asarray(res.accepted).sum(0) / np.asarray(res.steps).sum()
+    print(f"\n[block tree T=1] z={stat:.2f} thresh={thresh:.2f} worst {worst}; accepted {acc}")
+    assert stat < thresh, (stat, thresh, worst)
+    assert 0.05 < acc[0] < 0.95
