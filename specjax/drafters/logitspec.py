@@ -13,20 +13,25 @@ The tree (N = tree_nodes nodes per row, static; depths at most G = gamma)
 -------------------------------------------------------------------------
 node 0: the root, the row's pending token p.
 
-branch 0 (nodes 1..G): the retrieval continuation of the context ending in p, G tokens
-  (exactly `NgramDrafter.propose`'s draft). With no match, its nodes are invalid.
+branch 0 (nodes 1..G): the retrieval continuation of the context ending in p, G tokens:
+  exactly `NgramDrafter.propose`'s draft (p repeated when nothing matches).
 
 branch r = 1..C (in rank order): a child c_r of the root, the r-th candidate, then the
   retrieval continuation of the context ending in [p, c_r], for a branch of
   `branch_length(r)` tokens in all (c_r included): 4 if r <= 8, 3 if r <= 32, else 1
-  (the authors' `get_draft_length_via_rank`), at most G. The candidate node is always
-  valid; with no match its continuation nodes are invalid.
+  (the authors' `get_draft_length_via_rank`), at most G. With no match the continuation
+  is c_r repeated (NgramDrafter's rule on the context extended by c_r).
 
 Nodes are laid out branch after branch (branch 0, then 1, 2, ...), each branch a chain,
 so parents[i] < i. Nodes past N are dropped statically (the last branch that fits is
-cut); the static layout is `LogitSpecDrafter.layout()`. Invalid nodes follow
-`specjax.decoding.tree`'s convention (valid False, parent -1, depth 0, token p) and are
-never accepted.
+cut); the static layout is `LogitSpecDrafter.layout()`. Every node of the layout is
+valid: a retrieval without a match is filled as NgramDrafter fills it (the last token
+repeated), so branch 0 is always NgramDrafter's chain and, at temperature 0, the tree
+accepts at least what prompt lookup accepts from the same state (the root's children
+are distinct, so greedy verification follows the one branch whose first token is the
+target's). A budget N larger than the layout is padded with invalid nodes
+(`specjax.decoding.tree`'s convention: valid False, parent -1, depth 0, token p), never
+accepted.
 
 Candidates (init and update)
 ----------------------------
@@ -36,8 +41,8 @@ argmax, so this is the authors' "top-k excluding the argmax"; above 0, p was sam
 may be any token, and it is p that is left out (a guess equal to p would be a guess of
 the token after p equal to p, which the key [p, p] still covers through other ranks).
 The state keeps the top C + 1 such tokens (i32[B, C+1]) and propose_tree drops the one
-equal to branch 0's first token when branch 0 matched, keeping the root's children
-distinct (otherwise the first C are used). Ranks r count the kept candidates from 1, as
+equal to branch 0's first token, keeping the root's children distinct (otherwise the
+first C are used; branch 0's fallback p is never among them). Ranks r count the kept candidates from 1, as
 the authors' index into the top-k list does at temperature 0.
 
 Retrieval (the "pool")
@@ -61,7 +66,8 @@ sizes, longest first, prompt + output, kept up to date every step) is the same.
 Other differences from the authors' code: their tree budget is dynamic (a branch with
 no match is the single candidate token, so more candidates fit; the root's branch is up
 to 20 tokens) while ours is static: unmatched positions are invalid nodes that still
-cost verify compute, and the root's branch is G tokens. Their sibling candidates may
+cost verify compute (filled with the n-gram fallback rather than left empty), and the
+root's branch is G tokens. Their sibling candidates may
 repeat branch 0's first token; ours do not. They verify greedily only; here the tree is
 verified by `specjax.decoding.tree_verify` at any temperature.
 
@@ -198,28 +204,22 @@ class LogitSpecDrafter:
         B, S = tokens.shape
         G, C = self.gamma, self._branches()
         pending = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
-        root_found, root_cont, cand, cand_found, cand_cont = self._retrieve(
-            tokens, lengths, state, C)
-        # sources of every node's token and validity: [root | branch 0 | branch r: c, cont]
+        root_cont, cand, cand_cont = self._retrieve(tokens, lengths, state, C)
+        # every node's token from [root | branch 0 | branch r: c, its continuation]
         L1 = cand_cont.shape[-1] + 1  # the longest candidate branch
         src_tok = jnp.concatenate(
             [pending[:, None], root_cont,
              jnp.concatenate([cand[..., None], cand_cont], -1).reshape(B, C * L1)], 1)
-        cont_ok = jnp.broadcast_to(cand_found[..., None], (B, C, L1 - 1))
-        src_ok = jnp.concatenate(
-            [jnp.ones((B, 1), bool), jnp.broadcast_to(root_found[:, None], (B, G)),
-             jnp.concatenate([jnp.ones((B, C, 1), bool), cont_ok], -1).reshape(B, C * L1)], 1)
         lay = self.layout()
         src = [0] + [1 + k if b == 0 else 1 + G + (b - 1) * L1 + k for b, k in lay]
         parent = [-1] + [0 if k == 0 else i for i, (b, k) in enumerate(lay)]  # node i+1 -> i
         depth = [0] + [k + 1 for _, k in lay]
         N = self.tree_nodes
         pad = N - len(src)  # budget the branches do not fill: invalid nodes
-        src_i = jnp.asarray(src + [0] * pad, jnp.int32)
-        valid = jnp.take(src_ok, src_i, axis=1) & jnp.asarray([True] * len(src) + [False] * pad)
-        node_tok = jnp.where(valid, jnp.take(src_tok, src_i, axis=1), pending[:, None])
-        parents = jnp.where(valid, jnp.asarray(parent + [-1] * pad, jnp.int32), -1)
-        depths = jnp.where(valid, jnp.asarray(depth + [0] * pad, jnp.int32), 0)
+        node_tok = jnp.take(src_tok, jnp.asarray(src + [0] * pad, jnp.int32), axis=1)
+        valid = jnp.broadcast_to(jnp.asarray([True] * len(src) + [False] * pad), (B, N))
+        parents = jnp.broadcast_to(jnp.asarray(parent + [-1] * pad, jnp.int32), (B, N))
+        depths = jnp.broadcast_to(jnp.asarray(depth + [0] * pad, jnp.int32), (B, N))
         q = None
         if not self.sampling.greedy:
             q = jax.nn.one_hot(node_tok, self.vocab_size, dtype=jnp.float32)
@@ -231,8 +231,9 @@ class LogitSpecDrafter:
     def _retrieve(self, tokens, lengths, cand_all, C):
         """Branch 0's continuation and the C candidates with theirs.
 
-        -> root_found bool[B], root_cont i32[B,G], cand i32[B,C], cand_found bool[B,C],
-        cand_cont i32[B,C,L1-1] (L1 the longest candidate branch)."""
+        -> root_cont i32[B,G], cand i32[B,C], cand_cont i32[B,C,L1-1] (L1 the longest
+        candidate branch); a retrieval without a match gives its key's last token
+        repeated, as NgramDrafter."""
         B, S = tokens.shape
         G = self.gamma
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
@@ -248,21 +249,20 @@ class LogitSpecDrafter:
             match = suf[n] & (j >= n - 1) & (j <= L - 2) & (L >= n)
             found = jnp.max(jnp.where(match, j, -1), axis=1).astype(jnp.int32)
             best = jnp.where(found >= 0, found, best)
-        root_found = best >= 0
         i = jnp.arange(G, dtype=jnp.int32)[None, :]
         period = jnp.maximum(lengths - 1 - best, 1)[:, None]
-        idx = jnp.clip(best[:, None] + 1 + jnp.mod(i, period), 0, S - 1)
-        root_cont = jnp.take_along_axis(tokens, idx, axis=1)
+        idx = best[:, None] + 1 + jnp.mod(i, period)
+        idx = jnp.where(best[:, None] >= 0, idx, lengths[:, None] - 1)
+        root_cont = jnp.take_along_axis(tokens, jnp.clip(idx, 0, S - 1), axis=1)
         # the candidates: the first C of the state's C+1 that differ from branch 0's first
-        dup = (cand_all == root_cont[:, :1]) & root_found[:, None]
+        dup = cand_all == root_cont[:, :1]
         d = jnp.where(jnp.any(dup, axis=1), jnp.argmax(dup, axis=1), cand_all.shape[1])
         r = jnp.arange(C, dtype=jnp.int32)[None, :]
         cand = jnp.take_along_axis(cand_all, r + (r >= d[:, None]), axis=1)  # [B,C]
         # a candidate's key: the context's last n-1 tokens, then c (virtually at `lengths`)
         L1 = max((branch_length(b, G) for b in range(1, C + 1)), default=1)
         if C == 0 or L1 == 1:
-            return root_found, root_cont, cand, jnp.zeros((B, C), bool), \
-                jnp.zeros((B, C, 0), jnp.int32)
+            return root_cont, cand, jnp.zeros((B, C, 0), jnp.int32)
         hit = tokens[:, None, :] == cand[:, :, None]  # [B,C,S]: tokens[j] == c
         best_c = jnp.full((B, C), -1, jnp.int32)
         for n in range(self.n_min, self.n_max + 1):
@@ -275,6 +275,7 @@ class LogitSpecDrafter:
         period_c = jnp.maximum(lengths[:, None] - best_c, 1)[..., None]  # (L + 1) - 1 - best
         idx = best_c[..., None] + 1 + jnp.mod(k, period_c)  # in best+1 .. L
         got = jnp.take_along_axis(tokens, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
-        cand_cont = jnp.where(idx == lengths[:, None, None], cand[..., None],
-                              got.reshape(B, C, L1 - 1))
-        return root_found, root_cont, cand, best_c >= 0, cand_cont
+        # idx == lengths is c itself; no match: c repeated
+        at_c = (idx == lengths[:, None, None]) | (best_c[..., None] < 0)
+        cand_cont = jnp.where(at_c, cand[..., None], got.reshape(B, C, L1 - 1))
+        return root_cont, cand, cand_cont
