@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the bundled demo)")
     ap.add_argument("--drafter", default=None,
-                    help="none (autoregressive), ngram (prompt lookup), a drafter directory "
+                    help="none (autoregressive), ngram (prompt lookup), logitspec (a prompt-lookup "
+                         "tree with next-next-token guesses from the target's logits; "
+                         "sampling needs --verify token), a drafter directory "
                          f"written by train.py ({kinds}), or a draft LM "
                          "directory (default: the best bundled demo drafter)")
     src = ap.add_mutually_exclusive_group()
@@ -68,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drafts per step, verified as one draft tree of 1 + K*G nodes (at "
                          "temperature 0 the drafter's top-K first tokens, each continued "
                          "greedily; above it K independent samples); 1 = one chain")
+    ap.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                    help="EAGLE-2 dynamic draft tree: expand the top-K children of the K "
+                         "best nodes per depth (eagle3, hybrid and block drafters); needs "
+                         "--tree-nodes; sampling verifies with --verify token")
+    ap.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                    help="node budget of the --tree-topk tree (root included): the N-1 "
+                         "best candidates by cumulative draft log-probability")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
@@ -180,6 +189,16 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--batch-size={args.batch_size} must be >= 1")
     if args.num_drafts < 1:
         raise SpecjaxError(f"--num-drafts={args.num_drafts} must be >= 1 (1 = one chain)")
+    if (args.tree_topk is None) != (args.tree_nodes is None):
+        raise SpecjaxError("--tree-topk and --tree-nodes go together (an EAGLE-2 tree of "
+                           "N nodes from the top-K children per depth)")
+    if args.tree_topk is not None:
+        if args.num_drafts > 1:
+            raise SpecjaxError("--tree-topk and --num-drafts are two kinds of tree: pass one")
+        if args.temperature > 0 and args.verify == "block":
+            raise SpecjaxError("--tree-topk with sampling needs --verify token (block "
+                               "verification of several drafts needs independent drafts: "
+                               "--num-drafts)")
     if args.num_drafts > 1 and args.drafter == "none":
         raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
                            "autoregressively)")
@@ -224,7 +243,8 @@ def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
 
     B = args.batch_size
     G = args.gamma or DEFAULT_GAMMA
-    S = max_length + (G + 1 if args.num_drafts == 1 else 1 + args.num_drafts * G)  # draft room
+    nodes = G + 1 if args.num_drafts == 1 else 1 + args.num_drafts * G
+    S = max_length + max(nodes, args.tree_nodes or 0)  # room for the verified drafts
     cache = plan.kv_cache_bytes(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, dtype)
     parts = {"target weights": plan.weight_bytes(cfg, dtype),
              "KV cache": cache * (2 if args.compare_ar and args.drafter != "none" else 1),
@@ -310,6 +330,13 @@ def run(args) -> int:
                           dtype=dtype, matmul_dtype=args.drafter_dtype,
                           draft_vocab=args.draft_vocab, draft_stop=args.draft_stop)
     drafter, dparams, drafter_arg = loaded.drafter, loaded.params, loaded.name
+    if args.tree_topk is not None:
+        if drafter is None:
+            raise SpecjaxError("--tree-topk needs a drafter (--drafter none decodes "
+                               "autoregressively)")
+        from specjax.drafters.dynamic_tree import DynamicTree
+
+        drafter = DynamicTree(drafter, args.tree_topk, args.tree_nodes)
     target = target.model
     eos = () if args.ignore_eos else cfg.eos_token_ids
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,

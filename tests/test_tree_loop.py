@@ -179,3 +179,18 @@ def test_tree_loop_with_pallas_attention_equals_autoregressive():
     res = speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
                            jnp.asarray(budgets, jnp.int32), jax.random.key(0))
     assert sg.rows(res) == sg.rows(sg.run_ar(budgets))
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--tree-topk", 2], "--tree-topk and --tree-nodes go together"),
+    (["--tree-topk", 2, "--tree-nodes", 5, "--num-drafts", 2], "two kinds of tree"),
+    (["--tree-topk", 2, "--tree-nodes", 5, "--temperature", 1], "--verify token"),
+    (["--tree-topk", 2, "--tree-nodes", 5, "--drafter", "ngram"], "no dynamic draft tree"),
+])
+def test_decode_cli_bad_tree_flags(tiny_demo, tmp_path, capsys, extra, expect):
+    args = ["--target", tiny_demo / "target", "--prompts", tiny_demo / "prompts.jsonl",
+            "--drafter", tiny_demo / "draft", "--summary", tmp_path / "s.json", *extra]
+    code = decode.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2 and expect in err and err.count("\n") == 1, err
+    assert not (tmp_path / "s.json").exists()
