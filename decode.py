@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default=os.path.join(DEMO_DIR, "target"),
                     help="HF checkpoint directory of the target (default: the bundled demo)")
     ap.add_argument("--drafter", default=None,
-                    help="none (autoregressive), ngram (prompt lookup), logitspec (a prompt-lookup "
-                         "tree with next-next-token guesses from the target's logits; "
-                         "sampling needs --verify token), a drafter directory "
+                    help="none (autoregressive), ngram (prompt lookup), logitspec (a prompt-"
+                         "lookup tree with next-next-token guesses from the target's "
+                         "logits; sampling needs --verify token), a drafter directory "
                          f"written by train.py ({kinds}), or a draft LM "
                          "directory (default: the best bundled demo drafter)")
     src = ap.add_mutually_exclusive_group()

@@ -157,12 +157,15 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
 
 def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
                  sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
-                 draft_stop: float = 0.0) -> LoadedDrafter:
+                 draft_stop: float = 0.0, verify: str | None = None,
+                 num_drafts: int = 1) -> LoadedDrafter:
     """The drafter `spec` names, for `target`, as decode.py's --drafter takes it.
 
     Args:
       spec: None (the default: the first bundled demo drafter, else "ngram"), "none"
-        (autoregressive: drafter and params None), "ngram" (prompt lookup), or a
+        (autoregressive: drafter and params None), "ngram" (prompt lookup),
+        "logitspec" (a retrieval draft tree with next-next-token guesses from the target's
+        logits, `specjax.drafters.logitspec`), or a
         directory: an EAGLE-3 or DFlash head trained elsewhere (`drafters.external`), a
         specjax drafter written by train.py (eagle3, kv, hybrid, block), or an HF draft
         LM, told apart by its config.json.
@@ -175,9 +178,13 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         "float32", "bfloat16", or a jnp dtype / None (`drafters.make_drafter`).
       draft_vocab: "auto" (a directory's draft_vocab.json when it has one) or "full".
       draft_stop: eagle3/hybrid early stop of drafting (0: off).
+      verify, num_drafts: the loop's rule and drafts per step, where the caller passes
+        them: "logitspec" needs verify "token" when sampling (its tree is not K i.i.d.
+        drafts) and makes its own tree (num_drafts 1).
     Returns: LoadedDrafter(drafter, params, name, gamma); the arguments are not changed.
     Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
-      the target, or a draft_stop given to a drafter that cannot stop early.
+      the target, a draft_stop given to a drafter that cannot stop early, or "logitspec"
+      with verify "block" at temperature > 0 or num_drafts > 1.
     """
     from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
@@ -187,7 +194,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     dtype = target.dtype if dtype is None else resolve_dtype(dtype)
     name = default_drafter() if spec is None else spec
     V = target.cfg.vocab_size
-    learned = name not in ("none", "ngram") and DrafterConfig.is_drafter_dir(name)
+    learned = name not in ("none", "ngram", "logitspec") and DrafterConfig.is_drafter_dir(name)
     if draft_stop and not learned:
         raise SpecjaxError(f"--draft-stop: only learned eagle3 and hybrid drafters stop "
                            f"early, not --drafter {name}")
@@ -198,6 +205,19 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
 
         G = gamma or DEFAULT_GAMMA
         return LoadedDrafter(NgramDrafter(G, V, sampling=sampling), (), name, G)
+    if name == "logitspec":
+        from specjax.drafters.logitspec import LogitSpecDrafter
+
+        if verify == "block" and not sampling.greedy:
+            raise SpecjaxError("--drafter logitspec: its retrieval tree is not K i.i.d. "
+                               "drafts, so --verify block does not apply when sampling; "
+                               "pass --verify token")
+        if num_drafts > 1:
+            raise SpecjaxError(f"--drafter logitspec builds its own draft tree; "
+                               f"--num-drafts {num_drafts} does not apply (leave it at 1)")
+        G = gamma or DEFAULT_GAMMA
+        drafter = LogitSpecDrafter.create(V, G, sampling=sampling)
+        return LoadedDrafter(drafter, (), name, G)
     mm = drafter_matmul_dtype(matmul_dtype)
     if learned:
         drafter, dparams = load_learned_drafter(

@@ -36,14 +36,14 @@ accepted.
 Candidates (init and update)
 ----------------------------
 c_1..c_C are the top tokens of `view.logits` (the target logits the pending token was
-drawn from) with the pending token p itself left out: at temperature 0, p is the
-argmax, so this is the authors' "top-k excluding the argmax"; above 0, p was sampled and
-may be any token, and it is p that is left out (a guess equal to p would be a guess of
-the token after p equal to p, which the key [p, p] still covers through other ranks).
-The state keeps the top C + 1 such tokens (i32[B, C+1]) and propose_tree drops the one
-equal to branch 0's first token, keeping the root's children distinct (otherwise the
-first C are used; branch 0's fallback p is never among them). Ranks r count the kept candidates from 1, as
-the authors' index into the top-k list does at temperature 0.
+drawn from) with the pending token p itself left out. At temperature 0, p is the argmax,
+so this is the authors' "top-k excluding the argmax". Above 0, p was sampled and may be
+any token; it is p (the root's own token) that is left out, and the argmax, when it was
+not drawn, stays a candidate. The state keeps the top C + 1 such tokens (i32[B, C+1]);
+propose_tree drops the one equal to branch 0's first token, so the root's children are
+distinct, and otherwise uses the first C (branch 0's fallback p is never among them).
+Ranks r count the kept candidates from 1, as the authors' index into their top-k list
+does at temperature 0.
 
 Retrieval (the "pool")
 ----------------------
