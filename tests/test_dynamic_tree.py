@@ -256,7 +256,7 @@ def test_topk_one_loop_equals_chain_loop():
 
 # (4): T = 1, verify "token": the exact-distribution harness of test_lossless_drafters
 # (its tiny target, PROMPT, N_NEW = 5, G = 2; 25,000 rows; projection test).
-LOSSLESS = [("eagle3", tl.PLAIN, None, 2, 5),
+LOSSLESS = [("eagle3", tl.PLAIN, None, 3, 9),
             pytest.param("eagle3", tl.TOP_K, tl.HOT, 3, 8, marks=pytest.mark.slow),
             pytest.param("hybrid", tl.PLAIN, None, 2, 7, marks=pytest.mark.slow)]
 
