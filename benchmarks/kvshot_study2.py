@@ -21,7 +21,8 @@ benchmarks/results/kvshot2/NAME-sSEED.json with, per held-out sequence or prompt
    it (target f32, the drafter's default bf16 matmuls, its draft vocabulary, kernels auto,
    batch 1, EOS on), on prompts cut from the held-out documents of val.npy (the first
    `prompt_tokens` tokens of evenly spaced documents; documents end at EOS), T = 0 and
-   T = 1 with token and block verification, each prompt run by the drafter and then by
+   T = 1 with block verification (and token verification with --settings), each prompt
+   run by the drafter and then by
    autoregressive decoding in the same process with the same key (decode.py's
    interleaving). Per prompt: new tokens, verification steps, accepted[k], wall seconds of
    both, and whether the T = 0 outputs are identical.
@@ -70,6 +71,7 @@ SIM_KEY = 2  # block-wise anchors of sequence i: fold_in(PRNGKey(SIM_KEY), i), e
 DECODE_SEED = 0  # prompt i samples with fold_in(key(DECODE_SEED), i), as decode.py --seed 0
 # in-loop settings: name -> (temperature, verification)
 SETTINGS = {"t0": (0.0, "block"), "t1_token": (1.0, "token"), "t1_block": (1.0, "block")}
+DEFAULT_SETTINGS = ("t0", "t1_block")  # t1_token on request (--settings): ~100 s more a run
 ABLATED = {"t0": "t0_nokv", "t1_block": "t1_block_nokv"}  # hybrid: the same, KV branch off
 LABELS = {"eagle3": "eagle3 (hidden, TTT)", "kv2": "kv2 (KV-only, 2 layers, TTT)",
           "block_kv": "block_kv (block, KV context, block-wise)",
@@ -405,7 +407,7 @@ def probes(name: str, cfg, run, params, rows: dict) -> dict:
 
 def measure_run(name: str, seed: int, *, runs_root: str = MATRIX_ROOT,
                 config_dir: str = MATRIX_CONFIG_DIR, results_dir: str = RESULTS_DIR,
-                overrides=(), sizes: dict | None = None, settings=tuple(SETTINGS),
+                overrides=(), sizes: dict | None = None, settings=DEFAULT_SETTINGS,
                 val_npy: str | None = None, probe_rows: dict | None = None) -> dict:
     """Measures finished run NAME-sSEED (module docstring, items 1-3) and writes
     RESULTS_DIR/NAME-sSEED.json; returns the record.
@@ -1086,6 +1088,8 @@ def main(argv=None) -> int:
                    help="held-out sequences for the simulated figures")
     m.add_argument("--new-tokens", type=int, default=SIZES["new_tokens"])
     m.add_argument("--force", action="store_true", help="measure again runs with results")
+    m.add_argument("--settings", nargs="+", choices=tuple(SETTINGS),
+                   default=list(DEFAULT_SETTINGS), help="in-loop settings")
     r = sub.add_parser("report", help="render docs/kvshot2.md and plots from the results")
     r.add_argument("--doc", default=DOC)
     r.add_argument("--img-dir", default=IMG_DIR)
@@ -1095,8 +1099,12 @@ def main(argv=None) -> int:
         names = [n for n in MATRIX if not args.only or n in args.only]
         sizes = {"prompts": args.prompts, "sim_rows": args.sim_rows,
                  "new_tokens": args.new_tokens}
+        from decode import enable_compile_cache
+
+        enable_compile_cache(None)  # decode.py's default: the AR loops compile once
         done = measure(names, args.seeds, force=args.force, runs_root=args.runs_root,
-                       results_dir=args.results_dir, sizes=sizes)
+                       results_dir=args.results_dir, sizes=sizes,
+                       settings=tuple(args.settings))
         log(f"measured {len(done)} runs: {', '.join(done) or 'none'}")
         return 0
     results = load_results(args.results_dir)
