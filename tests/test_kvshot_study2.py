@@ -266,3 +266,48 @@ def test_decode_hybrid_with_its_kv_branch_zeroed(fake_study):
     assert set(got) == {"t0", "t0_nokv"}
     for rec in got.values():
         assert all(rec["identical"]) and len(rec["steps"]) == 2
+
+
+def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
+    """Records for every drafter (the tiny run's, with accepted drafts changed per drafter):
+    every claim gets an interval, and the paired difference's estimate is the difference
+    of the two drafters' tau computed here."""
+    import copy
+
+    f = fake_study
+    base = k2.load_results(f["results"])["eagle3", 0]
+    results = {}
+    for i, name in enumerate(k2.MATRIX):
+        for seed in (0, 1):
+            r = copy.deepcopy(base)
+            r["name"], r["seed"] = name, seed
+            sim = r["simulated"]
+            sim["accepted"] = [[min(c, a + i + seed) for a in row]
+                               for row, c in zip(sim["accepted"], sim["chains"], strict=True)]
+            if name == "hybrid_from_eagle3":
+                r["simulated_nokv"] = copy.deepcopy(base["simulated"])
+                sim["gate"], sim["gate_count"] = [1.0] * 3, [4.0] * 3
+                for s in ("t0", "t1_block"):
+                    r["decode"][k2.ABLATED[s]] = copy.deepcopy(r["decode"][s])
+            if name == "kv2":
+                r["probes"] = {"grad": {"objective": "ttt", **{w: {"total": 2.0, "parts": {
+                    p: {"norm": 1.0, "fraction": 0.5} for p in
+                    ("k_proj", "v_proj", "merge_k", "merge_v", "q_proj")}}
+                    for w in ("init", "trained")}}}
+            results[name, seed] = r
+    text = k2.render(results, runs_root=f["runs"], doc=None, img_dir=None)
+    assert "12 of 18 runs measured" in text
+    claims = text.split("## What the intervals allow")[1]
+    assert k2.MISSING not in claims.replace("(b) Depth", "")
+    assert "0.250" in text and "gate" in text  # the hybrid's gate mean 1/4
+
+    def tau(name):
+        acc = sum(sum(sum(row) for row in results[name, s]["simulated"]["accepted"])
+                  for s in (0, 1))
+        chains = sum(sum(results[name, s]["simulated"]["chains"]) for s in (0, 1))
+        return 1 + acc / chains
+
+    d = k2.paired(results, "block_kv", "kv2", "tau_sim")
+    assert d["seed_list"] == [0, 1] and d["seeds"] == 2
+    assert d["estimate"] == pytest.approx(tau("block_kv") - tau("kv2"))
+    assert d["lo"] <= d["estimate"] <= d["hi"]
