@@ -1016,6 +1016,11 @@ def render(results: dict, *, runs_root: str = MATRIX_ROOT, doc: str = DOC,
         "the same key, so the speedup is a within-process ratio. tau = 1 + accepted / "
         "verification steps.",
         f"- Sizes: {sizes_text}.",
+        "- Weights: each run's exported drafter (runs/study2/NAME-sSEED/drafter; sha256 "
+        "prefix of its model.safetensors in the provenance table); target fingerprint "
+        "(specjax.models.checkpoint.fingerprint) "
+        + (", ".join(sorted({f"`{r['weights']['target_fingerprint'][:12]}`"
+                             for r in results.values()})) or "-") + ".",
         f"- Intervals: 95% percentile intervals of a crossed bootstrap ({RESAMPLES} "
         "resamples, numpy seed 0) that draws seeds and prompts (or held-out sequences) with "
         "replacement, independently, and recomputes the statistic from totals; a difference "
