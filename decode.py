@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                     help="node budget of the --tree-topk tree (root included): the N-1 "
                          "best candidates by cumulative draft log-probability")
+    ap.add_argument("--step-timing", action="store_true",
+                    help="also time one step's parts (draft ms, verify ms: compiled and run "
+                         "outside the loop on the first batch, an estimate; costs two more "
+                         "compilations)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
@@ -223,6 +227,9 @@ def _format_table(summary: dict) -> str:
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
                                                 f"{summary['nodes_per_step']}"))
+    if "draft_ms" in summary:
+        rows.append(("draft / verify ms per step", f"{summary['draft_ms']:.1f} / "
+                                                   f"{summary['verify_ms']:.1f} (outside the loop)"))
     if "speedup" in summary:
         rows.append(("AR tokens/s", f"{summary['ar_tokens_per_s']:.1f}"))
         rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))
@@ -362,6 +369,10 @@ def run(args) -> int:
             stats[name].add(out)
             outputs[name].extend(out.outputs)
 
+    timing = None
+    if args.step_timing and drafter is not None:
+        timing = engines["main"].step_timing([ids for _, ids in batches[0]],
+                                             args.max_new_tokens, base_key)
     st = stats["main"]
     summary = {"new_tokens": st.new_tokens, "wall_s": st.wall_s, "compile_s": st.compile_s,
                "tokens_per_s": st.tokens_per_s,
@@ -375,6 +386,8 @@ def run(args) -> int:
                                   if drafter is not None else 1),
                "batch_size": args.batch_size, "prompts": len(prompts),
                "mesh": dict(mesh.shape) if mesh is not None else None}
+    if timing is not None:
+        summary.update(timing)
     if args.compare_ar:
         ar = stats.get("ar", st)
         summary["ar_tokens_per_s"] = ar.tokens_per_s

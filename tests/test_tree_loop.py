@@ -145,14 +145,17 @@ def test_tree_from_drafts_layout():
 def test_decode_cli_num_drafts_equals_ar(tiny_demo, tmp_path, capsys):
     args = ["--target", tiny_demo / "target", "--drafter", tiny_demo / "draft", "--prompts",
             tiny_demo / "prompts.jsonl", "--max-new-tokens", 10, "--num-drafts", 3,
-            "--gamma", 3, "--batch-size", 2, "--summary", tmp_path / "s.json"]
+            "--gamma", 3, "--batch-size", 2, "--summary", tmp_path / "s.json",
+            "--step-timing"]
     code = decode.main([str(a) for a in args])
     out = capsys.readouterr().out
     assert code == 0
     s = json.load(open(tmp_path / "s.json"))
     assert s["ar_identical"] is True
     assert s["num_drafts"] == 3 and s["nodes_per_step"] == 10
-    assert "drafts x nodes/step" in out
+    assert "drafts x nodes/step" in out and "draft / verify ms per step" in out
+    assert s["draft_ms"] > 0 and s["step_ms"] > s["draft_ms"]
+    assert s["verify_ms"] == pytest.approx(s["step_ms"] - s["draft_ms"])
 
 
 @pytest.mark.parametrize("extra,expect", [

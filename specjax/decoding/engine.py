@@ -20,7 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.generate import (
+    LoopConfig,
+    autoregressive_loop,
+    speculative_loop,
+    step_timing,
+)
 from specjax.decoding.kernel_policy import resolve_kernels
 from specjax.decoding.sampling import SamplingParams
 from specjax.errors import SpecjaxError
@@ -218,3 +223,15 @@ class Engine:
                 for b in range(len(prompts))]
         n = len(prompts)
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :max(self.gamma, 1)], wall)
+
+    def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
+                    repeats: int = 5) -> dict:
+        """Milliseconds of one speculative step's parts on this batch's state after the
+        prefill: {"draft_ms", "verify_ms", "step_ms"} (`specjax.decoding.generate.step_timing`:
+        compiled and timed outside the loop, an estimate). Raises ValueError without a
+        drafter."""
+        if self.drafter is None:
+            raise ValueError("step_timing needs a drafter")
+        args = self._arrays(prompts, max_new_tokens)
+        return step_timing(self.graphdef, self.params, self.drafter, self.drafter_params,
+                           self.cfg, *args, key, repeats=repeats)

@@ -422,38 +422,62 @@ def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_dra
     return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
-def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
-                     prompts, prompt_lengths, budgets, key):
-    """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
-    `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
-    and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
-    output follows the filtered target distribution (docs/design.md section 4).
-    With `cfg.num_drafts` K > 1 each step verifies K drafts as one draft tree
-    (`propose_drafts`, a tree-masked target forward, `LoopConfig.tree_verifier`,
-    `compact_path`).
-    """
-    model = nnx.merge(graphdef, params)
+def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
+    """The speculative loop's three phases, as functions of the (traced) weights:
+
+      start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState
+        (prefill, first token, drafter init);
+      propose(params, drafter_params, s) -> proposal: (draft i32[B,G], q, drafter state)
+        for one chain, a `DraftTree` for a tree step;
+      finish(params, drafter_params, s, proposal) -> LoopState: the target's verify
+        forward, the rule, emission, rewind or compaction, drafter update.
+
+    `speculative_loop` runs finish(propose(s)) in a `lax.while_loop`; `step_timing`
+    compiles propose and the whole step separately to time them."""
     G = drafter.gamma
     verify = cfg.verifier()
     fused = cfg.fused_verify()
     attention = cfg.target_attention()
     # the drafter's attention: the kernel or jnp, fixed by cfg (part of this trace's key)
     drafter = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
-    state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, drafter.capture,
-                           drafter)
-    key, k_init = jax.random.split(state.key)
-    with jax.named_scope("drafter_init"):
-        dstate = drafter.init(drafter_params, view, k_init)
-    state = state.replace(drafter_state=dstate, key=key)
     offsets = jnp.arange(G + 1, dtype=jnp.int32)
+    own_tree = hasattr(drafter, "propose_tree")  # a TreeDrafter (e.g. LogitSpec)
+    wants_logits = getattr(drafter, "reads_logits", False)
+    tree_mode = cfg.num_drafts > 1 or own_tree
+    if tree_mode:
+        tree_verify = cfg.tree_verifier(G, drafter)
+        update_after_tree = getattr(drafter, "update_after_tree", drafter.update)
 
-    def chain_step(s: LoopState) -> LoopState:
-        key, k_draft, k_verify = jax.random.split(s.key, 3)
+    def start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        state, view = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, G,
+                               drafter.capture, drafter)
+        key, k_init = jax.random.split(state.key)
+        with jax.named_scope("drafter_init"):
+            dstate = drafter.init(drafter_params, view, k_init)
+        return state.replace(drafter_state=dstate, key=key)
+
+    def keys(s: LoopState):
+        return jax.random.split(s.key, 3)  # next loop key, drafting, verification
+
+    def propose(params, drafter_params, s: LoopState):
+        del params
+        _, k_draft, _ = keys(s)
         view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
         # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
         with jax.named_scope("drafter_propose"):
-            draft, q, dstate = drafter.propose(drafter_params, s.drafter_state, view, k_draft)
+            if own_tree:
+                return drafter.propose_tree(drafter_params, s.drafter_state, view, k_draft)[0]
+            if tree_mode:
+                pending = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], 1)[:, 0]
+                return propose_drafts(drafter, drafter_params, s.drafter_state, view,
+                                      k_draft, cfg.num_drafts, pending)
+            return drafter.propose(drafter_params, s.drafter_state, view, k_draft)
+
+    def finish_chain(params, drafter_params, s: LoopState, proposal) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        key, _, k_verify = keys(s)
+        draft, q, dstate = proposal
         pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
         with jax.named_scope("target_verify_forward"):
@@ -473,17 +497,10 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
             dstate = drafter.update(drafter_params, dstate, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
 
-    def tree_step(s: LoopState) -> LoopState:
-        key, k_draft, k_verify = jax.random.split(s.key, 3)
-        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+    def finish_tree(params, drafter_params, s: LoopState, tree: DraftTree) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        key, _, k_verify = keys(s)
         base = s.lengths - 1  # the root's (pending token's) position and slot
-        pending = jnp.take_along_axis(s.tokens, base[:, None], axis=1)[:, 0]
-        with jax.named_scope("drafter_propose"):
-            if own_tree:
-                tree, _ = drafter.propose_tree(drafter_params, s.drafter_state, view, k_draft)
-            else:
-                tree = propose_drafts(drafter, drafter_params, s.drafter_state, view,
-                                      k_draft, cfg.num_drafts, pending)
         pos = base[:, None] + tree.depths  # [B,N]
         with jax.named_scope("target_verify_forward"):
             out = model(tree.tokens, pos, s.cache, capture=drafter.capture,
@@ -504,14 +521,54 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
             dstate = update_after_tree(drafter_params, s.drafter_state, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
 
-    own_tree = hasattr(drafter, "propose_tree")  # a TreeDrafter (e.g. LogitSpec)
-    wants_logits = getattr(drafter, "reads_logits", False)
-    if cfg.num_drafts > 1 or own_tree:
-        tree_verify = cfg.tree_verifier(G, drafter)
-        update_after_tree = getattr(drafter, "update_after_tree", drafter.update)
-        step = tree_step
-    else:
-        step = chain_step
+    return start, propose, finish_tree if tree_mode else finish_chain
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
+def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
+                     prompts, prompt_lengths, budgets, key):
+    """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
+    `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
+    and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
+    output follows the filtered target distribution (docs/design.md section 4).
+    With `cfg.num_drafts` K > 1, or a drafter that proposes trees itself
+    (`specjax.drafters.base.TreeDrafter`), each step verifies a draft tree
+    (`propose_drafts`, a tree-masked target forward, `LoopConfig.tree_verifier`,
+    `compact_path`). The phases are `_speculative_phases`'.
+    """
+    start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+    state = start(params, drafter_params, prompts, prompt_lengths, budgets, key)
+
+    def step(s: LoopState) -> LoopState:
+        return finish(params, drafter_params, s, propose(params, drafter_params, s))
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
     return _result(final)
+
+
+def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
+                prompts, prompt_lengths, budgets, key, repeats: int = 5) -> dict:
+    """Milliseconds of one speculative step's parts, measured outside the loop: the
+    drafter's proposal alone and the whole step (proposal + the target's verify forward +
+    the rule + the drafter's update), each compiled on its own and run `repeats` times
+    on the state after the prefill of these prompts (median wall time, after one
+    untimed call). -> {"draft_ms", "step_ms", "verify_ms" = step_ms - draft_ms}.
+    An estimate of where the loop's time goes: inside the loop XLA may fuse across the
+    parts, and the context grows as decoding proceeds."""
+    import time
+
+    start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+    state = jax.jit(start)(params, drafter_params, prompts, prompt_lengths, budgets, key)
+    fns = {"draft_ms": jax.jit(propose),
+           "step_ms": jax.jit(lambda p, d, s: finish(p, d, s, propose(p, d, s)))}
+    out = {}
+    for name, fn in fns.items():
+        jax.block_until_ready(fn(params, drafter_params, state))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, drafter_params, state))
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e3 * sorted(times)[len(times) // 2]
+    out["verify_ms"] = out["step_ms"] - out["draft_ms"]
+    return out
