@@ -206,6 +206,9 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
                            "identical": outs[name] == outs["AR"] if temp == 0 else None,
                            "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B)
                                          for dev in ("H100", "TPU v5e")}}
+                    if temp == 0 and B == 1 and set_name == "bundled":
+                        rec.update(eng.step_timing([prompts[0][1]],
+                                                   new_tokens, jax.random.key(0)))
                     runs.append(rec)
                     print(f"[trees] T={temp} {rule} B={B} {set_name} {name}: tau "
                           f"{st.tau:.3f} N={nodes} {st.tokens_per_s:.1f} tok/s "
@@ -226,18 +229,21 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
 def render(res: dict) -> str:
     """The markdown table of a results record."""
     head = ("| setting | B | prompts | system | N | tau | tok/s | speedup (CPU) | "
-            "identical | projected H100 | projected v5e |")
+            "identical | draft / verify ms | projected H100 | projected v5e |")
     lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
              f"{res['date']}; weights {res['weights']}; {res['prompts']} prompts per set x "
              f"{res['new_tokens']} new tokens, EOS on). The two right columns are a "
              "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
-             "not a measurement.", "", head, "|" + "---|" * 11]
+             "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
+             "(`decode.py --step-timing`), T=0, B=1, first bundled prompt.", "", head,
+             "|" + "---|" * 12]
     for r in res["runs"]:
         setting = "T=0" if r["temperature"] == 0 else f"T={r['temperature']:g} {r['verify']}"
         ident = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        ms = f"{r['draft_ms']:.1f} / {r['verify_ms']:.1f}" if "draft_ms" in r else "-"
         lines.append(f"| {setting} | {r['batch']} | {r['prompts']} | {r['system']} | "
                      f"{r['nodes']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {ident} | {r['projected']['H100']:.2f}x | "
+                     f"{r['speedup']:.2f}x | {ident} | {ms} | {r['projected']['H100']:.2f}x | "
                      f"{r['projected']['TPU v5e']:.2f}x |")
     return "\n".join(lines) + "\n"
 
