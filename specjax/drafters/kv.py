@@ -25,6 +25,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
+from specjax.decoding.tree import tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
@@ -133,6 +134,86 @@ class KVDrafter(LearnedDrafter):
         keys = jax.random.split(key, G)
         _, (xs, qs) = jax.lax.scan(step, (zeros, zeros, pending), (slots, keys))
         return xs.T, jnp.moveaxis(qs, 0, 1), state
+
+    def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
+        """EAGLE-2's dynamic draft tree (arXiv 2406.16858) for the KV-only drafter
+        (`specjax.drafters.dynamic_tree.DynamicTree` calls it), K = topk, N = nodes.
+
+        Forward 0 runs the pending token (one query) and gives depth 1: the top-K tokens
+        of its draft distribution. Forward d = 1..G-1 runs the K frontier nodes of depth
+        d together (K queries at position lengths-1+d); in every layer each attends to
+        the committed memory and, through a tree mask over an own-entry buffer of
+        1 + (G-1)*K slots, to the pending token's entry and its own ancestors' and its
+        own; each frontier node's top-K children (score = parent's + log q) are the
+        K*K candidates of depth d+1, the K best of which form the next frontier. The
+        tree is the N - 1 best candidates by cumulative log q
+        (`specjax.decoding.tree.tree_from_candidates`); scores from the draft
+        distribution at temperature 1 whatever the loop's temperature. q: one-hot at
+        each node's token above temperature 0 (deterministic choices), None at 0.
+        `key` is unused; the state is returned as it is (`update` reads the path)."""
+        del key
+        net = self.net(params)
+        c, G, K = self.cfg, self.gamma, topk
+        B = view.lengths.shape[0]
+        i32 = jnp.int32
+        S = 1 + (G - 1) * K  # own entries: slot 0 the pending token, then K per depth
+        mem_mask = Limit(jnp.broadcast_to((view.lengths - 2)[:, None], (B, K)))
+        slot = jnp.arange(S, dtype=i32)
+
+        def forward(own_k, own_v, toks, pos, first: int, mine):
+            """toks i32[B,T] at pos [B,T], own entries written from slot `first`; mine
+            bool[B,T,S] the own entries each query sees. -> (logp [B,T,V], own_k, own_v)."""
+            T = toks.shape[1]
+            cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
+            x = jnp.take(params["embed"], toks, axis=0)
+            mem = Limit(mem_mask.pos[:, :T])
+            for i in range(c.num_layers):
+                q, kk, vv = layer_qkv(net, i, x, cos, sin)
+                own_k = own_k.at[i, :, :, first:first + T].set(
+                    kk.swapaxes(1, 2).astype(own_k.dtype))
+                own_v = own_v.at[i, :, :, first:first + T].set(
+                    vv.swapaxes(1, 2).astype(own_v.dtype))
+                attn = attend(q, [(state.memory.k[i], state.memory.v[i], mem),
+                                  (own_k[i], own_v[i], mine)], kernel=self.attention)
+                x = layer_out(net, i, x, attn)
+            logp = jax.nn.log_softmax(self.logits(net, x, params), axis=-1)
+            return logp, own_k, own_v
+
+        own_shape = (c.num_layers, B, c.num_kv_heads, S, c.head_dim)
+        own_k = own_v = jnp.zeros(own_shape, net.dtype)
+        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)
+        mine0 = jnp.broadcast_to(slot[None, None, :] == 0, (B, 1, S))
+        logp, own_k, own_v = forward(own_k, own_v, pending, (view.lengths - 1)[:, None], 0,
+                                     mine0)
+        V = logp.shape[-1]
+        fs, ft = jax.lax.top_k(logp[:, 0], K)  # depth 1: the frontier
+        ft = ft.astype(i32)
+        scores, toks, parents = [fs], [ft], [jnp.full((B, K), -1, i32)]
+        fg = jnp.broadcast_to(jnp.arange(K, dtype=i32), (B, K))
+        amask = jnp.broadcast_to(mine0, (B, K, S))  # each frontier node's visible entries
+        start, own = K, jnp.arange(K, dtype=i32)
+        for d in range(1, G):  # static: G - 1 forwards of K queries
+            first = 1 + (d - 1) * K
+            mine = amask | (slot[None, None, :] == (first + own)[None, :, None])
+            pos = jnp.broadcast_to((view.lengths - 1 + d)[:, None], (B, K))
+            logp, own_k, own_v = forward(own_k, own_v, ft, pos, first, mine)
+            cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
+            cand = (fs[:, :, None] + cs).reshape(B, K * K)
+            scores.append(cand)
+            toks.append(ct.astype(i32).reshape(B, K * K))
+            parents.append(jnp.repeat(fg, K, axis=1))
+            fs, ni = jax.lax.top_k(cand, K)
+            par = ni // K
+            ft = jnp.take_along_axis(toks[-1], ni, axis=1)
+            fg = start + ni.astype(i32)
+            amask = jnp.take_along_axis(mine, par[..., None], axis=1)
+            start += K * K
+        depth = jnp.concatenate([jnp.ones((K,), i32)] + [
+            jnp.full((K * K,), d + 1, i32) for d in range(1, G)])
+        tree = tree_from_candidates(pending[:, 0], jnp.concatenate(scores, 1),
+                                    jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
+                                    depth, nodes, None if self.sampling.greedy else V)
+        return tree, state
 
     def update(self, params, state, view, num_accepted):
         net = self.net(params)

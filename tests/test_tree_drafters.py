@@ -1,8 +1,9 @@
-"""Draft trees from a block (DFlash-style) drafter (issue 30, "block drafters give a tree
-too"): `BlockDrafter.propose_tree_topk` through `DynamicTree` — the tree against a numpy
-rebuild from the block's own per-position distributions, greedy identity with
-autoregressive decoding, and exactness at T = 1 through the multi-round harness of
-tests/test_lossless_drafters.py."""
+"""Dynamic draft trees (`DynamicTree`) from the block (DFlash-style) and the KV-only
+drafters (issue 30): `BlockDrafter.propose_tree_topk` against a numpy rebuild from the
+block's own per-position distributions, `KVDrafter.propose_tree_topk` against the
+drafter's chain `propose`, greedy identity with autoregressive decoding, and exactness at
+T = 1 through the multi-round harness of tests/test_lossless_drafters.py. The eagle3
+family's trees: tests/test_dynamic_tree.py."""
 
 import _dist_utils as du
 import jax
@@ -92,11 +93,12 @@ def test_greedy_block_tree_equals_autoregressive(context, G, K, N):
     assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
 
 
-def test_block_tree_is_lossless_at_t1():
+@pytest.mark.parametrize("name", ["block-kv", pytest.param("kv", marks=pytest.mark.slow)])
+def test_tree_is_lossless_at_t1(name):
     """T = 1, verify "token": the first N_NEW tokens over several rounds follow the
     target's exact law (tests/test_lossless_drafters.py's statistic and threshold)."""
     sp = tl.PLAIN
-    drafter, dparams = tl._drafter("block-kv", sp)
+    drafter, dparams = tl._drafter(name, sp)
     batch = tl.BATCH
     g, params = nnx.split(tl._target())
     lc = LoopConfig(max_length=len(tl.PROMPT) + tl.N_NEW, prompt_width=tl.PROMPT_WIDTH,
@@ -113,6 +115,61 @@ def test_block_tree_is_lossless_at_t1():
     assert (du.empirical_pmf(seqs)[exact == 0] == 0).all()
     stat, thresh, worst = du.projection_test(seqs, exact, tl._null(sp, batch))
     acc = np.asarray(res.accepted).sum(0) / np.asarray(res.steps).sum()
-    print(f"\n[block tree T=1] z={stat:.2f} thresh={thresh:.2f} worst {worst}; accepted {acc}")
+    print(f"\n[{name} tree T=1] z={stat:.2f} thresh={thresh:.2f} worst {worst}; accepted {acc}")
     assert stat < thresh, (stat, thresh, worst)
     assert 0.05 < acc[0] < 0.95
+
+
+# ------------------------------------------------------------------ the KV-only drafter
+
+def _kv_drafter(G, sp=GREEDY):
+    target, _ = sg.models()
+    dcfg, net = net_for("kv", None)
+    return make_drafter(dcfg, net, target, gamma=G, sampling=sp)
+
+
+def test_kv_tree_chain_when_topk_is_one():
+    """K = 1, N = G + 1: the tree is the drafter's own greedy chain (its `propose`, an
+    independent code path), node by node."""
+    G = 4
+    drafter, dparams = _kv_drafter(G)
+    dstate, view = _first_view(drafter, dparams, G)
+    draft, _, _ = drafter.propose(dparams, dstate, view, jax.random.key(0))
+    tree, _ = DynamicTree(drafter, 1, G + 1).propose_tree(dparams, dstate, view,
+                                                          jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), np.asarray(draft))
+    np.testing.assert_array_equal(np.asarray(tree.parents[0]), np.arange(-1, G))
+
+
+def test_kv_tree_children_follow_the_chain_distributions():
+    """Depth 1 holds the top-K first tokens, and each depth-1 node's best child is the
+    greedy continuation of that first token, as the drafter's own chain `propose` with
+    `first_rank` drafts it (an independent code path: one query per forward, a causal
+    own-entry mask)."""
+    G, K, N = 3, 2, 7
+    drafter, dparams = _kv_drafter(G)
+    dstate, view = _first_view(drafter, dparams, G)
+    tree, _ = DynamicTree(drafter, K, N).propose_tree(dparams, dstate, view, jax.random.key(0))
+    toks, pars = np.asarray(tree.tokens), np.asarray(tree.parents)
+    for r in range(K):
+        draft, _, _ = drafter.propose(dparams, dstate, view, jax.random.key(0),
+                                      first_rank=(jnp.int32(r), K))
+        d = np.asarray(draft)
+        for b in range(4):
+            assert d[b, 0] in toks[b, 1:K + 1], (b, r)
+            node = 1 + int(np.nonzero(toks[b, 1:K + 1] == d[b, 0])[0][0])
+            kids = [i for i in range(N) if pars[b, i] == node]
+            if kids:  # the first child in node order is the best one kept
+                assert toks[b, kids[0]] == d[b, 1], (b, r)
+
+
+@pytest.mark.parametrize("G,K,N", [(3, 2, 7)])
+def test_greedy_kv_tree_equals_autoregressive(G, K, N):
+    drafter, dparams = _kv_drafter(G)
+    target, _ = sg.models()
+    g, p = nnx.split(target)
+    cfg = LoopConfig(max_length=sg.TP + 24, prompt_width=sg.TP)
+    toks, lens = sg.prompts()
+    res = speculative_loop(g, p, DynamicTree(drafter, K, N), dparams, cfg, toks, lens,
+                           jnp.asarray(sg.BUDGETS, jnp.int32), jax.random.key(0))
+    assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
