@@ -75,6 +75,11 @@ class DynamicTree:
         return self.inner.sampling
 
     @property
+    def cfg(self):
+        """The inner drafter's DrafterConfig (the Engine shards its params by its heads)."""
+        return getattr(self.inner, "cfg", None)
+
+    @property
     def tree_nodes(self) -> int:
         return self.nodes
 
