@@ -149,9 +149,12 @@ def test_sampled_q_is_one_hot_and_layout():
     assert d.max_children == 4
     assert [branch_length(r, 7) for r in (1, 8, 9, 32, 33)] == [4, 4, 3, 3, 1]
     assert full_tree_nodes(4, 8) == 37
-    # the default fills N = 40 with whole branches: 1 + 4 + 8 * 4 + 3 (rank 9: 3 tokens)
-    made = LogitSpecDrafter.create(8192)
-    assert (made.gamma, made.num_candidates, made.tree_nodes) == (4, 9, 40)
+    # create fills N with branches, the last one cut: 1 + 4 + 8 * 4 + 3 (rank 9: 3 tokens)
+    made = LogitSpecDrafter.create(8192, tree_nodes=40)
+    assert (made.gamma, made.num_candidates, len(made.layout())) == (4, 9, 39)
+    made = LogitSpecDrafter.create(8192)  # the CPU default: branch 0 and 3 nodes of rank 1
+    assert (made.gamma, made.num_candidates, made.layout()[4:]) == (4, 1, ((1, 0), (1, 1),
+                                                                           (1, 2)))
     with pytest.raises(SpecjaxError):
         LogitSpecDrafter(4, 6, num_candidates=5)
 
