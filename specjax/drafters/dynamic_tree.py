@@ -1,5 +1,6 @@
-"""EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858) for the eagle3 family
-(eagle3, hybrid, imported EAGLE-3 heads) as a `specjax.drafters.base.TreeDrafter`.
+"""EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858) as a
+`specjax.drafters.base.TreeDrafter`, around any drafter with `propose_tree_topk`: the
+eagle3 family (eagle3, hybrid, imported EAGLE-3 heads; `Eagle3Drafter`), kv and block.
 
     drafter = DynamicTree(eagle3_drafter, topk=4, nodes=32)
     speculative_loop(..., drafter, dparams, LoopConfig(..., verify="token"), ...)
@@ -7,7 +8,8 @@
 Each step the inner drafter expands the top-`topk` children of the `topk` best nodes per
 depth (one batched drafter forward per depth, G - 1 forwards as for one chain), reranks
 every expanded candidate by its cumulative draft log-probability and keeps the best
-`nodes` - 1 (`Eagle3Drafter.propose_tree_topk`); the loop verifies the tree with one
+`nodes` - 1 (`Eagle3Drafter.propose_tree_topk`; kv and block drafters build the same
+rule from their own distributions); the loop verifies the tree with one
 tree-masked target forward and hands the accepted path to the inner drafter's `update`.
 The children of a node are deterministic (top-K), so at T > 0 the node's q is one-hot at
 its token: verify with "token" (recursive rejection over siblings, exact); "block" needs
@@ -27,7 +29,8 @@ _INHERIT = "inherit"  # DynamicTree.attention's default: keep the inner drafter'
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree:
-    """A TreeDrafter around a drafter with `propose_tree_topk` (eagle3.Eagle3Drafter).
+    """A TreeDrafter around a drafter with `propose_tree_topk` (eagle3.Eagle3Drafter,
+    kv, block).
 
     inner: the chain drafter (its gamma G is the tree's largest depth); topk: K >= 1,
     children per expanded node and frontier width; nodes: N, the tree's node budget
@@ -45,7 +48,7 @@ class DynamicTree:
     def __post_init__(self):
         if not hasattr(self.inner, "propose_tree_topk"):
             raise SpecjaxError(f"--tree-topk: {type(self.inner).__name__} has no dynamic "
-                               "draft tree (eagle3 and hybrid drafters do)")
+                               "draft tree (eagle3, hybrid, kv and block drafters do)")
         G, K, N = self.inner.gamma, self.topk, self.nodes
         if K < 1:
             raise SpecjaxError(f"--tree-topk {K}: must be >= 1")

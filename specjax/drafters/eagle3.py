@@ -27,7 +27,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import DraftTree
+from specjax.decoding.tree import tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
@@ -315,13 +315,14 @@ class Eagle3Drafter(LearnedDrafter):
             frontier node's top-K children are the K*K candidates of depth d (child
             score = parent score + log q(child)); the K best candidates by score are the
             next frontier.
-        The tree: the N-1 best of all K + (G-1)*K*K candidates by score (`lax.top_k`,
-        lower index first on ties; candidates are indexed depth by depth, so a parent,
-        whose score is >= its child's, is always taken before it: the set is closed
-        under ancestors), laid out in candidate order (depth-major, so parents come
-        first) after node 0 = the pending token. Candidates of score -inf (ids outside a
-        hot draft vocabulary) are unused nodes (valid False). With K = 1 and N = G + 1
-        it is `propose`'s greedy chain.
+        The tree (`specjax.decoding.tree.tree_from_candidates`): the N-1 best of all
+        K + (G-1)*K*K candidates by score (`lax.top_k`, lower index first on ties;
+        candidates are indexed depth by depth, so a parent, whose score is >= its
+        child's, is always taken before it: the set is closed under ancestors), laid out
+        in candidate order (depth-major, so parents come first) after node 0 = the
+        pending token. Candidates of score -inf (ids outside a hot draft vocabulary) are
+        unused nodes (valid False). With K = 1 and N = G + 1 it is `propose`'s greedy
+        chain.
 
         q: None at temperature 0; above it one-hot at each node's token (the children
         are deterministic top-K choices, distinct per parent: exact under
@@ -334,9 +335,7 @@ class Eagle3Drafter(LearnedDrafter):
         G, K = self.gamma, topk
         B = view.lengths.shape[0]
         i32 = jnp.int32
-        rows = jnp.arange(B)[:, None]
         logp0 = jax.nn.log_softmax(self.logits(net, state.h_last, params), axis=-1)  # [B,V]
-        V = logp0.shape[-1]
         s1, t1 = jax.lax.top_k(logp0, K)  # [B,K] depth 1 (candidates 0..K-1)
         t1 = t1.astype(i32)
         n = G - 1  # forwards
@@ -389,26 +388,9 @@ class Eagle3Drafter(LearnedDrafter):
         par = flat(jnp.full((B, K), -1, i32), cp)
         depth = jnp.concatenate([jnp.ones((K,), i32),
                                  jnp.repeat(jnp.arange(2, G + 1, dtype=i32), K * K)])
-        M = score.shape[1]
-        _, best = jax.lax.top_k(score, nodes - 1)
-        order = jnp.sort(best, axis=1)  # [B,N-1] candidate order: parents first
-        node_of = jnp.zeros((B, M), i32).at[rows, order].set(
-            jnp.broadcast_to(jnp.arange(1, nodes, dtype=i32), order.shape))
-        pg = jnp.take_along_axis(par, order, axis=1)
-        parents = jnp.where(pg >= 0, jnp.take_along_axis(node_of, jnp.maximum(pg, 0), 1), 0)
-        valid = jnp.isfinite(jnp.take_along_axis(score, order, axis=1))
-        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)
-        tokens = jnp.concatenate([pending.astype(i32), jnp.take_along_axis(tok, order, 1)], 1)
-        true = jnp.ones((B, 1), bool)
-        tree = DraftTree(
-            tokens=tokens,
-            parents=jnp.concatenate([jnp.full((B, 1), -1, i32),
-                                     jnp.where(valid, parents, -1)], 1),
-            depths=jnp.concatenate([jnp.zeros((B, 1), i32),
-                                    jnp.where(valid, depth[order], 0)], 1),
-            valid=jnp.concatenate([true, valid], 1),
-            q=None if self.sampling.greedy else jax.nn.one_hot(
-                tokens, V, dtype=jnp.float32).at[:, 0].set(0.0))
+        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+        tree = tree_from_candidates(pending, score, tok, par, depth, nodes,
+                                    None if self.sampling.greedy else logp0.shape[-1])
         return tree, state
 
     def update(self, params, state, view, num_accepted):
