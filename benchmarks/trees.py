@@ -7,9 +7,9 @@ batch of prompts, in one process), and projected to accelerators.
     python benchmarks/trees.py --render-only        # docs/trees.md's table from the JSON
 
 Systems (`SYSTEMS`): the shipped eagle3 drafter as one chain (its G = 7), as K = 2 and 4
-drafts per step (`--num-drafts`), as EAGLE-2 dynamic trees (`--tree-topk K --tree-nodes
-N`) when `specjax.drafters.dynamic_tree` exists, LogitSpec when `specjax.drafters.logitspec`
-exists, and n-gram lookup as a chain and as K = 3 drafts. Settings: T = 0 (greedy), T = 1
+drafts per step (`--num-drafts`) and as EAGLE-2 dynamic trees (`--tree-topk K
+--tree-nodes N`); the shipped block drafter as a chain and as a tree of its per-position
+top-K; LogitSpec (its CPU defaults); n-gram lookup as a chain and as K = 3 drafts. Settings: T = 0 (greedy), T = 1
 with token-level and with block verification (block only where the tree is K independent
 drafts), batch 1 and 4 (4 at T = 0 only), on two prompt sets: the first --prompts bundled
 demo prompts and as many held-out prompts cut from the regenerated validation stream
@@ -48,6 +48,7 @@ from benchmarks import kernels as kb  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees.json")
 DOC = os.path.join(ROOT, "docs", "trees.md")
 EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
+BLOCK = os.path.join(ROOT, "checkpoints", "demo", "drafters", "block")
 TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
 VAL = os.path.join(ROOT, "benchmarks", "data", "study2", "val.npy")
 
@@ -57,6 +58,9 @@ DRAFT_PARAMS = (4096 * (4096 + 2 * 1024) + 4096 * 4096  # one layer's attention
                 + 3 * 4096 * 12288  # its MLP
                 + 3 * 4096 * 4096  # fc over the three captured hidden states
                 + 32_000 * 4096)  # the hot-vocabulary head
+# a block drafter of two decoder layers at that width reading the target's full LM head
+BLOCK_PARAMS = 2 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288) \
+    + kb.QWEN3_8B["V"] * 4096
 KV_BYTES_PER_TOKEN = 2 * kb.QWEN3_8B["L"] * kb.QWEN3_8B["K"] * kb.QWEN3_8B["H"] * 2
 
 
@@ -76,8 +80,11 @@ SYSTEMS = (
     System("eagle3 chain", "eagle3"),
     System("eagle3 K=2", "eagle3", num_drafts=2),
     System("eagle3 K=4", "eagle3", num_drafts=4),
+    System("eagle3 tree 2x12", "eagle3", tree=(2, 12), rules=("token",)),
     System("eagle3 tree 4x16", "eagle3", tree=(4, 16), rules=("token",)),
     System("eagle3 tree 4x32", "eagle3", tree=(4, 32), rules=("token",)),
+    System("block chain", "block"),
+    System("block tree 4x16", "block", tree=(4, 16), rules=("token",)),
     System("logitspec", "logitspec", rules=("token",)),
     System("ngram chain", "ngram"),
     System("ngram K=3", "ngram", num_drafts=3),
@@ -92,43 +99,40 @@ def step_seconds(params: float, rows: int, device: str, extra_bytes: float = 0.0
 
 
 def project(tau: float, nodes: int, draft_forwards: int, draft_rows: int, device: str,
-            batch: int = 1, context: int = 1024) -> float:
+            batch: int = 1, context: int = 1024, draft_params: float = DRAFT_PARAMS
+            ) -> float:
     """Projected speedup over autoregressive decoding (a model, not a measurement).
 
     tau: tokens per step (measured); nodes: N tokens per row in the verify forward;
     draft_forwards: the drafter's sequential forwards per step (0: retrieval drafters);
     draft_rows: tokens per row in each of them (K for K drafts or a tree frontier of K);
+    draft_params: the drafter's parameters (bf16) read by each of its forwards;
     batch: B rows; context: tokens of KV cache read per row by every target forward."""
     kv = KV_BYTES_PER_TOKEN * context * batch
     ar = step_seconds(TARGET_PARAMS, batch, device, kv)
     spec = step_seconds(TARGET_PARAMS, batch * nodes, device, kv)
-    spec += draft_forwards * step_seconds(DRAFT_PARAMS, batch * draft_rows, device)
+    spec += draft_forwards * step_seconds(draft_params, batch * draft_rows, device)
     return tau * ar / spec
 
 
-def _draft_cost(system: System, gamma: int) -> tuple[int, int]:
-    """(the drafter's sequential forwards per step, tokens per row in each): G forwards of
-    K rows for K drafts or a tree frontier of K, none for the retrieval drafters."""
+def _draft_cost(system: System, gamma: int) -> tuple[int, int, float]:
+    """(the drafter's sequential forwards per step, tokens per row in each, its parameter
+    count at Qwen3-8B width): G forwards of K rows for eagle3 (K drafts or a tree frontier
+    of K), one forward of G + 1 rows for the block drafter (its tree comes from the same
+    forward), none for the retrieval drafters."""
     if system.drafter in ("ngram", "logitspec"):
-        return 0, 0
-    return gamma, system.tree[0] if system.tree is not None else system.num_drafts
-
-
-def _available(system: System) -> bool:
-    import importlib.util
-
-    if system.tree is not None:
-        return importlib.util.find_spec("specjax.drafters.dynamic_tree") is not None
-    if system.drafter == "logitspec":
-        return importlib.util.find_spec("specjax.drafters.logitspec") is not None
-    return True
+        return 0, 0, 0.0
+    if system.drafter == "block":
+        return 1, gamma + 1, BLOCK_PARAMS
+    return gamma, system.tree[0] if system.tree is not None else system.num_drafts, \
+        DRAFT_PARAMS
 
 
 def _drafter(system: System, target, sampling):
     """(drafter, params, G) for a system."""
     from specjax.decoding.loading import load_drafter
 
-    spec = EAGLE3 if system.drafter == "eagle3" else system.drafter
+    spec = {"eagle3": EAGLE3, "block": BLOCK}.get(system.drafter, system.drafter)
     loaded = load_drafter(spec, target, sampling=sampling)
     drafter = loaded.drafter
     if system.tree is not None:
@@ -159,7 +163,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
     tokenizer = load_tokenizer(TARGET)
     target = load_target(TARGET, tokenizer=tokenizer)
     sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
-    systems = [s for s in SYSTEMS if _available(s) and (not only or s.name in only)]
+    systems = [s for s in SYSTEMS if not only or s.name in only]
     runs = []
     settings = [(0.0, "greedy")] + [(t, r) for t in temps if t > 0 for r in ("token", "block")]
     for temp, rule in settings:
@@ -197,14 +201,15 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
                 for name, (s, eng, G, compile_s) in engines.items():
                     st = stats[name]
                     nodes = eng.cfg.tree_nodes(G, eng.drafter)
-                    forwards, rows = _draft_cost(s, G)
+                    forwards, rows, dp = _draft_cost(s, G)
                     rec = {"system": name, "temperature": temp, "verify": rule, "batch": B,
                            "prompts": set_name, "tau": st.tau, "alpha": st.alpha,
                            "tokens_per_s": st.tokens_per_s, "ar_tokens_per_s": ar_tps,
                            "speedup": st.tokens_per_s / ar_tps, "nodes": nodes,
                            "gamma": G, "compile_s": compile_s,
                            "identical": outs[name] == outs["AR"] if temp == 0 else None,
-                           "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B)
+                           "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B,
+                                                      draft_params=dp)
                                          for dev in ("H100", "TPU v5e")}}
                     if temp == 0 and B == 1 and set_name == "bundled":
                         rec.update(eng.step_timing([prompts[0][1]],
@@ -223,7 +228,8 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
     return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens,
             "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
-            "jax": jax.__version__, "weights": os.path.relpath(EAGLE3, ROOT)}
+            "jax": jax.__version__,
+            "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)]}
 
 
 def render(res: dict) -> str:
@@ -231,7 +237,8 @@ def render(res: dict) -> str:
     head = ("| setting | B | prompts | system | N | tau | tok/s | speedup (CPU) | "
             "identical | draft / verify ms | projected H100 | projected v5e |")
     lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
-             f"{res['date']}; weights {res['weights']}; {res['prompts']} prompts per set x "
+             f"{res['date']}; weights {', '.join(res['weights'])}; {res['prompts']} prompts "
+             f"per set x "
              f"{res['new_tokens']} new tokens, EOS on). The two right columns are a "
              "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
