@@ -63,13 +63,13 @@ tokens before the pending one, so an occurrence ending right before p (whose
 continuation would start with p) is not in it; ours includes it. Everything else (n-gram
 sizes, longest first, prompt + output, kept up to date every step) is the same.
 
-Other differences from the authors' code: their tree budget is dynamic (a branch with
-no match is the single candidate token, so more candidates fit; the root's branch is up
-to 20 tokens) while ours is static: unmatched positions are invalid nodes that still
-cost verify compute (filled with the n-gram fallback rather than left empty), and the
-root's branch is G tokens. Their sibling candidates may
-repeat branch 0's first token; ours do not. They verify greedily only; here the tree is
-verified by `specjax.decoding.tree_verify` at any temperature.
+Other differences from the authors' code: their tree budget is dynamic (a candidate
+with no match is a single node, so more candidates fit in their 64 tokens; the root's
+branch is up to 20 tokens, and absent without a match) while ours is static: unmatched
+positions still take nodes and verify compute (filled with the n-gram fallback rather
+than left empty), and the root's branch is G tokens. Their candidates may repeat branch
+0's first token; ours do not. They verify greedily only; here the tree is verified by
+`specjax.decoding.tree_verify` at any temperature.
 
 q: the tree is a deterministic function of the committed tokens (and of the previous
 target logits, themselves a function of those tokens), so at temperature > 0 each node's
