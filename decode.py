@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--tree-nodes; sampling verifies with --verify token")
     ap.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                     help="node budget of the --tree-topk tree (root included): the N-1 "
-                         "best candidates by cumulative draft log-probability")
+                         "best candidates by cumulative draft log-probability; alone, "
+                         "--drafter logitspec's node budget (default 8)")
     ap.add_argument("--step-timing", action="store_true",
                     help="also time one step's parts (draft ms, verify ms: compiled and run "
                          "outside the loop on the first batch, an estimate; costs two more "
@@ -193,7 +194,11 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--batch-size={args.batch_size} must be >= 1")
     if args.num_drafts < 1:
         raise SpecjaxError(f"--num-drafts={args.num_drafts} must be >= 1 (1 = one chain)")
-    if (args.tree_topk is None) != (args.tree_nodes is None):
+    if args.tree_topk is None and args.tree_nodes is not None and args.drafter != "logitspec":
+        raise SpecjaxError("--tree-topk and --tree-nodes go together (an EAGLE-2 tree of "
+                           "N nodes from the top-K children per depth); --tree-nodes alone "
+                           "sets --drafter logitspec's node budget")
+    if args.tree_topk is not None and args.tree_nodes is None:
         raise SpecjaxError("--tree-topk and --tree-nodes go together (an EAGLE-2 tree of "
                            "N nodes from the top-K children per depth)")
     if args.tree_topk is not None:
@@ -335,7 +340,9 @@ def run(args) -> int:
                          tokenizer=tokenizer)
     loaded = load_drafter(args.drafter, target, gamma=args.gamma, sampling=sampling,
                           dtype=dtype, matmul_dtype=args.drafter_dtype,
-                          draft_vocab=args.draft_vocab, draft_stop=args.draft_stop)
+                          draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
+                          verify=args.verify, num_drafts=args.num_drafts,
+                          tree_nodes=args.tree_nodes if args.tree_topk is None else None)
     drafter, dparams, drafter_arg = loaded.drafter, loaded.params, loaded.name
     if args.tree_topk is not None:
         if drafter is None:

@@ -189,6 +189,9 @@ def test_tree_loop_with_pallas_attention_equals_autoregressive():
     (["--tree-topk", 2, "--tree-nodes", 5, "--num-drafts", 2], "two kinds of tree"),
     (["--tree-topk", 2, "--tree-nodes", 5, "--temperature", 1], "--verify token"),
     (["--tree-topk", 2, "--tree-nodes", 5, "--drafter", "ngram"], "no dynamic draft tree"),
+    (["--tree-nodes", 5], "--tree-nodes alone"),
+    (["--drafter", "logitspec", "--temperature", 1], "pass --verify token"),
+    (["--drafter", "logitspec", "--num-drafts", 2], "builds its own draft tree"),
 ])
 def test_decode_cli_bad_tree_flags(tiny_demo, tmp_path, capsys, extra, expect):
     args = ["--target", tiny_demo / "target", "--prompts", tiny_demo / "prompts.jsonl",
@@ -197,3 +200,12 @@ def test_decode_cli_bad_tree_flags(tiny_demo, tmp_path, capsys, extra, expect):
     err = capsys.readouterr().err
     assert code == 2 and expect in err and err.count("\n") == 1, err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_decode_cli_logitspec_node_budget(tiny_demo, tmp_path, capsys):
+    args = ["--target", tiny_demo / "target", "--prompts", tiny_demo / "prompts.jsonl",
+            "--drafter", "logitspec", "--tree-nodes", 6, "--max-new-tokens", 8,
+            "--summary", tmp_path / "s.json"]
+    assert decode.main([str(a) for a in args]) == 0
+    s = json.load(open(tmp_path / "s.json"))
+    assert s["nodes_per_step"] == 6 and s["ar_identical"] is True

@@ -158,7 +158,7 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
 def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
                  sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
                  draft_stop: float = 0.0, verify: str | None = None,
-                 num_drafts: int = 1) -> LoadedDrafter:
+                 num_drafts: int = 1, tree_nodes: int | None = None) -> LoadedDrafter:
     """The drafter `spec` names, for `target`, as decode.py's --drafter takes it.
 
     Args:
@@ -181,6 +181,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
       verify, num_drafts: the loop's rule and drafts per step, where the caller passes
         them: "logitspec" needs verify "token" when sampling (its tree is not K i.i.d.
         drafts) and makes its own tree (num_drafts 1).
+      tree_nodes: "logitspec"'s node budget N (None: its default).
     Returns: LoadedDrafter(drafter, params, name, gamma); the arguments are not changed.
     Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
       the target, a draft_stop given to a drafter that cannot stop early, or "logitspec"
@@ -216,7 +217,9 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
             raise SpecjaxError(f"--drafter logitspec builds its own draft tree; "
                                f"--num-drafts {num_drafts} does not apply (leave it at 1)")
         G = gamma or DEFAULT_GAMMA
-        drafter = LogitSpecDrafter.create(V, G, sampling=sampling)
+        drafter = LogitSpecDrafter.create(V, G, sampling=sampling,
+                                          **({} if tree_nodes is None
+                                             else {"tree_nodes": tree_nodes}))
         return LoadedDrafter(drafter, (), name, G)
     mm = drafter_matmul_dtype(matmul_dtype)
     if learned:
