@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "greedily; above it K independent samples); 1 = one chain")
     ap.add_argument("--tree-topk", type=int, default=None, metavar="K",
                     help="EAGLE-2 dynamic draft tree: expand the top-K children of the K "
-                         "best nodes per depth (eagle3, hybrid, kv and block drafters); needs "
+                         "best nodes per depth (eagle3, hybrid, kv, block, draft LM); needs "
                          "--tree-nodes; sampling verifies with --verify token")
     ap.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                     help="node budget of the --tree-topk tree (root included): the N-1 "

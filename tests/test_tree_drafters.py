@@ -173,3 +173,68 @@ def test_greedy_kv_tree_equals_autoregressive(G, K, N):
     res = speculative_loop(g, p, DynamicTree(drafter, K, N), dparams, cfg, toks, lens,
                            jnp.asarray(sg.BUDGETS, jnp.int32), jax.random.key(0))
     assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
+
+
+# ------------------------------------------------------------------ the draft LM
+
+def test_draft_lm_tree_chain_when_topk_is_one():
+    """K = 1, N = G + 1: the draft LM's tree is its own greedy chain (`propose`: one token
+    per forward, causal cache attention), although the tree re-feeds the kept nodes in the
+    model's tree mode."""
+    G = 4
+    drafter, dparams = sg.make_drafter("draft_lm", G)
+    dstate, view = _first_view(drafter, dparams, G)
+    draft, _, _ = drafter.propose(dparams, dstate, view, jax.random.key(0))
+    tree, _ = DynamicTree(drafter, 1, G + 1).propose_tree(dparams, dstate, view,
+                                                          jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), np.asarray(draft))
+
+
+def test_draft_lm_tree_children_follow_the_chain_distributions():
+    G, K, N = 3, 2, 7
+    drafter, dparams = sg.make_drafter("draft_lm", G)
+    dstate, view = _first_view(drafter, dparams, G)
+    tree, _ = DynamicTree(drafter, K, N).propose_tree(dparams, dstate, view, jax.random.key(0))
+    toks, pars = np.asarray(tree.tokens), np.asarray(tree.parents)
+    for r in range(K):
+        draft, _, _ = drafter.propose(dparams, dstate, view, jax.random.key(0),
+                                      first_rank=(jnp.int32(r), K))
+        d = np.asarray(draft)
+        for b in range(4):
+            node = 1 + int(np.nonzero(toks[b, 1:K + 1] == d[b, 0])[0][0])
+            kids = [i for i in range(N) if pars[b, i] == node]
+            if kids:
+                assert toks[b, kids[0]] == d[b, 1], (b, r)
+
+
+def test_greedy_draft_lm_tree_equals_autoregressive():
+    drafter, dparams = sg.make_drafter("draft_lm", 3)
+    target, _ = sg.models()
+    g, p = nnx.split(target)
+    cfg = LoopConfig(max_length=sg.TP + 24, prompt_width=sg.TP)
+    toks, lens = sg.prompts()
+    res = speculative_loop(g, p, DynamicTree(drafter, 2, 7), dparams, cfg, toks, lens,
+                           jnp.asarray(sg.BUDGETS, jnp.int32), jax.random.key(0))
+    assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
+    assert np.asarray(res.accepted).sum() > 0
+
+
+@pytest.mark.slow
+def test_draft_lm_tree_is_lossless_at_t1():
+    sp = tl.PLAIN
+    drafter, dparams = tl._drafter("draft-lm", sp)
+    batch = tl.BATCH
+    g, params = nnx.split(tl._target())
+    lc = LoopConfig(max_length=len(tl.PROMPT) + tl.N_NEW, prompt_width=tl.PROMPT_WIDTH,
+                    sampling=sp, verify="token")
+    prompt = np.full((tl.PROMPT_WIDTH,), tl.PAD, np.int32)
+    prompt[:len(tl.PROMPT)] = tl.PROMPT
+    res = speculative_loop(g, params, DynamicTree(drafter, 2, 5), dparams, lc,
+                           jnp.asarray(np.tile(prompt, (batch, 1))),
+                           jnp.full((batch,), len(tl.PROMPT), jnp.int32),
+                           jnp.full((batch,), tl.N_NEW, jnp.int32), jax.random.key(12))
+    Tp = len(tl.PROMPT)
+    seqs = np.asarray(res.tokens)[:, Tp:Tp + tl.N_NEW]
+    exact = tl._exact(sp)
+    stat, thresh, worst = du.projection_test(seqs, exact, tl._null(sp, batch))
+    assert stat < thresh, (stat, thresh, worst)

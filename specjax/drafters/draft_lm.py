@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.decoding.sampling import SamplingParams, ranked_choice, sample_logits
+from specjax.decoding.tree import DraftTree, ancestor_mask, tree_from_candidates
 from specjax.errors import SpecjaxError
 from specjax.models.model import decoding_params
 
@@ -81,6 +82,65 @@ class DraftLMDrafter:
         draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
         q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
         return draft, q_all, cache
+
+    def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
+        """EAGLE-2's dynamic draft tree (arXiv 2406.16858) from the draft LM
+        (`specjax.drafters.dynamic_tree.DynamicTree` calls it), K = topk, N = nodes.
+
+        Forward 0 is `propose`'s (the last two committed tokens) and gives depth 1: the
+        top-K tokens after the pending one. The draft LM's own cache attends by slot, so
+        instead of keeping draft entries beside it, forward d = 1..G-1 feeds the whole
+        kept tree so far (the K frontier nodes of each depth 1..d, d*K tokens) in the
+        model's tree mode (`Transformer.__call__(tree_mask=)`: each node sees the
+        committed cache and its own ancestors), and reads the logits of the depth-d
+        frontier: K*G*(G-1)/2 tokens over the step instead of G - 1. Each frontier node's
+        top-K children (score = parent's + log q, the draft LM's distribution at
+        temperature 1) are the K*K candidates of the next depth, the K best of which are
+        kept. The tree is the N - 1 best candidates (`tree_from_candidates`). q: one-hot
+        at each node's token above temperature 0, None at 0. `key` is unused; the state
+        is returned as it was (the loop calls `update_after_tree`)."""
+        del key
+        model = nnx.merge(self.graphdef, params)
+        G, K, lengths = self.gamma, topk, view.lengths
+        B, i32 = lengths.shape[0], jnp.int32
+        pos0 = jnp.stack([lengths - 2, lengths - 1], axis=1)
+        tok0 = jnp.take_along_axis(view.tokens, pos0, axis=1)
+        out = model(tok0, pos0, state, logits_at=jnp.ones((B, 1), i32))
+        cache = out.cache
+        fs, ft = jax.lax.top_k(jax.nn.log_softmax(out.logits[:, 0], axis=-1), K)
+        ft = ft.astype(i32)
+        V = out.logits.shape[-1]
+        scores, toks, parents = [fs], [ft], [jnp.full((B, K), -1, i32)]
+        fg = jnp.broadcast_to(jnp.arange(K, dtype=i32), (B, K))  # frontier's candidates
+        kept_tok, kept_par = ft, jnp.full((B, K), -1, i32)  # kept nodes, depth by depth
+        kept_dep = jnp.ones((K,), i32)
+        start = K
+        for d in range(1, G):  # static: G - 1 forwards over the kept tree
+            kept = DraftTree(tokens=kept_tok, parents=kept_par,
+                             depths=jnp.broadcast_to(kept_dep, kept_tok.shape),
+                             valid=jnp.ones(kept_tok.shape, bool))
+            frontier = jnp.broadcast_to(jnp.arange((d - 1) * K, d * K, dtype=i32), (B, K))
+            o = model(kept_tok, (lengths - 1)[:, None] + kept_dep[None, :], cache,
+                      tree_mask=ancestor_mask(kept, d), logits_at=frontier)
+            cs, ct = jax.lax.top_k(jax.nn.log_softmax(o.logits, axis=-1), K)  # [B,K,K]
+            cand = (fs[:, :, None] + cs).reshape(B, K * K)
+            scores.append(cand)
+            toks.append(ct.astype(i32).reshape(B, K * K))
+            parents.append(jnp.repeat(fg, K, axis=1))
+            fs, ni = jax.lax.top_k(cand, K)
+            ft = jnp.take_along_axis(toks[-1], ni, axis=1)
+            fg = start + ni.astype(i32)
+            kept_tok = jnp.concatenate([kept_tok, ft], axis=1)
+            kept_par = jnp.concatenate([kept_par, (d - 1) * K + (ni // K).astype(i32)], 1)
+            kept_dep = jnp.concatenate([kept_dep, jnp.full((K,), d + 1, i32)])
+            start += K * K
+        depth = jnp.concatenate([jnp.ones((K,), i32)] + [
+            jnp.full((K * K,), d + 1, i32) for d in range(1, G)])
+        pending = jnp.take_along_axis(view.tokens, (lengths - 1)[:, None], axis=1)[:, 0]
+        tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
+                                    jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
+                                    depth, nodes, None if self.sampling.greedy else V)
+        return tree, state
 
     def update(self, params, state, view, num_accepted):
         return state.rewind(view.lengths - 2)

@@ -48,7 +48,7 @@ class DynamicTree:
     def __post_init__(self):
         if not hasattr(self.inner, "propose_tree_topk"):
             raise SpecjaxError(f"--tree-topk: {type(self.inner).__name__} has no dynamic "
-                               "draft tree (eagle3, hybrid, kv and block drafters do)")
+                               "draft tree (eagle3, hybrid, kv, block drafters and draft LMs do)")
         G, K, N = self.inner.gamma, self.topk, self.nodes
         if K < 1:
             raise SpecjaxError(f"--tree-topk {K}: must be >= 1")
@@ -103,3 +103,9 @@ class DynamicTree:
 
     def update(self, params, state, view, num_accepted):
         return self.inner.update(params, state, view, num_accepted)
+
+    def update_after_tree(self, params, state, view, num_accepted):
+        """The inner drafter's `update_after_tree` where it has one (the draft LM, whose
+        proposals write its own cache), else its `update`."""
+        fn = getattr(self.inner, "update_after_tree", self.inner.update)
+        return fn(params, state, view, num_accepted)
