@@ -81,8 +81,7 @@ SYSTEMS = (
     System("eagle3 K=2", "eagle3", num_drafts=2),
     System("eagle3 K=4", "eagle3", num_drafts=4),
     System("eagle3 tree 2x12", "eagle3", tree=(2, 12), rules=("token",)),
-    System("eagle3 tree 4x16", "eagle3", tree=(4, 16), rules=("token",)),
-    System("eagle3 tree 4x32", "eagle3", tree=(4, 32), rules=("token",)),
+        System("eagle3 tree 4x32", "eagle3", tree=(4, 32), rules=("token",)),
     System("block chain", "block"),
     System("block tree 4x16", "block", tree=(4, 16), rules=("token",)),
     System("logitspec", "logitspec", rules=("token",)),
@@ -150,7 +149,8 @@ def _prompt_sets(n: int, tokenizer, vocab: int):
     return {"bundled": bundled, "held-out": held_out_prompts(VAL, n, 96)}
 
 
-def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
+def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
+            timing: bool = True) -> dict:
     """Runs every (setting, batch, prompt set, system); returns the results record."""
     import jax
     import numpy as np
@@ -166,27 +166,28 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
     systems = [s for s in SYSTEMS if not only or s.name in only]
     runs = []
     settings = [(0.0, "greedy")] + [(t, r) for t in temps if t > 0 for r in ("token", "block")]
+    # one prompt width for both sets: one compiled program per (setting, batch, system)
+    longest = max(len(ids) for prompts in sets.values() for _, ids in prompts)
+    max_length = longest + new_tokens
     for temp, rule in settings:
         sampling = SamplingParams(temperature=temp)
         for B in batches if temp == 0 else batches[:1]:
+            common = dict(sampling=sampling, verify="block" if rule == "greedy" else rule,
+                          max_length=max_length,
+                          prompt_width=prompt_width_for(longest, max_length),
+                          batch_size=B, eos_token_ids=target.cfg.eos_token_ids)
+            ar = Engine(target.model, **common)
+            ar.compile()
+            chosen = [s for s in systems if rule == "greedy" or rule in s.rules]
+            engines = {}
+            for s in chosen:
+                drafter, params, G = _drafter(s, target, sampling)
+                eng = Engine(target.model, drafter=drafter, drafter_params=params,
+                             num_drafts=s.num_drafts, **common)
+                t0 = time.perf_counter()
+                eng.compile()
+                engines[s.name] = (s, eng, G, time.perf_counter() - t0)
             for set_name, prompts in sets.items():
-                longest = max(len(ids) for _, ids in prompts)
-                max_length = longest + new_tokens
-                common = dict(sampling=sampling, verify="block" if rule == "greedy" else rule,
-                              max_length=max_length,
-                              prompt_width=prompt_width_for(longest, max_length),
-                              batch_size=B, eos_token_ids=target.cfg.eos_token_ids)
-                ar = Engine(target.model, **common)
-                ar.compile()
-                chosen = [s for s in systems if rule == "greedy" or rule in s.rules]
-                engines = {}
-                for s in chosen:
-                    drafter, params, G = _drafter(s, target, sampling)
-                    eng = Engine(target.model, drafter=drafter, drafter_params=params,
-                                 num_drafts=s.num_drafts, **common)
-                    t0 = time.perf_counter()
-                    eng.compile()
-                    engines[s.name] = (s, eng, G, time.perf_counter() - t0)
                 stats = {name: Stats() for name in ["AR", *engines]}
                 outs = {name: [] for name in stats}
                 base = jax.random.key(0)
@@ -211,7 +212,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
                            "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B,
                                                       draft_params=dp)
                                          for dev in ("H100", "TPU v5e")}}
-                    if temp == 0 and B == 1 and set_name == "bundled":
+                    if temp == 0 and B == 1 and set_name == "bundled" and timing:
                         rec.update(eng.step_timing([prompts[0][1]],
                                                    new_tokens, jax.random.key(0)))
                     runs.append(rec)
@@ -219,7 +220,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None) -> dict:
                           f"{st.tau:.3f} N={nodes} {st.tokens_per_s:.1f} tok/s "
                           f"{rec['speedup']:.2f}x (AR {ar_tps:.1f}) identical "
                           f"{rec['identical']}", file=sys.stderr, flush=True)
-                del engines
+            del engines
     import platform
     import subprocess
 
@@ -278,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="these systems only (names as in SYSTEMS)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, T=0, B=1")
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--no-step-timing", action="store_true",
+                    help="skip the draft/verify ms of each system (two compilations each)")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
     if args.render_only:
@@ -286,7 +289,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
     res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
-                  args.only)
+                  args.only, timing=not args.no_step_timing)
     with open(args.json + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
     os.replace(args.json + ".tmp", args.json)
