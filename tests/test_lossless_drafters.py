@@ -435,10 +435,10 @@ def test_multi_round_sampling_is_lossless(name, verify, sp, hot, kernels):
 # caches. (drafter, rule, sampling, hot vocabulary, K).
 TREE_FAST = [
     ("eagle3", "token", PLAIN, None, 2),
-    ("block-kv", "block", TOP_K, None, 3),
     ("draft-lm", "block", PLAIN, None, 2),
 ]
 TREE_SLOW = [
+    ("block-kv", "block", TOP_K, None, 3),
     ("eagle3", "block", TOP_K, HOT, 3),
     ("kv", "token", TOP_K, None, 3),
     ("hybrid", "block", PLAIN, None, 2),

@@ -64,7 +64,8 @@ def _reference(logp, K, N):
     return toks, pars, deps
 
 
-@pytest.mark.parametrize("context,G,K,N", [("kv", 3, 2, 6), ("hidden", 4, 3, 12)])
+@pytest.mark.parametrize("context,G,K,N", [
+    ("kv", 3, 2, 6), pytest.param("hidden", 4, 3, 12, marks=pytest.mark.slow)])
 def test_block_tree_equals_numpy_reference(context, G, K, N):
     drafter, dparams = _drafter(context, G)
     dstate, view = _first_view(drafter, dparams, G)

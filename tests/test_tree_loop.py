@@ -112,7 +112,9 @@ def _tree_run(kind, K, G=3, budgets=sg.BUDGETS):
                             jnp.asarray(budgets, jnp.int32), jax.random.key(0))
 
 
-@pytest.mark.parametrize("kind,K", [("draft_lm", 2), ("draft_lm", 4), ("ngram", 3)])
+@pytest.mark.parametrize("kind,K", [("draft_lm", 2),
+                                    pytest.param("draft_lm", 4, marks=pytest.mark.slow),
+                                    ("ngram", 3)])
 def test_greedy_tree_equals_autoregressive(kind, K):
     res = _tree_run(kind, K)
     assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
