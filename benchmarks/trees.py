@@ -152,6 +152,8 @@ def _prompt_sets(n: int, tokenizer, vocab: int):
 def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
             timing: bool = True) -> dict:
     """Runs every (setting, batch, prompt set, system); returns the results record."""
+    import subprocess
+
     import jax
     import numpy as np
 
@@ -160,6 +162,8 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     from specjax.decoding.sampling import SamplingParams
     from specjax.models.checkpoint import load_tokenizer
 
+    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()  # the code measured
     tokenizer = load_tokenizer(TARGET)
     target = load_target(TARGET, tokenizer=tokenizer)
     sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
@@ -222,10 +226,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                           f"{rec['identical']}", file=sys.stderr, flush=True)
             del engines
     import platform
-    import subprocess
 
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
     return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens,
             "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
