@@ -23,6 +23,10 @@ import os
 import sys
 
 from specjax import cli
+from specjax.compile_cache import (  # noqa: F401 - re-exported (decode.enable_compile_cache)
+    DEFAULT_COMPILE_CACHE,
+    enable_compile_cache,
+)
 from specjax.decoding.loading import (  # noqa: F401 - re-exported for scripts and tests
     DEFAULT_GAMMA,
     DEMO_DIR,
@@ -32,12 +36,6 @@ from specjax.decoding.loading import (  # noqa: F401 - re-exported for scripts a
     load_learned_drafter,
 )
 from specjax.decoding.prompts import read_prompts  # noqa: F401 - re-exported (decode.read_prompts)
-
-# jax's persistent compilation cache when neither --compile-cache nor
-# JAX_COMPILATION_CACHE_DIR names one
-DEFAULT_COMPILE_CACHE = os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-    "specjax", "jax")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,40 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $JAX_COMPILATION_CACHE_DIR if set, else "
                          "~/.cache/specjax/jax; none: off)")
     return ap
-
-
-def enable_compile_cache(arg: str | None) -> str | None:
-    """Points jax's persistent compilation cache at `arg` ("none": off; None: the
-    directory jax already has from JAX_COMPILATION_CACHE_DIR, else DEFAULT_COMPILE_CACHE,
-    or off where JAX_ENABLE_COMPILATION_CACHE=false) and returns the directory used, or
-    None; a default directory that cannot be created or written turns the cache off
-    (raises SpecjaxError for an explicit `arg`). Call before the first compilation: jax
-    reads the setting once per process. Programs that compile in under a second are not
-    cached (jax's `jax_persistent_cache_min_compile_time_secs`); the cache key holds the
-    program, the jax and XLA versions and XLA_FLAGS, so a stale entry is never loaded."""
-    import jax
-
-    if arg == "none" or (arg is None and not jax.config.jax_enable_compilation_cache):
-        jax.config.update("jax_enable_compilation_cache", False)
-        return None
-    from specjax.errors import SpecjaxError
-
-    current = jax.config.jax_compilation_cache_dir
-    path = arg or current or DEFAULT_COMPILE_CACHE
-    try:
-        os.makedirs(path, exist_ok=True)
-        usable = os.access(path, os.W_OK)
-    except OSError:
-        usable = False
-    if not usable:
-        if arg:
-            raise SpecjaxError(f"--compile-cache {arg}: cannot create or write that directory; "
-                               "pass a writable one or --compile-cache none")
-        jax.config.update("jax_enable_compilation_cache", False)  # a read-only home: skip
-        return None
-    if path != current:
-        jax.config.update("jax_compilation_cache_dir", path)
-    return path
 
 
 def validate_flags(args) -> None:

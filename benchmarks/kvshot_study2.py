@@ -1104,7 +1104,7 @@ def main(argv=None) -> int:
         names = [n for n in MATRIX if not args.only or n in args.only]
         sizes = {"prompts": args.prompts, "sim_rows": args.sim_rows,
                  "new_tokens": args.new_tokens}
-        from decode import enable_compile_cache
+        from specjax.compile_cache import enable_compile_cache
 
         enable_compile_cache(None)  # decode.py's default: the AR loops compile once
         done = measure(names, args.seeds, force=args.force, runs_root=args.runs_root,
