@@ -9,9 +9,10 @@ batch of prompts, in one process), and projected to accelerators.
 Systems (`SYSTEMS`): the shipped eagle3 drafter as one chain (its G = 7), as K = 2 and 4
 drafts per step (`--num-drafts`) and as EAGLE-2 dynamic trees (`--tree-topk K
 --tree-nodes N`); the shipped block drafter as a chain and as a tree of its per-position
-top-K; LogitSpec (its CPU defaults); n-gram lookup as a chain and as K = 3 drafts. Settings: T = 0 (greedy), T = 1
+top-K; LogitSpec (its CPU defaults); n-gram lookup as a chain and as K = 3 drafts.
+Settings: T = 0 (greedy), T = 1
 with token-level and with block verification (block only where the tree is K independent
-drafts), batch 1 and 4 (4 at T = 0 only), on two prompt sets: the first --prompts bundled
+drafts), batch 1 and 4, on two prompt sets: the first --prompts bundled
 demo prompts and as many held-out prompts cut from the regenerated validation stream
 (benchmarks/data/study2/val.npy, `benchmarks.kvshot_study2.held_out_prompts`). Per
 (setting, batch, prompt set) one autoregressive Engine runs interleaved with every system,
@@ -175,7 +176,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     max_length = longest + new_tokens
     for temp, rule in settings:
         sampling = SamplingParams(temperature=temp)
-        for B in batches if temp == 0 else batches[:1]:
+        for B in batches:
             common = dict(sampling=sampling, verify="block" if rule == "greedy" else rule,
                           max_length=max_length,
                           prompt_width=prompt_width_for(longest, max_length),
