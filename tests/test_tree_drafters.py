@@ -94,10 +94,10 @@ def test_greedy_block_tree_equals_autoregressive(context, G, K, N):
     assert sg.rows(res) == sg.rows(sg.run_ar(sg.BUDGETS))
 
 
-@pytest.mark.parametrize("name", ["block-kv", pytest.param("kv", marks=pytest.mark.slow)])
-def test_tree_is_lossless_at_t1(name):
-    """T = 1, verify "token": the first N_NEW tokens over several rounds follow the
-    target's exact law (tests/test_lossless_drafters.py's statistic and threshold)."""
+def _t1_tree_run(name, seed):
+    """A DynamicTree(K=2, N=5) around tests/test_lossless_drafters.py's drafter `name` at
+    T = 1, verify "token", over tl.BATCH copies of its prompt -> (statistic, threshold,
+    worst view, accepted drafts per position per round) of its projection test."""
     sp = tl.PLAIN
     drafter, dparams = tl._drafter(name, sp)
     batch = tl.BATCH
@@ -109,7 +109,7 @@ def test_tree_is_lossless_at_t1(name):
     res = speculative_loop(g, params, DynamicTree(drafter, 2, 5), dparams, lc,
                            jnp.asarray(np.tile(prompt, (batch, 1))),
                            jnp.full((batch,), len(tl.PROMPT), jnp.int32),
-                           jnp.full((batch,), tl.N_NEW, jnp.int32), jax.random.key(11))
+                           jnp.full((batch,), tl.N_NEW, jnp.int32), jax.random.key(seed))
     Tp = len(tl.PROMPT)
     seqs = np.asarray(res.tokens)[:, Tp:Tp + tl.N_NEW]
     exact = tl._exact(sp)
@@ -117,6 +117,14 @@ def test_tree_is_lossless_at_t1(name):
     stat, thresh, worst = du.projection_test(seqs, exact, tl._null(sp, batch))
     acc = np.asarray(res.accepted).sum(0) / np.asarray(res.steps).sum()
     print(f"\n[{name} tree T=1] z={stat:.2f} thresh={thresh:.2f} worst {worst}; accepted {acc}")
+    return stat, thresh, worst, acc
+
+
+@pytest.mark.parametrize("name", ["block-kv", pytest.param("kv", marks=pytest.mark.slow)])
+def test_tree_is_lossless_at_t1(name):
+    """T = 1, verify "token": the first N_NEW tokens over several rounds follow the
+    target's exact law (tests/test_lossless_drafters.py's statistic and threshold)."""
+    stat, thresh, worst, acc = _t1_tree_run(name, 11)
     assert stat < thresh, (stat, thresh, worst)
     assert 0.05 < acc[0] < 0.95
 
@@ -222,20 +230,5 @@ def test_greedy_draft_lm_tree_equals_autoregressive():
 
 @pytest.mark.slow
 def test_draft_lm_tree_is_lossless_at_t1():
-    sp = tl.PLAIN
-    drafter, dparams = tl._drafter("draft-lm", sp)
-    batch = tl.BATCH
-    g, params = nnx.split(tl._target())
-    lc = LoopConfig(max_length=len(tl.PROMPT) + tl.N_NEW, prompt_width=tl.PROMPT_WIDTH,
-                    sampling=sp, verify="token")
-    prompt = np.full((tl.PROMPT_WIDTH,), tl.PAD, np.int32)
-    prompt[:len(tl.PROMPT)] = tl.PROMPT
-    res = speculative_loop(g, params, DynamicTree(drafter, 2, 5), dparams, lc,
-                           jnp.asarray(np.tile(prompt, (batch, 1))),
-                           jnp.full((batch,), len(tl.PROMPT), jnp.int32),
-                           jnp.full((batch,), tl.N_NEW, jnp.int32), jax.random.key(12))
-    Tp = len(tl.PROMPT)
-    seqs = np.asarray(res.tokens)[:, Tp:Tp + tl.N_NEW]
-    exact = tl._exact(sp)
-    stat, thresh, worst = du.projection_test(seqs, exact, tl._null(sp, batch))
+    stat, thresh, worst, _ = _t1_tree_run("draft-lm", 12)
     assert stat < thresh, (stat, thresh, worst)
