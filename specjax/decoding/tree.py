@@ -142,3 +142,26 @@ def tree_from_candidates(pending, score, tokens, parent, depth, nodes: int, voca
         valid=jnp.concatenate([true, valid], 1),
         q=None if vocab is None else jax.nn.one_hot(toks, vocab, dtype=jnp.float32)
         .at[:, 0].set(0.0))
+
+
+def candidate_depths(topk: int, gamma: int) -> jax.Array:
+    """i32[K + (G-1)*K*K]: the depth of each candidate of EAGLE-2's expansion (K at depth
+    1, then K*K per depth), in candidate order (`tree_from_candidates`' `depth`)."""
+    return jnp.concatenate([jnp.ones((topk,), jnp.int32)] + [
+        jnp.full((topk * topk,), d + 1, jnp.int32) for d in range(1, gamma)])
+
+
+def expand_frontier(scores, parent_ids, child_logp, child_tokens, start: int):
+    """One depth of EAGLE-2's expansion. scores f32[B,K] and parent_ids i32[B,K] (their
+    candidate indices) of the K frontier nodes; child_logp f32[B,K,K] and child_tokens
+    i32[B,K,K] each node's top-K children. -> (candidates: (score f32[B,K*K], token
+    i32[B,K*K], parent i32[B,K*K]), the next frontier: (scores f32[B,K], candidate
+    indices i32[B,K] counted from `start`, the chosen children's positions ni i32[B,K]
+    in the K*K candidates))."""
+    B, K = scores.shape
+    cand_s = (scores[:, :, None] + child_logp).reshape(B, K * K)
+    cand_t = child_tokens.astype(jnp.int32).reshape(B, K * K)
+    cand_p = jnp.repeat(parent_ids, K, axis=1)
+    fs, ni = jax.lax.top_k(cand_s, K)
+    ni = ni.astype(jnp.int32)
+    return (cand_s, cand_t, cand_p), (fs, start + ni, ni)

@@ -27,7 +27,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import tree_from_candidates
+from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Blocks, Limit, attend
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -220,15 +220,13 @@ class BlockDrafter(LearnedDrafter):
         fs, fg = ls[:, 0], jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
         start = K  # the candidate index of depth d's first candidate
         for d in range(1, G):  # static: G - 1 levels of K*K candidates
-            cs = (fs[:, :, None] + ls[:, d][:, None, :]).reshape(B, K * K)
-            scores.append(cs)
-            toks.append(jnp.tile(lt[:, d], (1, K)))
-            parents.append(jnp.repeat(fg, K, axis=1))
-            fs, ni = jax.lax.top_k(cs, K)
-            fg = start + ni.astype(jnp.int32)
+            kids = (jnp.broadcast_to(ls[:, d][:, None], (B, K, K)),
+                    jnp.broadcast_to(lt[:, d][:, None], (B, K, K)))
+            cand, (fs, fg, _) = expand_frontier(fs, fg, *kids, start)
+            for acc, x in zip((scores, toks, parents), cand, strict=True):
+                acc.append(x)
             start += K * K
-        depth = jnp.concatenate([jnp.ones((K,), jnp.int32)] + [
-            jnp.full((K * K,), d + 1, jnp.int32) for d in range(1, G)])
+        depth = candidate_depths(K, G)
         pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], 1)[:, 0]
         tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
                                     jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),

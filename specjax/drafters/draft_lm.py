@@ -19,7 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.decoding.sampling import SamplingParams, ranked_choice, sample_logits
-from specjax.decoding.tree import DraftTree, ancestor_mask, tree_from_candidates
+from specjax.decoding.tree import (
+    DraftTree,
+    ancestor_mask,
+    candidate_depths,
+    expand_frontier,
+    tree_from_candidates,
+)
 from specjax.errors import SpecjaxError
 from specjax.models.model import decoding_params
 
@@ -123,19 +129,15 @@ class DraftLMDrafter:
             o = model(kept_tok, (lengths - 1)[:, None] + kept_dep[None, :], cache,
                       tree_mask=ancestor_mask(kept, d), logits_at=frontier)
             cs, ct = jax.lax.top_k(jax.nn.log_softmax(o.logits, axis=-1), K)  # [B,K,K]
-            cand = (fs[:, :, None] + cs).reshape(B, K * K)
-            scores.append(cand)
-            toks.append(ct.astype(i32).reshape(B, K * K))
-            parents.append(jnp.repeat(fg, K, axis=1))
-            fs, ni = jax.lax.top_k(cand, K)
+            cand, (fs, fg, ni) = expand_frontier(fs, fg, cs, ct, start)
+            for acc, x in zip((scores, toks, parents), cand, strict=True):
+                acc.append(x)
             ft = jnp.take_along_axis(toks[-1], ni, axis=1)
-            fg = start + ni.astype(i32)
             kept_tok = jnp.concatenate([kept_tok, ft], axis=1)
-            kept_par = jnp.concatenate([kept_par, (d - 1) * K + (ni // K).astype(i32)], 1)
+            kept_par = jnp.concatenate([kept_par, (d - 1) * K + ni // K], 1)
             kept_dep = jnp.concatenate([kept_dep, jnp.full((K,), d + 1, i32)])
             start += K * K
-        depth = jnp.concatenate([jnp.ones((K,), i32)] + [
-            jnp.full((K * K,), d + 1, i32) for d in range(1, G)])
+        depth = candidate_depths(K, G)
         pending = jnp.take_along_axis(view.tokens, (lengths - 1)[:, None], axis=1)[:, 0]
         tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
                                     jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),

@@ -27,7 +27,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import tree_from_candidates
+from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig
@@ -365,14 +365,12 @@ class Eagle3Drafter(LearnedDrafter):
                                     self.attention)
             logp = jax.nn.log_softmax(self.logits(net, out, params), axis=-1)  # [B,K,V]
             cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
-            cand_s = (fs[:, :, None] + cs).reshape(B, K * K)
-            cand_t = ct.astype(i32).reshape(B, K * K)
-            cand_p = jnp.repeat(fg, K, axis=1)  # the parent's candidate index
-            ns, ni = jax.lax.top_k(cand_s, K)  # the next frontier
+            (cand_s, cand_t, cand_p), (ns, ng, ni) = expand_frontier(fs, fg, cs, ct,
+                                                                     K + j * K * K)
             par = ni // K
             nxt = (dk, dv, jnp.take_along_axis(mine, par[..., None], axis=1),
                    jnp.take_along_axis(out, par[..., None], axis=1), ns,
-                   jnp.take_along_axis(cand_t, ni, axis=1), K + j * K * K + ni.astype(i32))
+                   jnp.take_along_axis(cand_t, ni, axis=1), ng)
             return nxt, (cand_s, cand_t, cand_p)
 
         init = (empty, empty, jnp.zeros((B, K, S), bool),
@@ -386,8 +384,7 @@ class Eagle3Drafter(LearnedDrafter):
         score = flat(s1, cs)
         tok = flat(t1, ct)
         par = flat(jnp.full((B, K), -1, i32), cp)
-        depth = jnp.concatenate([jnp.ones((K,), i32),
-                                 jnp.repeat(jnp.arange(2, G + 1, dtype=i32), K * K)])
+        depth = candidate_depths(K, G)
         pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
         tree = tree_from_candidates(pending, score, tok, par, depth, nodes,
                                     None if self.sampling.greedy else logp0.shape[-1])

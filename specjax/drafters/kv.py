@@ -25,7 +25,7 @@ from flax import nnx, struct
 
 from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import tree_from_candidates
+from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend
 from specjax.drafters.config import DrafterConfig, kv_layer_set
@@ -198,18 +198,13 @@ class KVDrafter(LearnedDrafter):
             pos = jnp.broadcast_to((view.lengths - 1 + d)[:, None], (B, K))
             logp, own_k, own_v = forward(own_k, own_v, ft, pos, first, mine)
             cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
-            cand = (fs[:, :, None] + cs).reshape(B, K * K)
-            scores.append(cand)
-            toks.append(ct.astype(i32).reshape(B, K * K))
-            parents.append(jnp.repeat(fg, K, axis=1))
-            fs, ni = jax.lax.top_k(cand, K)
-            par = ni // K
+            cand, (fs, fg, ni) = expand_frontier(fs, fg, cs, ct, start)
+            for acc, x in zip((scores, toks, parents), cand, strict=True):
+                acc.append(x)
             ft = jnp.take_along_axis(toks[-1], ni, axis=1)
-            fg = start + ni.astype(i32)
-            amask = jnp.take_along_axis(mine, par[..., None], axis=1)
+            amask = jnp.take_along_axis(mine, (ni // K)[..., None], axis=1)
             start += K * K
-        depth = jnp.concatenate([jnp.ones((K,), i32)] + [
-            jnp.full((K * K,), d + 1, i32) for d in range(1, G)])
+        depth = candidate_depths(K, G)
         tree = tree_from_candidates(pending[:, 0], jnp.concatenate(scores, 1),
                                     jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
                                     depth, nodes, None if self.sampling.greedy else V)
