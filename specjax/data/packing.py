@@ -10,6 +10,11 @@ every window once, in the order np.random.default_rng([seed, e]).permutation(n).
 The training state of the data is one int, the position (how many rows were
 consumed so far): `batch(position, B)` depends on nothing else, so a run that
 saves the position and restarts from it sees exactly the rows it would have seen.
+
+A loss mask (chat data, `specjax.prepare`) is a second stream of the same length, cut
+into the same windows: `mask_rows(position, B)` gives the mask of exactly the rows that
+`batch(position, B)` gives, so the mask travels through resume, sharding and gradient
+accumulation with the rows (`specjax.train.inputs.global_batch`).
 """
 
 from __future__ import annotations
@@ -73,12 +78,21 @@ class PackedStream:
         `ConcatStream` of several, is fine).
       seq_len: T, the tokens per training input; each row holds T + 1 tokens.
       seed: non-negative int that picks the permutation of every epoch.
-    Raises: SpecjaxError if the stream is shorter than T + 1 tokens.
+      loss_mask: optional int[n] (u8; a memmap or `ConcatStream` is fine), the same length
+        as `tokens`: 1 where the token is a training target (an assistant token of chat
+        data), 0 where it is only context. None: every token is a target.
+    Raises: SpecjaxError if the stream is shorter than T + 1 tokens; ValueError if the
+      mask's length differs from the stream's.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int,
+                 loss_mask: np.ndarray | None = None):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if loss_mask is not None and (loss_mask.ndim != 1 or len(loss_mask) != len(tokens)):
+            raise ValueError(f"loss_mask must be 1-D with the stream's {len(tokens)} entries, "
+                             f"got shape {loss_mask.shape}")
+        self.loss_mask = loss_mask
         if seq_len < 1 or seed < 0:
             raise ValueError(f"need seq_len >= 1 and seed >= 0, got {seq_len}, {seed}")
         self.tokens = tokens
@@ -118,9 +132,20 @@ class PackedStream:
         Returns: (rows, position + B), rows i32[B, T + 1]; the model's inputs are
         rows[:, :-1] and its next-token targets rows[:, 1:].
         """
+        rows = np.asarray(self.tokens[self._offsets(position, batch_size)], np.int32)
+        return rows, position + batch_size
+
+    def mask_rows(self, position: int, batch_size: int) -> np.ndarray | None:
+        """u8[B, T + 1]: the loss mask of the rows `batch(position, B)` gives (entry i of a
+        row: 1 where token i of that row is a training target), or None without a mask."""
+        if self.loss_mask is None:
+            return None
+        return np.asarray(self.loss_mask[self._offsets(position, batch_size)], np.uint8)
+
+    def _offsets(self, position: int, batch_size: int) -> np.ndarray:
+        """i64[B, T + 1]: stream indices of the rows at global indices position ..."""
         starts = self.sequence_ids(position, batch_size) * self.seq_len
-        offsets = starts[:, None] + np.arange(self.seq_len + 1)[None, :]  # [B, T + 1]
-        return np.asarray(self.tokens[offsets], np.int32), position + batch_size
+        return starts[:, None] + np.arange(self.seq_len + 1)[None, :]
 
     def epoch(self, position: int) -> float:
         """Epochs completed after consuming `position` rows (for logs)."""

@@ -14,7 +14,7 @@ turns it into exit code 2.
     model:  specjax.models.config.ModelConfig fields (family, vocab_size, hidden_size, ...); lm only
     target: DIR              # ttt / block: the frozen target's HF directory
     drafter: DrafterTrainConfig   # ttt / block: the drafter and its loss
-    data:   DataConfig       # corpus: stdlib, or tokens_npy (+ tokenizer_dir)
+    data:   DataConfig       # corpus: stdlib, or tokens_npy (+ loss_mask_npy, tokenizer_dir)
     mesh:   MeshConfig       # data x fsdp x model devices
     optim:  OptimConfig      # AdamW, warmup + cosine, global-norm clipping
     train:  TrainLoopConfig  # steps, batch, accumulation, intervals
@@ -61,6 +61,13 @@ class DataConfig:
         path, or a list read as the streams' concatenation in that order (a row may
         span two files, as in `np.concatenate`; nothing is copied).
       val_tokens_npy: optional validation stream for `tokens_npy` (None: no val loss).
+      loss_mask_npy: optional loss masks for `tokens_npy` (.npy, 0/1 integers, e.g. the
+        uint8 `loss_mask.npy` of `python -m specjax.prepare`): one per token file, each as
+        long as its stream; the losses and the simulated alpha_k then average over the
+        positions whose target token has mask 1 only (assistant tokens of chat data).
+        None: every token is a target.
+      val_loss_mask_npy: the loss mask of `val_tokens_npy` (e.g. prepare's
+        `val_loss_mask.npy`); needs `loss_mask_npy`.
       tokenizer_dir: HF tokenizer saved with the export; with `corpus`, an existing
         tokenizer to use instead of training one.
       cache_dir: tokenizer and token cache for `corpus` (None: `<run_dir>/data`).
@@ -74,6 +81,8 @@ class DataConfig:
     corpus_root: str | None = None
     tokens_npy: tuple[str, ...] | None = None
     val_tokens_npy: str | None = None
+    loss_mask_npy: tuple[str, ...] | None = None
+    val_loss_mask_npy: str | None = None
     tokenizer_dir: str | None = None
     cache_dir: str | None = None
     val_fraction: float = 0.05
@@ -91,6 +100,23 @@ class DataConfig:
         if self.val_tokens_npy is not None and self.tokens_npy is None:
             raise SpecjaxError("data.val_tokens_npy needs data.tokens_npy; a corpus has its "
                                "own validation split")
+        if self.loss_mask_npy is not None:
+            if self.tokens_npy is None:
+                raise SpecjaxError("data.loss_mask_npy needs data.tokens_npy: a mask belongs "
+                                   "to a token stream (python -m specjax.prepare writes both)")
+            if len(self.loss_mask_npy) != len(self.tokens_npy):
+                raise SpecjaxError(f"data.loss_mask_npy names {len(self.loss_mask_npy)} "
+                                   f"files but data.tokens_npy {len(self.tokens_npy)}; give "
+                                   "one mask per token file, in the same order")
+        if self.val_loss_mask_npy is not None and (
+                self.val_tokens_npy is None or self.loss_mask_npy is None):
+            raise SpecjaxError("data.val_loss_mask_npy needs data.val_tokens_npy and "
+                               "data.loss_mask_npy")
+        if (self.loss_mask_npy is not None and self.val_tokens_npy is not None
+                and self.val_loss_mask_npy is None):
+            raise SpecjaxError("data.loss_mask_npy is set but data.val_loss_mask_npy is not: "
+                               "the validation loss would count every token; give the "
+                               "validation mask too (prepare's val_loss_mask.npy)")
         _check_positive("data.seq_len", self.seq_len)
         if self.seed < 0:
             raise SpecjaxError(f"data.seed={self.seed} must be >= 0")

@@ -31,7 +31,7 @@ from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
 from specjax.train.config import TrainConfig
 from specjax.train.drafter_step import DrafterTrainer
-from specjax.train.inputs import RunData, prepare_data
+from specjax.train.inputs import RunData, global_batch, prepare_data
 from specjax.train.objectives import summarize
 
 BEST_DIR = "best_drafter"
@@ -141,8 +141,7 @@ class DrafterRun:
             return None
         outs = []
         for i, pos in enumerate(positions):
-            rows, _ = self.data.val.batch(pos, B)
-            batch = mesh_lib.host_to_global(rows, self.trainer.eval_batch_sharding)
+            batch, _ = global_batch(self.data.val, pos, B, self.trainer.eval_batch_sharding)
             outs.append(self.trainer.eval_step(state.params, batch, i))
         outs = jax.device_get(outs)
         stats = {k: np.sum([np.asarray(s[k], np.float64) for _, s in outs], axis=0)

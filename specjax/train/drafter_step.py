@@ -35,7 +35,7 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.train import mesh as mesh_lib
 from specjax.train.objectives import Frozen
-from specjax.train.step import Metrics, Trainer, TrainState
+from specjax.train.step import Metrics, Trainer, TrainState, micro_batches, split_batch
 
 
 def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False,
@@ -192,10 +192,12 @@ class DrafterTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_stats(self, params, rows: jax.Array, target_params, key: jax.Array,
+    def loss_and_stats(self, params, batch, target_params, key: jax.Array,
                        evaluation: bool = False):
-        """(f32[] loss, stats dict) of the drafter on rows i32[B, T+1]; the target runs on
-        rows[:, :T], cache-free, under stop_gradient."""
+        """(f32[] loss, stats dict) of the drafter on rows i32[B, T+1] (or a (rows, mask)
+        pair: loss and stats over the targets with mask 1); the target runs on rows[:, :T],
+        cache-free, under stop_gradient."""
+        rows, mask = split_batch(batch)
         target = nnx.merge(self.target_graphdef, target_params, self.target_rest)
         tokens = rows[:, :-1]
         B, T = tokens.shape
@@ -205,7 +207,9 @@ class DrafterTrainer(Trainer):
         tgt = jax.lax.stop_gradient(tgt)
         frozen = jax.lax.stop_gradient(Frozen.from_target(target))
         fn = self.eval_fn if evaluation else self.loss_fn
-        return fn(self.network(params), tgt, rows, frozen, key)
+        if mask is None:  # the unmasked graph exactly as before masks existed
+            return fn(self.network(params), tgt, rows, frozen, key)
+        return fn(self.network(params), tgt, rows, frozen, key, mask=mask)
 
     def loss(self, params, rows, target_params, key) -> jax.Array:
         """The training loss only (f32[])."""
@@ -215,8 +219,9 @@ class DrafterTrainer(Trainer):
         """Mean loss and gradient over A micro-batches: batch i32[A, B/A, T+1]; micro-batch
         a draws from split(key, A)[a] (A = 1: key itself)."""
         grad_fn = jax.value_and_grad(self.loss)
-        if batch.shape[0] == 1:
-            return grad_fn(params, batch[0], target_params, key)
+        num_micro, first = micro_batches(batch)
+        if num_micro == 1:
+            return grad_fn(params, first, target_params, key)
 
         def micro(carry, xs):
             loss_sum, grad_sum = carry
@@ -227,10 +232,10 @@ class DrafterTrainer(Trainer):
             return (loss_sum + loss, grad_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        keys = jax.random.split(key, batch.shape[0])
+        keys = jax.random.split(key, num_micro)
         (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
                                         (batch, keys))
-        scale = 1.0 / batch.shape[0]
+        scale = 1.0 / num_micro
         return loss * scale, jax.tree.map(lambda g: g * scale, grads)
 
     def _drafter_step(self, state: TrainState, batch: jax.Array, target_params):

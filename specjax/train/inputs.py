@@ -11,7 +11,9 @@ Two sources (TrainConfig.data):
   tokens_npy: PATH  a flat token stream (.npy, any integer dtype), or a list of them
                     read as their concatenation (`specjax.data.packing.ConcatStream`), with an
                     optional `val_tokens_npy` and `tokenizer_dir` (tests, custom
-                    corpora, regenerated data sets).
+                    corpora, regenerated data sets), and optional loss masks
+                    `loss_mask_npy` / `val_loss_mask_npy` (chat data from
+                    `python -m specjax.prepare`: only assistant tokens are targets).
 With several processes, process 0 builds the caches first and the others follow.
 
 A drafter run (objective ttt / block) reads the vocabulary from its target instead of
@@ -29,6 +31,7 @@ import numpy as np
 
 from specjax.data.packing import ConcatStream, PackedStream
 from specjax.errors import SpecjaxError
+from specjax.train import mesh as mesh_lib
 from specjax.train.config import TrainConfig
 
 
@@ -120,6 +123,10 @@ def check_paths(cfg: TrainConfig) -> None:
         _need_file(path, "data.tokens_npy")
     if d.val_tokens_npy is not None:
         _need_file(d.val_tokens_npy, "data.val_tokens_npy")
+    for path in d.loss_mask_npy or ():
+        _need_file(path, "data.loss_mask_npy")
+    if d.val_loss_mask_npy is not None:
+        _need_file(d.val_loss_mask_npy, "data.val_loss_mask_npy")
     if d.tokenizer_dir is not None and not os.path.isdir(d.tokenizer_dir):
         raise SpecjaxError(f"data.tokenizer_dir {d.tokenizer_dir} does not exist; pass a "
                            "directory written by save_pretrained")
@@ -138,6 +145,27 @@ def _load_stream(path: str, key: str, vocab: _Vocab) -> np.ndarray:
         raise SpecjaxError(f"{key} {path} holds token ids outside [0, {vocab.size}) "
                            f"({vocab.name}); {vocab.fix}")
     return tokens
+
+
+def _load_mask(path: str, key: str, tokens: np.ndarray, tokens_path: str) -> np.ndarray:
+    """The loss mask at `path` for the stream read from `tokens_path` (validated: 1-D,
+    integer or bool, 0/1 only, as long as the stream, at least one 1)."""
+    _need_file(path, key)
+    try:
+        mask = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise SpecjaxError(f"{key} {path} is not a readable .npy file ({e})") from None
+    if mask.ndim != 1 or not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == bool):
+        raise SpecjaxError(f"{key} {path} must be a 1-D integer array of 0/1, got "
+                           f"{mask.dtype}{list(mask.shape)}")
+    if len(mask) != len(tokens):
+        raise SpecjaxError(f"{key} {path} has {len(mask)} entries but its token stream "
+                           f"{tokens_path} has {len(tokens)}; pass the mask written with it")
+    if mask.size and (int(mask.max()) > 1 or int(mask.min()) < 0):
+        raise SpecjaxError(f"{key} {path} holds values other than 0 and 1")
+    if not mask.any():
+        raise SpecjaxError(f"{key} {path} is all zeros: no token would be trained on")
+    return mask
 
 
 def _corpus_paths(cfg: TrainConfig) -> tuple[str, dict[str, str]]:
@@ -208,12 +236,45 @@ def prepare_data(cfg: TrainConfig, vocab_size: int | None = None) -> RunData:
     if isinstance(train_path, str):  # the corpus cache
         train_path = (train_path,)
     parts = [_load_stream(p, train_key, V) for p in train_path]
+    masks = None
+    if d.loss_mask_npy is not None:
+        masks = [_load_mask(m, "data.loss_mask_npy", t, p)
+                 for m, t, p in zip(d.loss_mask_npy, parts, train_path, strict=True)]
+        masks = masks[0] if len(masks) == 1 else ConcatStream(masks)
     train = PackedStream(parts[0] if len(parts) == 1 else ConcatStream(parts), d.seq_len,
-                         d.seed)
+                         d.seed, loss_mask=masks)
     val = None
     if val_path is not None:
-        val = PackedStream(_load_stream(val_path, val_key, V), d.seq_len, d.seed)
+        val_tokens = _load_stream(val_path, val_key, V)
+        val_mask = None
+        if d.val_loss_mask_npy is not None:
+            val_mask = _load_mask(d.val_loss_mask_npy, "data.val_loss_mask_npy", val_tokens,
+                                  val_path)
+        val = PackedStream(val_tokens, d.seq_len, d.seed, loss_mask=val_mask)
     return RunData(train=train, val=val, tokenizer=tokenizer)
+
+
+def global_batch(stream: PackedStream, position: int, batch_size: int, sharding,
+                 shape: tuple[int, ...] | None = None):
+    """The B rows at `position` as the global jax.Array(s) a train or eval step takes, and
+    the next position.
+
+    Args:
+      stream: the PackedStream; position, batch_size: as `PackedStream.batch`.
+      sharding: the step's batch NamedSharding.
+      shape: reshape the rows first (e.g. (A, B/A, T+1) for gradient accumulation).
+    Returns: (batch, position + B): batch is i32[..., T+1] rows, or with a loss mask the
+      pair (rows, u8[..., T+1] mask), the form `specjax.train.step.split_batch` reads.
+    """
+    rows, nxt = stream.batch(position, batch_size)
+    mask = stream.mask_rows(position, batch_size)
+    if shape is not None:
+        rows = rows.reshape(shape)
+        mask = None if mask is None else mask.reshape(shape)
+    rows = mesh_lib.host_to_global(rows, sharding)
+    if mask is None:
+        return rows, nxt
+    return (rows, mesh_lib.host_to_global(mask, sharding)), nxt
 
 
 def special_ids(cfg: TrainConfig, tokenizer):

@@ -43,7 +43,7 @@ from specjax.train import mesh as mesh_lib
 from specjax.train import multihost
 from specjax.train.checkpointing import Checkpoints, Preemption
 from specjax.train.config import DEFAULT_TARGET, TrainConfig, dump_config
-from specjax.train.inputs import RunData, prepare_data, special_ids
+from specjax.train.inputs import RunData, global_batch, prepare_data, special_ids
 from specjax.train.optim import make_optimizer
 from specjax.train.step import Trainer, TrainState
 
@@ -133,8 +133,7 @@ def evaluate(trainer: Trainer, state: TrainState, data: RunData, batch_size: int
         return None
     losses = []
     for pos in positions:
-        rows, _ = data.val.batch(pos, batch_size)
-        batch = mesh_lib.host_to_global(rows, trainer.eval_batch_sharding)
+        batch, _ = global_batch(data.val, pos, batch_size, trainer.eval_batch_sharding)
         losses.append(trainer.eval_step(state.params, batch))
     return float(np.mean(jax.device_get(losses)))
 
@@ -531,9 +530,8 @@ def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None
                 if preemption.should_stop(step):
                     preempted = True
                     break
-                rows, position = data.train.batch(position, B)
-                batch = mesh_lib.host_to_global(rows.reshape(A, B // A, T + 1),
-                                                trainer.batch_sharding)
+                batch, position = global_batch(data.train, position, B,
+                                               trainer.batch_sharding, (A, B // A, T + 1))
                 state, metrics = trainer.train_step(state, batch)
                 step += 1
                 pending.append((step, metrics))

@@ -6,7 +6,8 @@ are closed over, and a pure loss function `nnx.merge`s them inside `jax.jit`
 (docs/design.md 9: nnx.jit would copy every weight per call).
 
 The `lm` objective is next-token cross-entropy averaged over all B*T target tokens:
-inputs rows[:, :-1], targets rows[:, 1:]. The forward uses a throwaway KV cache of
+inputs rows[:, :-1], targets rows[:, 1:] (with a loss mask, over the targets whose mask
+is 1; a batch is rows or (rows, mask): `split_batch`). The forward uses a throwaway KV cache of
 capacity T and positions 0..T-1: with S = T the cached attention is exactly causal
 self-attention, and the cache write costs one scatter per layer.
 """
@@ -23,6 +24,30 @@ from flax import nnx, struct
 
 from specjax.models.model import Transformer
 from specjax.train import mesh as mesh_lib
+
+
+def split_batch(batch):
+    """(rows i32[..., T+1], mask f32[..., T+1] | None) of a batch that is rows alone or the
+    pair (rows, mask) (`specjax.train.inputs.global_batch`); mask entry i is 1 where token
+    i of the row is a training target."""
+    if isinstance(batch, (tuple, list)):
+        rows, mask = batch
+        return rows, mask.astype(jnp.float32)
+    return batch, None
+
+
+def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Mean of `values` over the entries where `mask` is 1 (all entries when mask is None;
+    0 when the mask holds no 1)."""
+    if mask is None:
+        return values.mean()
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def micro_batches(batch):
+    """(A, first): the leading micro-batch count of a batch [A, B/A, T+1] (rows or a
+    (rows, mask) pair) and its first micro-batch."""
+    return jax.tree.leaves(batch)[0].shape[0], jax.tree.map(lambda x: x[0], batch)
 
 
 @struct.dataclass
@@ -149,21 +174,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss
 
-    def loss(self, params, rows: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy (nats per token) of rows i32[B, T+1]."""
+    def loss(self, params, batch) -> jax.Array:
+        """Mean next-token cross-entropy (nats per token) of rows i32[B, T+1] (or of the
+        targets with mask 1 of a (rows, mask) pair)."""
+        rows, mask = split_batch(batch)
         model = self.model(params)
         tokens, targets = rows[:, :-1], rows[:, 1:]
         B, T = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         logits = model(tokens, positions, None,  # f32[B,T,V], cache-free
                        self_attention=self.attention).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return masked_mean(ce, None if mask is None else mask[:, 1:])
 
     def _grads(self, params, batch):
-        """Mean loss and gradient over A micro-batches: batch i32[A, B/A, T+1]."""
+        """Mean loss and gradient over A micro-batches: batch i32[A, B/A, T+1] (or a
+        (rows, mask) pair of them; each micro-batch's loss is its own masked mean)."""
         grad_fn = jax.value_and_grad(self.loss)
-        if batch.shape[0] == 1:
-            return grad_fn(params, batch[0])
+        num_micro, first = micro_batches(batch)
+        if num_micro == 1:
+            return grad_fn(params, first)
 
         def micro(carry, rows):
             loss_sum, grad_sum = carry
@@ -174,7 +204,7 @@ class Trainer:
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
-        scale = 1.0 / batch.shape[0]
+        scale = 1.0 / num_micro
         return loss * scale, jax.tree.map(lambda g: g * scale, grads)
 
     def _train_step(self, state: TrainState, batch: jax.Array):

@@ -5,7 +5,9 @@ every step from the step's key); block j = [token at anchor_j, G mask tokens] se
 context strictly before anchor_j and its own block. Block position k >= 1 predicts the
 token at anchor_j + k: soft label softmax(target logits at anchor_j + k - 1), or hard
 label the data token. Loss weights w_k = exp(-(k-1) / gamma_w); the loss is the
-w-weighted mean over all block positions.
+w-weighted mean over all block positions (with a loss mask, over the block positions
+whose token has mask 1; anchors a with mask[a+1] = 1 are drawn first, and a block counts
+in the statistics only when all its G predicted tokens have mask 1).
 """
 
 from __future__ import annotations
@@ -15,29 +17,35 @@ import jax.numpy as jnp
 import optax
 
 
-def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int):
-    """i32[B,A], A = min(num_anchors, T-G): distinct anchors in 1 .. T-G per row, sorted."""
+def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int,
+                   prefer=None):
+    """i32[B,A], A = min(num_anchors, T-G): distinct anchors in 1 .. T-G per row, sorted.
+    prefer: optional f32[B, T-G], 1 where anchor a = index + 1 is wanted first."""
     n = seq_len - gamma
     A = min(num_anchors, n)
     noise = jax.random.uniform(key, (batch, n))
+    if prefer is not None:
+        noise = noise + (1.0 - prefer)  # preferred anchors sort first
     return jnp.sort(jnp.argsort(noise, axis=1)[:, :A] + 1, axis=1).astype(jnp.int32)
 
 
 def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = True,
-               gamma_w: float = 7.0, gamma: int | None = None, kernel=None):
+               gamma_w: float = 7.0, gamma: int | None = None, kernel=None, mask=None):
     """Weighted block loss and acceptance statistics.
 
     Args:
       net: BlockNet; tgt: the target's cache-free ForwardOutput on rows[:, :T] (hidden at
         net.cfg.capture, kv at net.cfg.kv_layers); rows: i32[B,T+1]; frozen:
         objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma);
-        kernel: the drafter's attention kernel (`specjax.decoding.kernel_policy`; None: jnp).
+        kernel: the drafter's attention kernel (`specjax.decoding.kernel_policy`; None: jnp);
+        mask: optional f32[B,T+1] loss mask (1 where the row's token is a target).
     Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
       block positions 1..k+1 all equal the target's argmax.
     """
     G = gamma or net.cfg.gamma
     B, T = rows.shape[0], rows.shape[1] - 1
-    anchors = sample_anchors(key, B, T, G, num_anchors)
+    prefer = None if mask is None else mask[:, 2:T - G + 2]  # mask[a+1], a = 1 .. T-G
+    anchors = sample_anchors(key, B, T, G, num_anchors, prefer)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     contexts = net.contexts(tgt.hidden, tgt.kv, pos, frozen.inv_freq)
     out = net.blocks(contexts, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, G,
@@ -52,10 +60,17 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         hard = jnp.take_along_axis(rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, hard)
     w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / gamma_w)
-    loss = jnp.sum(ce * w) / (jnp.sum(w) * B * anchors.shape[1])
     match = jnp.argmax(logits, axis=-1) == jnp.argmax(tl, axis=-1)  # [B,A,G]
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
-    stats = {"accepted": jnp.sum(chain, axis=(0, 1)),
-             "chains": jnp.asarray(B * anchors.shape[1], jnp.float32),
-             "correct": jnp.sum(match.astype(jnp.float32), axis=(0, 1))}
+    if mask is None:
+        loss = jnp.sum(ce * w) / (jnp.sum(w) * B * anchors.shape[1])
+        stats = {"accepted": jnp.sum(chain, axis=(0, 1)),
+                 "chains": jnp.asarray(B * anchors.shape[1], jnp.float32),
+                 "correct": jnp.sum(match.astype(jnp.float32), axis=(0, 1))}
+        return loss, stats
+    m = jnp.take_along_axis(mask, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
+    loss = jnp.sum(ce * w * m) / jnp.maximum(jnp.sum(w * m), 1e-6)
+    full = jnp.prod(m, axis=-1, keepdims=True)  # [B,A,1]: the whole block is assistant text
+    stats = {"accepted": jnp.sum(chain * full, axis=(0, 1)), "chains": jnp.sum(full),
+             "correct": jnp.sum(match.astype(jnp.float32) * full, axis=(0, 1))}
     return loss, stats
