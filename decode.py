@@ -9,9 +9,13 @@ With a drafter, autoregressive decoding of the same prompts also runs, interleav
 batch by batch, and the summary reports the speedup and whether greedy outputs are
 identical (--no-compare-ar skips it).
 
-Prompt lines are JSON objects with "prompt" (text) or "input_ids" (list of ints) and
-an optional "id". Output lines, in input order: id, output_ids (new tokens only),
-text (when the target has a tokenizer). Bad input exits with code 2 and one line on
+Prompt lines are JSON objects with "prompt" (text), "input_ids" (list of ints), or a
+conversation ("messages" with role/content, or ShareGPT "conversations"), and an
+optional "id". Conversations, and with --chat text prompts as one user turn, are rendered
+with the target's chat template up to their last user turn (docs/chat.md); decoding then
+also stops at the template's end-of-turn token. Output lines, in input order: id,
+prompt_ids (the ids decoded from), output_ids (new tokens only), text (when the target
+has a tokenizer). Bad input exits with code 2 and one line on
 stderr, and writes no output file.
 """
 
@@ -35,7 +39,10 @@ from specjax.decoding.loading import (  # noqa: F401 - re-exported for scripts a
     flag_dtype,
     load_learned_drafter,
 )
-from specjax.decoding.prompts import read_prompts  # noqa: F401 - re-exported (decode.read_prompts)
+from specjax.decoding.prompts import (  # noqa: F401 - read_prompts re-exported
+    read_prompt_set,
+    read_prompts,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL file of prompts (default: the bundled demo prompts)")
     src.add_argument("--prompt", help="a single text prompt")
+    ap.add_argument("--chat", action="store_true",
+                    help="text prompts (--prompt, \"prompt\" lines) are one user turn, "
+                         "rendered with the target's chat template (conversation lines "
+                         "always are)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--gamma", type=int, default=None,
                     help="draft length G (default: the G a learned drafter was trained for, "
@@ -274,8 +285,8 @@ def run(args) -> int:
     dtype = resolve_dtype(args.dtype)
     cfg = ModelConfig.from_dir(args.target)  # config.json only: no weights read yet
     tokenizer = load_tokenizer(args.target)
-    prompts = read_prompts(tokenizer, cfg.vocab_size, prompt=args.prompt, path=args.prompts,
-                           target=args.target)
+    prompts, chat = read_prompt_set(tokenizer, cfg.vocab_size, prompt=args.prompt,
+                                    path=args.prompts, target=args.target, chat=args.chat)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
 
     longest = max(len(ids) for _, ids in prompts)
@@ -317,6 +328,10 @@ def run(args) -> int:
         drafter = DynamicTree(drafter, args.tree_topk, args.tree_nodes)
     target = target.model
     eos = () if args.ignore_eos else cfg.eos_token_ids
+    if chat and not args.ignore_eos:  # the template's end of turn stops an answer too
+        from specjax.data.chat import end_of_turn_ids
+
+        eos = eos + tuple(i for i in end_of_turn_ids(tokenizer) if i not in eos)
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
@@ -355,7 +370,7 @@ def run(args) -> int:
                "num_drafts": engines["main"].cfg.num_drafts,
                "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma, drafter)
                                   if drafter is not None else 1),
-               "batch_size": args.batch_size, "prompts": len(prompts),
+               "batch_size": args.batch_size, "prompts": len(prompts), "chat": chat,
                "mesh": dict(mesh.shape) if mesh is not None else None}
     if timing is not None:
         summary.update(timing)
@@ -367,8 +382,8 @@ def run(args) -> int:
             summary["ar_identical"] = outputs["ar"] == outputs["main"]
 
     records = []
-    for (pid, _), ids in zip(prompts, outputs["main"], strict=True):
-        rec = {"id": pid, "output_ids": ids}
+    for (pid, prompt_ids), ids in zip(prompts, outputs["main"], strict=True):
+        rec = {"id": pid, "prompt_ids": prompt_ids, "output_ids": ids}
         if tokenizer is not None:
             rec["text"] = tokenizer.decode(ids, skip_special_tokens=True)
         records.append(rec)

@@ -32,7 +32,7 @@ def test_outputs_summary_and_speedup(tiny_demo, tmp_path, capsys):
     lines = [json.loads(x) for x in open(tmp_path / "o.jsonl")]
     ids = [json.loads(x)["id"] for x in open(tiny_demo / "prompts.jsonl")]
     assert [r["id"] for r in lines] == ids  # input order
-    assert all(set(r) == {"id", "output_ids", "text"} for r in lines)
+    assert all(set(r) == {"id", "prompt_ids", "output_ids", "text"} for r in lines)
     assert all(1 <= len(r["output_ids"]) <= 12 for r in lines)
     s = json.load(open(tmp_path / "s.json"))
     for k in ("new_tokens", "wall_s", "compile_s", "tokens_per_s", "tau", "alpha",

@@ -94,8 +94,10 @@ def _line_error(path: str, n: int, what: str) -> SpecjaxError:
     return SpecjaxError(f"{path} line {n}: {what}")
 
 
-def _normalise(path: str, n: int, obj, index: int) -> dict:
-    """One JSONL object -> {"id", "line", "format", "messages"} (see read_conversations)."""
+def normalise_conversation(path: str, n: int, obj, index: int) -> dict:
+    """One JSONL object (line `n` of `path`, the `index`-th conversation) -> {"id", "line",
+    "format", "messages"}, checked as `read_conversations` checks a line (decode.py's
+    --prompts reads conversation lines with it)."""
     if not isinstance(obj, dict):
         raise _line_error(path, n, f"expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
@@ -168,7 +170,7 @@ def read_conversations(path: str) -> list[dict]:
             obj = json.loads(text)
         except ValueError as e:
             raise _line_error(path, n, f"not JSON ({e.msg})") from None
-        out.append(_normalise(path, n, obj, len(out)))
+        out.append(normalise_conversation(path, n, obj, len(out)))
     if not out:
         raise SpecjaxError(f"--data {path} holds no conversations")
     return out

@@ -13,7 +13,7 @@ How a prompt is chosen (deterministic for a given standard library and seed):
      front at a line boundary.
 
 `read_prompts` reads a prompts file (or one text prompt) as decode.py's --prompts and
---prompt do.
+--prompt do: text, token ids, or conversations rendered with the target's chat template.
 """
 
 from __future__ import annotations
@@ -95,17 +95,35 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
 
 
 def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
-                 path: str | None = None, target: str | None = None
+                 path: str | None = None, target: str | None = None, chat: bool = False
                  ) -> list[tuple[str, list[int]]]:
-    """[(id, input_ids)] from the text `prompt` (--prompt) or else the JSONL `path`
-    (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed), as decode.py
-    reads them: JSON objects with "prompt" (text, encoded with `tokenizer`) or
-    "input_ids" (a list of ints) and an optional "id"; `vocab_size` bounds the ids and
+    """[(id, input_ids)] of `read_prompt_set` (the prompts only)."""
+    return read_prompt_set(tokenizer, vocab_size, prompt=prompt, path=path, target=target,
+                           chat=chat)[0]
+
+
+def read_prompt_set(tokenizer, vocab_size: int, *, prompt: str | None = None,
+                    path: str | None = None, target: str | None = None, chat: bool = False
+                    ) -> tuple[list[tuple[str, list[int]]], bool]:
+    """([(id, input_ids)], rendered) from the text `prompt` (--prompt) or else the JSONL
+    `path` (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed), as
+    decode.py reads them: JSON objects with "prompt" (text, encoded with `tokenizer`),
+    "input_ids" (a list of ints), or a conversation, "messages" (OpenAI) or
+    "conversations" (ShareGPT), and an optional "id"; `vocab_size` bounds the ids and
     `target` names the tokenizer's directory in errors. Nothing is changed.
 
+    Conversations are rendered with the tokenizer's chat template up to and including
+    their last user turn, with the generation prompt (`specjax.data.chat.prompt_ids`:
+    the ids of transformers' `apply_chat_template(..., add_generation_prompt=True)`).
+    With `chat`, a text prompt (--prompt, or a "prompt" line) is one user turn, rendered
+    the same way. `rendered` is True when any prompt went through the chat template (the
+    caller then also stops at the template's end-of-turn token).
+
     Raises: SpecjaxError (one line naming the file and line, or --prompt) for an
-      unreadable file, a line that is not UTF-8 or not a JSON object with "prompt" or
-      "input_ids", text with lone surrogates (not Unicode: a --prompt argument holding
+      unreadable file, a line that is not UTF-8 or not a JSON object with "prompt",
+      "input_ids", "messages" or "conversations", a malformed conversation (unknown role,
+      no user turn, ...), a conversation or `chat` without a chat template in the
+      tokenizer, text with lone surrogates (not Unicode: a --prompt argument holding
       bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
       or a token id outside [0, vocab_size)."""
     from specjax.decoding.loading import DEMO_PROMPTS
@@ -125,9 +143,28 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
         if tokenizer is None:
             raise SpecjaxError(f"{where}: text prompts need a tokenizer in --target "
                                f"{target}; give \"input_ids\" instead")
+        if chat:
+            return render([{"role": "user", "content": text}], where)
         return list(tokenizer.encode(text))
 
-    items = []
+    def render(messages, where):
+        from specjax.data import chat as chat_lib
+
+        for m in messages:
+            check_text(m["content"], where, f"a {m['role']} message")
+        if tokenizer is None or not chat_lib.has_chat_template(tokenizer):
+            raise SpecjaxError(f"{where}: chat needs a chat template, and the tokenizer of "
+                               f"--target {target} has none (chat_template.jinja or "
+                               "tokenizer_config.json's chat_template); pass text prompts "
+                               "without --chat")
+        try:
+            messages = chat_lib.messages_until_last_user(messages)
+        except SpecjaxError as e:
+            raise SpecjaxError(f"{where}: {e}") from None
+        rendered.append(where)
+        return chat_lib.prompt_ids(tokenizer, messages)
+
+    items, rendered = [], []
     if prompt is not None:
         items.append(("0", encode(prompt, "--prompt"), "--prompt"))
     else:
@@ -153,10 +190,18 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
             except json.JSONDecodeError as e:
                 raise SpecjaxError(f"{where}: malformed JSON ({e.msg}); each line must be "
                                    "one JSON object") from None
-            if not isinstance(obj, dict) or ("prompt" not in obj and "input_ids" not in obj):
-                raise SpecjaxError(f"{where}: needs a \"prompt\" (text) or \"input_ids\" "
-                                   "(list of ints) field")
-            if "input_ids" in obj:
+            conversation = isinstance(obj, dict) and ("messages" in obj
+                                                      or "conversations" in obj)
+            if not isinstance(obj, dict) or not (conversation or "prompt" in obj
+                                                 or "input_ids" in obj):
+                raise SpecjaxError(f"{where}: needs a \"prompt\" (text), \"input_ids\" "
+                                   "(list of ints), or \"messages\" (a conversation) field")
+            if conversation:
+                from specjax.data.chat import normalise_conversation
+
+                conv = normalise_conversation(file, n, obj, len(items))
+                ids = render(conv["messages"], where)
+            elif "input_ids" in obj:
                 ids = obj["input_ids"]
                 if not isinstance(ids, list) or not all(
                         isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -178,7 +223,7 @@ def read_prompts(tokenizer, vocab_size: int, *, prompt: str | None = None,
         if bad:
             raise SpecjaxError(f"{where}: token id {bad[0]} is outside the vocabulary "
                                f"[0, {vocab_size})")
-    return [(pid, ids) for pid, ids, _ in items]
+    return [(pid, ids) for pid, ids, _ in items], bool(rendered)
 
 
 def main(argv=None) -> int:
