@@ -173,3 +173,94 @@ def test_root_takes_prompts_from_another_library(tiny_demo, tmp_path):
     got = {json.loads(line)["id"] for line in open(os.path.join(out, rg.GENERATIONS))}
     assert got == want
     assert m["root"] == str(root)
+
+
+# ----------------------------------------------------------------------------- chat data
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    from specjax.testing.chat import make_chat_target
+
+    return make_chat_target(str(tmp_path_factory.mktemp("chat") / "target"), "qwen3")
+
+
+def test_regenerate_answers_the_users_conversations(chat_target, tmp_path, monkeypatch):
+    """--data: prompts are transformers' chat rendering up to the last user turn, answers
+    equal an independent greedy reference stopping at <|im_end|>, and the streams carry
+    loss masks that are 1 exactly on the answers; a torn line resumes."""
+    import transformers
+
+    from specjax.testing.chat import sample_conversations, write_conversations
+
+    data = write_conversations(str(tmp_path / "c.jsonl"), "sharegpt", 6, seed=2)
+    convs = sample_conversations(6, seed=2)
+    tok = transformers.AutoTokenizer.from_pretrained(chat_target)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    # the random target never writes <|im_end|> itself: make its first answer token one
+    first = _greedy_reference(chat_target, _chat_ids(tok, convs[0]), 1, -1)[0]
+    monkeypatch.setattr("specjax.data.chat.end_of_turn_ids", lambda t: (first,))
+    out = str(tmp_path / "regen")
+    m = rg.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
+                      val_fraction=0.3)
+    recs = {r["id"]: r for r in map(json.loads, open(os.path.join(out, rg.GENERATIONS)))}
+    assert sorted(recs) == [f"c{i}" for i in range(6)]
+    assert {r["split"] for r in recs.values()} == {"train", "val"}
+    for i, msgs in enumerate(convs):
+        r = recs[f"c{i}"]
+        assert r["prompt_ids"] == _chat_ids(tok, msgs)
+        want = _greedy_reference(chat_target, r["prompt_ids"], 5, first)
+        assert r["output_ids"] == want, i
+    assert recs["c0"]["output_ids"] == [first]  # stopped at the end of turn
+    stops = m["stop_ids"]
+    assert stops[0] == first and eot in stops
+    in_file = [json.loads(line) for line in open(os.path.join(out, rg.GENERATIONS))]
+    for split in ("train", "val"):
+        ids, mask = [], []
+        for r in (r for r in in_file if r["split"] == split):  # streams: in file order
+            ids += r["prompt_ids"] + r["output_ids"]
+            mask += [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])
+            if r["output_ids"][-1] not in stops:  # cut by --max-new-tokens
+                ids, mask = ids + [first], mask + [0]
+        got_ids = np.load(os.path.join(out, f"{split}.npy"))
+        got_mask = np.load(os.path.join(out, f"{split}_loss_mask.npy"))
+        assert got_ids.tolist() == ids and got_mask.tolist() == mask
+        assert got_mask.dtype == np.uint8
+        assert m["splits"][split]["target_tokens"] == sum(mask)
+    # a torn last line is redone, and the answers come out the same
+    path = os.path.join(out, rg.GENERATIONS)
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "w") as f:
+        f.writelines(lines[:4])
+        f.write(lines[4][:15])
+    rg.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
+                  val_fraction=0.3)
+    again = {r["id"]: r for r in map(json.loads, open(path))}
+    assert again == recs
+
+
+def _chat_ids(tok, msgs):
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    r = tok.apply_chat_template(msgs[:last + 1], add_generation_prompt=True, tokenize=True)
+    return list(r["input_ids"]) if hasattr(r, "keys") else list(r)
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("no_template", "--data needs a chat template"),
+    ("bad_role", "line 2: message 0 has unknown"),
+    ("no_user", "line 1:"),
+    ("dup_id", "repeats line 1"),
+])
+def test_bad_conversations_exit_2(chat_target, tiny_demo, tmp_path, capsys, case, msg):
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
+    lines = {"no_template": [good],
+             "bad_role": [good, {"messages": [{"role": "bot", "content": "x"}]}],
+             "no_user": [{"messages": [{"role": "system", "content": "x"}]}],
+             "dup_id": [good, good]}[case]
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    target = str(tiny_demo / "target") if case == "no_template" else chat_target
+    out = tmp_path / "o"
+    assert rg.main(["--target", target, "--data", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1, err
+    assert not out.exists()

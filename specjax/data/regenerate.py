@@ -24,7 +24,27 @@ from the corpus VALIDATION files and are never used here.
 
 Decoding is plain autoregressive greedy decoding of the target (specjax.decoding.engine.Engine,
 no drafter), so the continuations are exactly what `decode.py` at temperature 0
-produces for such prompts.
+produces for such prompts (`--temperature T` samples instead).
+
+The user's own conversations (`--data FILE.jsonl`, OpenAI `messages` or ShareGPT
+`conversations`, read by `specjax.data.chat.read_conversations`) replace the stdlib
+prompts: each conversation is rendered with the target's chat template up to and
+including its last user turn, with the generation prompt (`specjax.data.chat.prompt_ids`,
+the ids `decode.py` decodes from), and the target answers it, stopping at the config's EOS
+or the template's end-of-turn token. SpecForge regenerates the assistant turns with the
+target for the same reason: the drafter learns the target's own distribution. Each
+conversation goes to the val split by a hash of its id (`--val-fraction`). The streams
+are then chat streams with loss masks:
+  train.npy, val.npy                        per conversation: the rendered prompt, the
+                                            answer, and the end-of-turn token when the
+                                            answer was cut by --max-new-tokens;
+  train_loss_mask.npy, val_loss_mask.npy    u8, 1 on the target's answer (its own
+                                            end-of-turn token included), 0 on the prompt
+                                            (earlier assistant turns of the user's data
+                                            included: they are not the target's text) and
+                                            on an appended end-of-turn token.
+Use them as `data.tokens_npy`, `data.loss_mask_npy`, `data.val_tokens_npy` and
+`data.val_loss_mask_npy`.
 """
 
 from __future__ import annotations
@@ -98,18 +118,28 @@ def _done_ids(path: str, truncate: bool = True) -> set[str]:
     return done
 
 
-def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
-    """train.npy / val.npy from generations.jsonl; returns per-split counts."""
+def build_streams(out_dir: str, eos_id: int, vocab_size: int,
+                  stop_ids: tuple[int, ...] | None = None) -> dict:
+    """train.npy / val.npy from generations.jsonl; returns per-split counts.
+
+    stop_ids: chat data (the module docstring): an answer that ends with one of these
+      ids is complete, otherwise `eos_id` (the end-of-turn token) is appended with mask
+      0; and train_loss_mask.npy / val_loss_mask.npy are written beside the streams.
+    """
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     parts = {"train": [], "val": []}
+    masks = {"train": [], "val": []}
     counts = {s: {"prompts": 0, "prompt_tokens": 0, "new_tokens": 0} for s in parts}
+    stops = (eos_id,) if stop_ids is None else stop_ids
     with open(os.path.join(out_dir, GENERATIONS)) as f:
         for line in f:
             rec = json.loads(line)
             ids = rec["prompt_ids"] + rec["output_ids"]
-            if not rec["output_ids"] or rec["output_ids"][-1] != eos_id:
-                ids = ids + [eos_id]
+            mask = [0] * len(rec["prompt_ids"]) + [1] * len(rec["output_ids"])
+            if not rec["output_ids"] or rec["output_ids"][-1] not in stops:
+                ids, mask = ids + [eos_id], mask + [0]
             parts[rec["split"]].append(np.asarray(ids, dtype))
+            masks[rec["split"]].append(np.asarray(mask, np.uint8))
             c = counts[rec["split"]]
             c["prompts"] += 1
             c["prompt_tokens"] += len(rec["prompt_ids"])
@@ -119,7 +149,38 @@ def build_streams(out_dir: str, eos_id: int, vocab_size: int) -> dict:
         counts[split]["tokens"] = int(stream.size)
         atomic_write(os.path.join(out_dir, f"{split}.npy"),
                      lambda f, a=stream: np.save(f, a))
+        if stop_ids is not None:
+            mask = np.concatenate(masks[split]) if arrs else np.zeros([0], np.uint8)
+            counts[split]["target_tokens"] = int(mask.sum())
+            atomic_write(os.path.join(out_dir, f"{split}_loss_mask.npy"),
+                         lambda f, a=mask: np.save(f, a))
     return counts
+
+
+def conversation_prompts(tokenizer, path: str, val_fraction: float) -> list[dict]:
+    """[{"id", "source", "split", "prompt_ids"}] of the conversations in the JSONL `path`
+    (see the module docstring): rendered up to the last user turn with the generation
+    prompt; split "val" for a hash of the id below `val_fraction`.
+
+    Raises: SpecjaxError (one line naming the line) for bad data or a conversation
+      without a user turn; duplicate ids (resuming is by id)."""
+    from specjax.data import chat
+
+    out, seen = [], {}
+    for conv in chat.read_conversations(path):
+        where = f"{path} line {conv['line']}"
+        if conv["id"] in seen:
+            raise SpecjaxError(f"{where}: id {conv['id']!r} repeats line {seen[conv['id']]}; "
+                               "ids must be unique (a run resumes by id)")
+        seen[conv["id"]] = conv["line"]
+        try:
+            messages = chat.messages_until_last_user(conv["messages"])
+        except SpecjaxError as e:
+            raise SpecjaxError(f"{where}: {e}") from None
+        out.append({"id": conv["id"], "source": where,
+                    "split": split_of("conversation:" + conv["id"], val_fraction),
+                    "prompt_ids": chat.prompt_ids(tokenizer, messages)})
+    return out
 
 
 def _check_out_dir(out_dir: str) -> None:
@@ -138,7 +199,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
                max_chars: int = 800, max_new_tokens: int = 128, batch_size: int = 32,
                limit: int | None = None, val_fraction: float = 0.05,
                skip_seen: tuple[str, ...] = (), dtype: str = "auto",
-               time_limit_s: float | None = None, root: str | None = None) -> dict:
+               time_limit_s: float | None = None, root: str | None = None,
+               data: str | None = None, temperature: float = 0.0) -> dict:
     """Generates and writes the data set (module docstring); returns the manifest.
 
     `skip_seen`: earlier output directories whose prompt ids (def sites) are left out, so
@@ -154,6 +216,9 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     (compilation excluded; the first batch always runs), then write the streams of what
     is done; a later call resumes. Batches hold prompts of similar lengths and run in a
     seeded random order, so a stopped run is a sample of every length.
+    `data`: the user's conversations (JSONL) instead of stdlib prompts (module docstring);
+    needs a target with a chat template. `temperature`: 0 = greedy, else sampled with
+    the run's `seed` (each batch from its own key).
 
     Raises: SpecjaxError for a target without a tokenizer or EOS id, bad settings, an
     `out_dir` that is a file or cannot be created (checked first; a refused call creates
@@ -174,6 +239,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         raise SpecjaxError(f"--time-limit={time_limit_s} must be > 0")
     if limit is not None and limit < 1:
         raise SpecjaxError(f"--limit={limit} must be >= 1")
+    if temperature < 0:
+        raise SpecjaxError(f"--temperature={temperature} must be >= 0")
     _check_out_dir(out_dir)
     cfg = ModelConfig.from_dir(target_dir)
     tokenizer = load_tokenizer(target_dir)
@@ -181,7 +248,17 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         raise SpecjaxError(f"{target_dir}: no tokenizer files; the prompts are text")
     if not cfg.eos_token_ids:
         raise SpecjaxError(f"{target_dir}: the config names no eos_token_id")
-    eos_id = cfg.eos_token_ids[0]
+    eos_id, stops = cfg.eos_token_ids[0], None
+    if data is not None:
+        from specjax.data import chat
+
+        if not chat.has_chat_template(tokenizer):
+            raise SpecjaxError(f"--data needs a chat template, and the tokenizer of --target "
+                               f"{target_dir} has none (chat_template.jinja or "
+                               "tokenizer_config.json's chat_template)")
+        eot = chat.end_of_turn_ids(tokenizer)
+        eos_id = eot[0]
+        stops = tuple(dict.fromkeys((*eot, *cfg.eos_token_ids)))
 
     seen = set()
     for d in skip_seen:
@@ -191,8 +268,11 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         if os.path.abspath(d) == os.path.abspath(out_dir):
             raise SpecjaxError(f"--skip-seen {d} is the output directory")
         seen |= _done_ids(path, truncate=False)  # another run's file: read only
-    prompts = training_prompts(per_file, seed, max_chars=max_chars, val_fraction=val_fraction,
-                               root=root)
+    if data is not None:
+        prompts = conversation_prompts(tokenizer, data, val_fraction)
+    else:
+        prompts = training_prompts(per_file, seed, max_chars=max_chars,
+                                   val_fraction=val_fraction, root=root)
     prompts = [p for p in prompts if p["id"] not in seen]
     if not prompts:
         raise SpecjaxError("no prompts left after --skip-seen")
@@ -201,14 +281,20 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
     if limit is not None:
         prompts = prompts[:limit]
     for p in prompts:
-        p["prompt_ids"] = tokenizer(p["prompt"])["input_ids"]
+        if "prompt_ids" not in p:
+            p["prompt_ids"] = tokenizer(p["prompt"])["input_ids"]
     prompts = [p for p in prompts if p["prompt_ids"]]
     longest = max(len(p["prompt_ids"]) for p in prompts)
     max_length = longest + max_new_tokens
     if max_length > cfg.max_position_embeddings:
-        raise SpecjaxError(f"--max-chars {max_chars}: prompts of {longest} tokens + "
+        what = "the longest conversation" if data is not None else f"--max-chars {max_chars}"
+        raise SpecjaxError(f"{what}: prompts of {longest} tokens + "
                            f"{max_new_tokens} new exceed the target's "
                            f"max_position_embeddings {cfg.max_position_embeddings}")
+    bad = [i for p in prompts for i in p["prompt_ids"] if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise SpecjaxError(f"token id {bad[0]} of a prompt is outside the target's vocabulary "
+                           f"[0, {cfg.vocab_size}); the tokenizer does not match the target")
     try:  # only now: a call refused above creates nothing
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -224,9 +310,12 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         target = load_model(target_dir, dtype=parse_dtype(dtype))
+        from specjax.decoding.sampling import SamplingParams
+
         engine = Engine(target, max_length=max_length,
                         prompt_width=prompt_width_for(longest, max_length),
-                        batch_size=batch_size, eos_token_ids=cfg.eos_token_ids)
+                        batch_size=batch_size, eos_token_ids=stops or cfg.eos_token_ids,
+                        sampling=SamplingParams(temperature))
         engine.compile()
         key = jax.random.key(seed)
         t0, new = time.perf_counter(), 0
@@ -241,7 +330,8 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
                           f"{n} of {len(batches)} batches; run again to resume",
                           file=sys.stderr)
                     break
-                out = engine.run([p["prompt_ids"] for p in batch], max_new_tokens, key)
+                out = engine.run([p["prompt_ids"] for p in batch], max_new_tokens,
+                                 jax.random.fold_in(key, n))
                 for p, ids in zip(batch, out.outputs, strict=True):
                     f.write(json.dumps({"id": p["id"], "source": p["source"],
                                         "split": p["split"], "prompt_ids": p["prompt_ids"],
@@ -250,8 +340,10 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
                 f.flush()
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{new / (time.perf_counter() - t0):.0f}")
-    counts = build_streams(out_dir, eos_id, cfg.vocab_size)
+    counts = build_streams(out_dir, eos_id, cfg.vocab_size, stops)
     manifest = {"target": os.path.abspath(target_dir), "seed": seed,
+                "data": None if data is None else os.path.abspath(data),
+                "temperature": temperature, "stop_ids": list(stops or (eos_id,)),
                 "prompts_per_file": per_file, "max_chars": max_chars,
                 "max_new_tokens": max_new_tokens, "limit": limit,
                 "val_fraction": val_fraction, "eos_id": eos_id, "dtype": dtype,
@@ -271,6 +363,13 @@ def main(argv=None) -> int:
                     "as token streams for drafter training.")
     ap.add_argument("--target", default=os.path.join(here, "checkpoints", "demo", "target"))
     ap.add_argument("--out", required=True, help="output directory (resumes if present)")
+    ap.add_argument("--data", default=None, metavar="FILE.jsonl",
+                    help="the user's conversations (OpenAI messages or ShareGPT JSONL): the "
+                         "target answers each up to its last user turn with its chat "
+                         "template; writes loss masks too (default: stdlib prompts)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--val-fraction", type=float, default=0.05,
+                    help="share of prompt files (or conversations) in the val split")
     ap.add_argument("--prompts-per-file", type=int, default=4)
     ap.add_argument("--max-chars", type=int, default=800, help="prompt length cap")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -292,13 +391,17 @@ def main(argv=None) -> int:
                        max_chars=args.max_chars, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, limit=args.limit,
                        skip_seen=tuple(args.skip_seen), dtype=args.dtype,
-                       time_limit_s=args.time_limit, root=args.root)
+                       time_limit_s=args.time_limit, root=args.root, data=args.data,
+                       temperature=args.temperature, val_fraction=args.val_fraction)
     except SpecjaxError as e:
         print(f"specjax.regenerate: error: {e}", file=sys.stderr)
         return 2
     for split, c in m["splits"].items():
+        mask = (f" + {split}_loss_mask.npy ({c['target_tokens']} target tokens)"
+                if "target_tokens" in c else "")
         print(f"{split}: {c['prompts']} prompts, {c['tokens']} tokens "
-              f"({c['new_tokens']} generated) -> {os.path.join(args.out, split + '.npy')}")
+              f"({c['new_tokens']} generated) -> {os.path.join(args.out, split + '.npy')}"
+              + mask)
     return 0
 
 
