@@ -24,6 +24,7 @@ COMMANDS = [
     (["benchmarks/profile_step.py"], "profile_step.py"),
     (["benchmarks/soak.py"], "soak.py"),
     (["-m", "specjax.regenerate", "--out", "x"], "specjax.regenerate"),
+    (["-m", "specjax.prepare", "--target", "t", "--data", "d", "--out", "x"], "specjax.prepare"),
     (["-m", "specjax.drafters.vocab", "x"], "python -m specjax.drafters.vocab"),
     (["-m", "specjax.drafters.convert", "--to", "dflash", "a", "b"],
      "python -m specjax.drafters.convert"),
