@@ -45,6 +45,17 @@ from specjax.decoding.prompts import (  # noqa: F401 - read_prompts re-exported
 )
 
 
+def _gamma_arg(text: str):
+    """--gamma: a positive draft length or "auto" (checked in validate_flags)."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a draft length or "
+                                         "auto") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from specjax.drafters import registry
 
@@ -67,9 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "rendered with the target's chat template (conversation lines "
                          "always are)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--gamma", type=int, default=None,
+    ap.add_argument("--gamma", type=_gamma_arg, default=None, metavar="N|auto",
                     help="draft length G (default: the G a learned drafter was trained for, "
-                         "else 4)")
+                         "else 4); auto: every step picks its length from 0 (an "
+                         "autoregressive step), 1, 2, 3, 5 and that G by expected tokens per "
+                         "ms (docs/adaptive.md)")
+    ap.add_argument("--cost-table", default=None, metavar="FILE",
+                    help="--gamma auto: ms per step at each draft length (JSON); read if it "
+                         "exists, else measured on the first batch and written here "
+                         "(default: measured once per setting, cached beside the compile "
+                         "cache)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -155,8 +173,14 @@ def validate_flags(args) -> None:
     Raises: SpecjaxError (one line naming the flag)."""
     from specjax.errors import SpecjaxError
 
-    if args.gamma is not None and args.gamma < 1:
-        raise SpecjaxError(f"--gamma={args.gamma} must be >= 1")
+    if isinstance(args.gamma, int) and args.gamma < 1:
+        raise SpecjaxError(f"--gamma={args.gamma} must be >= 1 (or auto)")
+    if args.gamma == "auto" and (args.num_drafts > 1 or args.tree_topk is not None
+                                 or args.drafter == "logitspec"):
+        raise SpecjaxError("--gamma auto adapts a chain's draft length; draft trees "
+                           "(--num-drafts, --tree-topk, logitspec) take a fixed --gamma")
+    if args.cost_table is not None and args.gamma != "auto":
+        raise SpecjaxError("--cost-table goes with --gamma auto")
     if not args.temperature >= 0:
         raise SpecjaxError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
@@ -203,6 +227,11 @@ def _format_table(summary: dict) -> str:
             ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
     if summary.get("tau") is not None:
         rows.append(("tau (tokens/step)", f"{summary['tau']:.3f}"))
+        sched = summary.get("gamma_schedule")
+        if sched:
+            mix = ", ".join(f"{g}: {n}" for g, n in zip(sched["choices"], sched["steps"],
+                                                         strict=True) if n)
+            rows.append(("draft length: steps", f"{mix} (mean {sched['mean_draft_length']:.2f})"))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
@@ -219,6 +248,29 @@ def _format_table(summary: dict) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
+                        prompt_width: int) -> str | None:
+    """Where --gamma auto caches its measured cost table when --cost-table is not given:
+    beside the compile cache, keyed by everything the costs depend on (None: no cache)."""
+    import jax
+
+    from specjax.decoding import adaptive
+
+    if args.compile_cache == "none":
+        return None
+    base = args.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
+    key = adaptive.table_key(
+        target=cfg, dtype=dtype, drafter=loaded.name, drafter_gamma=loaded.gamma,
+        drafter_dtype=args.drafter_dtype, matmul_dtype=args.matmul_dtype,
+        draft_vocab=args.draft_vocab, draft_stop=args.draft_stop, batch=args.batch_size,
+        max_length=max_length, prompt_width=prompt_width,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
+        kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
+        backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+        jax=jax.__version__)
+    return os.path.join(os.path.dirname(os.path.abspath(base)), "costs", key + ".json")
+
+
 def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
     """Raises SpecjaxError, before anything is allocated, when the target's weights, the
     KV caches of the engines decode.py builds (speculative and, with --compare-ar,
@@ -229,7 +281,7 @@ def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
     from specjax.models.config import ModelConfig
 
     B = args.batch_size
-    G = args.gamma or DEFAULT_GAMMA
+    G = args.gamma if isinstance(args.gamma, int) else DEFAULT_GAMMA
     nodes = G + 1 if args.num_drafts == 1 else 1 + args.num_drafts * G
     S = max_length + max(nodes, args.tree_nodes or 0)  # room for the verified drafts
     cache = plan.kv_cache_bytes(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, dtype)
@@ -313,7 +365,9 @@ def run(args) -> int:
         check_batch(mesh, args.batch_size)
     target = load_target(args.target, dtype=dtype, matmul_dtype=args.matmul_dtype, cfg=cfg,
                          tokenizer=tokenizer)
-    loaded = load_drafter(args.drafter, target, gamma=args.gamma, sampling=sampling,
+    auto = args.gamma == "auto"
+    loaded = load_drafter(args.drafter, target, gamma=None if auto else args.gamma,
+                          sampling=sampling,
                           dtype=dtype, matmul_dtype=args.drafter_dtype,
                           draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
                           verify=args.verify, num_drafts=args.num_drafts,
@@ -335,9 +389,18 @@ def run(args) -> int:
     common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
+    schedule, costs, table = None, None, None
+    if auto and drafter is not None:
+        from specjax.decoding import adaptive
+
+        schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
+        table = args.cost_table or _default_cost_table(args, cfg, loaded, dtype, schedule,
+                                                       max_length, prompt_width)
+        if table is not None and os.path.isfile(table):
+            costs = adaptive.read_table(table, schedule.choices)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
-                              **common)}
+                              schedule=schedule, costs=costs, **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
 
@@ -347,6 +410,22 @@ def run(args) -> int:
     outputs = {name: [] for name in engines}
     for name, eng in engines.items():
         stats[name].compile_s = eng.compile()
+    calibrated_s = None
+    if schedule is not None and costs is None:  # measure the cost table once
+        import time
+
+        t0 = time.perf_counter()
+        costs = engines["main"].calibrate([ids for _, ids in batches[0]], args.max_new_tokens,
+                                          base_key)
+        calibrated_s = time.perf_counter() - t0
+        if table is not None:
+            try:
+                adaptive.write_table(table, schedule.choices, costs, {
+                    "measured_on": jax.devices()[0].device_kind,
+                    "batch_size": args.batch_size, "drafter": drafter_arg})
+            except OSError as e:
+                raise SpecjaxError(f"--cost-table {table} cannot be written ({e.strerror})"
+                                   ) from None
     for i, batch in enumerate(tqdm(batches, desc="decoding", unit="batch",
                                    disable=None, file=sys.stderr)):
         key = jax.random.fold_in(base_key, i)
@@ -374,6 +453,14 @@ def run(args) -> int:
                "mesh": dict(mesh.shape) if mesh is not None else None}
     if timing is not None:
         summary.update(timing)
+    if schedule is not None:
+        steps = [int(c) for c in st.chosen] if st.chosen is not None else []
+        summary["gamma_schedule"] = {
+            "choices": list(schedule.choices), "steps": steps,
+            "mean_draft_length": (sum(g * c for g, c in zip(schedule.choices, steps,
+                                                            strict=True)) / max(sum(steps), 1)),
+            "ms_per_step": [round(float(c), 3) for c in engines["main"].costs],
+            "cost_table": table, "calibration_s": calibrated_s}
     if args.compare_ar:
         ar = stats.get("ar", st)
         summary["ar_tokens_per_s"] = ar.tokens_per_s
@@ -389,7 +476,8 @@ def run(args) -> int:
         records.append(rec)
     for (_, prompt_ids), rec in zip(prompts[:args.show], records[:args.show], strict=True):
         print(_show(rec, prompt_ids, tokenizer))
-    print(f"\nsummary ({drafter_arg}, G={summary['gamma']}, {summary['verify']}):")
+    g_text = "auto" if schedule is not None else summary["gamma"]
+    print(f"\nsummary ({drafter_arg}, G={g_text}, {summary['verify']}):")
     print(_format_table(summary))
     files = []  # both or neither (the paths were checked before any work)
     if args.output:

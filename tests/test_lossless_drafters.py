@@ -43,6 +43,7 @@ from flax import nnx, struct
 from safetensors.numpy import save_file
 from test_distribution import BIASED
 
+from specjax.decoding.adaptive import GammaSchedule
 from specjax.decoding.generate import LoopConfig, speculative_loop
 from specjax.decoding.sampling import SamplingParams
 from specjax.decoding.verify import Verdict, verify_block, verify_token
@@ -287,17 +288,20 @@ class StaleQDrafter:
 
 @functools.cache
 def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=None,
-         num_drafts=1):
+         num_drafts=1, schedule=False):
     """One loop call over `batch` copies of PROMPT (None: BATCH per rule) -> (tokens
     i32[B,N_NEW], steps i32[B], accepted i32[B,G]). num_drafts > 1: K drafts per step,
-    verified as one draft tree (`LoopConfig.num_drafts`)."""
+    verified as one draft tree (`LoopConfig.num_drafts`). schedule: a random draft length
+    in {0, 1, G} every step (`specjax.decoding.adaptive`, policy "random")."""
     batch = batch or BATCH * (2 if callable(VERIFY[verify]) else 1)
     drafter, dparams = _drafter(name, sp, hot)
     if stale:
         drafter = StaleQDrafter(drafter)
     g, params = nnx.split(_target())
+    sched = GammaSchedule((0, 1, GAMMA), policy="random") if schedule else None
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=sp,
-                    verify=VERIFY[verify], kernels=kernels, num_drafts=num_drafts)
+                    verify=VERIFY[verify], kernels=kernels, num_drafts=num_drafts,
+                    schedule=sched)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
     prompt[: len(PROMPT)] = PROMPT
     res = speculative_loop(g, params, drafter, dparams, lc,
@@ -311,6 +315,8 @@ def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=N
     steps = np.asarray(res.steps)
     # A round emits at most G + 1 tokens: the last N_NEW - 1 need two rounds or more.
     assert (steps >= -(-(N_NEW - 1) // (GAMMA + 1))).all() and steps.min() >= 2
+    if schedule:  # one schedule for the whole batch: at least two lengths in it
+        assert (np.asarray(res.chosen) > 0).sum() >= 2, np.asarray(res.chosen)
     return tokens[:, Tp:Tp + N_NEW], steps, np.asarray(res.accepted)
 
 
@@ -334,14 +340,16 @@ def _halves(verify, batch):
     return {verify: slice(0, batch)}
 
 
-def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1):
+def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1,
+           schedule=False):
     """-> {rule: (statistic, threshold, worst view, acceptance of draft 1, of draft G)}.
     Each case draws with its own seed (cases that share a drafter would otherwise
     share most of their randomness)."""
     tag = f" K={num_drafts}" if num_drafts > 1 else ""
+    tag += " adaptive" if schedule else ""
     seed = zlib.crc32(f"{name} {verify} {sp} {hot} {kernels} {stale}{tag}".encode())
     tokens, steps, accepted = _run(name, verify, sp, hot, kernels, stale, seed,
-                                   num_drafts=num_drafts)
+                                   num_drafts=num_drafts, schedule=schedule)
     exact = _exact(sp)
     out = {}
     for rule, rows in _halves(verify, len(tokens)).items():
@@ -361,8 +369,10 @@ def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1)
 def _assert_lossless(*args, **kwargs):
     for rule, (stat, thresh, worst, acc_first, acc_last) in _check(*args, **kwargs).items():
         assert stat < thresh, (rule, stat, thresh, worst)
-        # Meaningful only if drafts are both accepted and rejected.
-        assert 0.05 < acc_first < 0.95 and acc_last > 0.01, (rule, acc_first, acc_last)
+        # Meaningful only if drafts are both accepted and rejected (under a random
+        # schedule the last position is drafted only in the steps that chose G).
+        assert 0.05 < acc_first < 0.95, (rule, acc_first)
+        assert acc_last > 0.01 or kwargs.get("schedule"), (rule, acc_last)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -454,6 +464,24 @@ TREE_CASES = TREE_FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in TREE
 @pytest.mark.parametrize("name,verify,sp,hot,num_drafts", TREE_CASES, ids=_id)
 def test_draft_trees_are_lossless(name, verify, sp, hot, num_drafts):
     _assert_lossless(name, verify, sp, hot, num_drafts=num_drafts)
+
+
+# Adaptive draft length (issue 32): a random length in {0, 1, G} every step, so rounds of
+# different lengths (and autoregressive steps) follow each other. (drafter, rule, sampling)
+SCHEDULE_FAST = [("eagle3", "both", PLAIN), ("block-kv", "both", TOP_K),
+                 ("draft-lm", "both", PLAIN)]
+SCHEDULE_SLOW = [("kv", "both", PLAIN), ("hybrid", "both", TOP_P),
+                 ("block-hidden", "both", PLAIN), ("block-both", "both", PLAIN),
+                 ("ngram", "both", PLAIN), ("dflash", "both", PLAIN),
+                 ("eagle3-hf", "token", PLAIN), ("eagle3", "token", PLAIN)]
+SCHEDULE_CASES = SCHEDULE_FAST + [pytest.param(*c, marks=pytest.mark.slow)
+                                  for c in SCHEDULE_SLOW]
+
+
+@pytest.mark.parametrize("name,verify,sp", SCHEDULE_CASES, ids=_id)
+def test_random_draft_lengths_are_lossless(name, verify, sp):
+    hot = EAGLE_HOT if name == "eagle3-hf" else None
+    _assert_lossless(name, verify, sp, hot, schedule=True)
 
 
 def test_stale_q_after_first_round_is_caught():

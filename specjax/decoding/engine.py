@@ -23,6 +23,7 @@ from flax import nnx
 from specjax.decoding.generate import (
     LoopConfig,
     autoregressive_loop,
+    branch_timing,
     speculative_loop,
     step_timing,
 )
@@ -42,12 +43,16 @@ def prompt_width_for(longest: int, max_length: int, multiple: int = 16) -> int:
 class BatchOutput:
     """outputs: new token ids per real row; steps: target forwards after the prefill per
     row (i32[B]); accepted: i32[B,G] accepted drafts per draft position; wall_s: run
-    time without compilation (seconds)."""
+    time without compilation (seconds); reached: i32[B,G] steps that drafted position k
+    with drafts < k accepted (None: every step drafted G); chosen: i32[n] steps at each
+    draft length of an adaptive schedule (None without one)."""
 
     outputs: list[list[int]]
     steps: np.ndarray
     accepted: np.ndarray
     wall_s: float
+    reached: np.ndarray | None = None
+    chosen: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -59,6 +64,8 @@ class Stats:
     compile_s: float = 0.0
     steps: int = 0
     accepted: np.ndarray | None = None  # i64[G]
+    reached: np.ndarray | None = None  # i64[G]
+    chosen: np.ndarray | None = None  # i64[n] steps per draft length (adaptive schedule)
 
     def add(self, batch: BatchOutput):
         self.new_tokens += sum(len(o) for o in batch.outputs)
@@ -66,6 +73,12 @@ class Stats:
         self.steps += int(batch.steps.sum())
         acc = batch.accepted.sum(axis=0).astype(np.int64)
         self.accepted = acc if self.accepted is None else self.accepted + acc
+        if batch.reached is not None:
+            r = batch.reached.sum(axis=0).astype(np.int64)
+            self.reached = r if self.reached is None else self.reached + r
+        if batch.chosen is not None:
+            c = np.asarray(batch.chosen, np.int64)
+            self.chosen = c if self.chosen is None else self.chosen + c
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +90,9 @@ class Stats:
         step reached position k."""
         if self.accepted is None or self.steps == 0:
             return []
-        reached = np.concatenate([[self.steps], self.accepted[:-1]])
+        reached = self.reached
+        if reached is None:  # every step drafted G
+            reached = np.concatenate([[self.steps], self.accepted[:-1]])
         return [float(a / r) if r else None for a, r in zip(self.accepted, reached, strict=True)]
 
     @property
@@ -119,6 +134,9 @@ class Engine:
       prefill_chunk, prefill_min_chunk: the prefill's largest and smallest pieces (see
         `LoopConfig`); None: the backend's defaults.
       num_drafts: drafts per step, verified as one draft tree when > 1 (see `LoopConfig`).
+      schedule: None (draft G every step) or a `specjax.decoding.adaptive.GammaSchedule`
+        (adaptive draft length); its cost table is `costs` (ms per step per choice; None:
+        `calibrate` measures one on the first batch).
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
     divide.
@@ -129,7 +147,8 @@ class Engine:
                  max_length: int, prompt_width: int, batch_size: int = 1,
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
-                 prefill_min_chunk: int | None = None, num_drafts: int = 1):
+                 prefill_min_chunk: int | None = None, num_drafts: int = 1,
+                 schedule=None, costs=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
@@ -159,7 +178,9 @@ class Engine:
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
                               verify=verify, kernels=resolve_kernels(kernels),
                               cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
-                              prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts)
+                              prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
+                              schedule=schedule if drafter is not None else None)
+        self.costs = None if costs is None else np.asarray(costs, np.float32)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -197,7 +218,28 @@ class Engine:
     def _dynamic(self, args):
         if self.drafter is None:
             return (self.params, *args)
+        if self.cfg.schedule is not None:
+            return (self.params, self.drafter_params, *args, self._costs())
         return (self.params, self.drafter_params, *args)
+
+    def _costs(self):
+        if self.costs is None:  # compile-time placeholder; run() calibrates first
+            return jnp.ones((len(self.cfg.schedule.choices),), jnp.float32)
+        return jnp.asarray(self.costs)
+
+    def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
+                  repeats: int = 5) -> list[float]:
+        """Measures the adaptive schedule's cost table on this batch's state after the
+        prefill (`specjax.decoding.generate.branch_timing`: ms per step at each choice),
+        keeps it for the runs that follow, and returns it. Raises ValueError without a
+        schedule."""
+        if self.cfg.schedule is None:
+            raise ValueError("calibrate needs an adaptive schedule")
+        args = self._arrays(prompts, max_new_tokens)
+        ms = branch_timing(self.graphdef, self.params, self.drafter, self.drafter_params,
+                           self.cfg, *args, key, repeats=repeats)
+        self.costs = np.asarray(ms, np.float32)
+        return ms
 
     def compile(self, key=None) -> float:
         """Compiles the loop for this engine's shapes; returns seconds spent (0 if done)."""
@@ -206,6 +248,8 @@ class Engine:
         key = jax.random.key(0) if key is None else key
         args = (*self._arrays([], 1), key)
         fn, full = self._fn_args(args)
+        if self.drafter is not None and self.cfg.schedule is not None:
+            full = (*full, self._costs())
         t0 = time.perf_counter()
         self.compiled = fn.lower(*full).compile()
         self.compile_s = time.perf_counter() - t0
@@ -214,6 +258,8 @@ class Engine:
     def run(self, prompts: list[list[int]], max_new_tokens: int, key) -> BatchOutput:
         """Generates for up to `batch_size` prompts (lists of token ids) in one compiled call."""
         self.compile()
+        if self.cfg.schedule is not None and self.costs is None:
+            self.calibrate(prompts, max_new_tokens, key)
         args = (*self._arrays(prompts, max_new_tokens), key)
         t0 = time.perf_counter()
         res = self.compiled(*self._dynamic(args))
@@ -222,7 +268,10 @@ class Engine:
         outs = [res.tokens[b, res.prompt_lengths[b]:res.lengths[b]].tolist()
                 for b in range(len(prompts))]
         n = len(prompts)
-        return BatchOutput(outs, res.steps[:n], res.accepted[:n, :max(self.gamma, 1)], wall)
+        G = max(self.gamma, 1)
+        chosen = res.chosen if self.cfg.schedule is not None else None
+        return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
+                           reached=res.reached[:n, :G], chosen=chosen)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:

@@ -82,6 +82,9 @@ class LoopConfig:
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.decoding.sharding.cache_sharding`),
       applied where the cache is created.
+    schedule: None (every step drafts G), or a `specjax.decoding.adaptive.GammaSchedule`:
+      each step picks its draft length from `schedule.choices` (chains only; the
+      speculative loop then takes a cost table, see `speculative_loop`).
     """
 
     max_length: int
@@ -96,10 +99,13 @@ class LoopConfig:
     prefill_min_chunk: int | None = None
     cache_sharding: Any = None
     num_drafts: int = 1
+    schedule: Any = None
 
     def __post_init__(self):
         if self.num_drafts < 1:
             raise ValueError(f"num_drafts={self.num_drafts} must be >= 1")
+        if self.schedule is not None and self.num_drafts > 1:
+            raise ValueError("an adaptive schedule drafts chains: num_drafts must be 1")
         for name in ("prefill_chunk", "prefill_min_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -213,17 +219,23 @@ class LoopState:
     key: jax.Array
     steps: jax.Array  # i32[B] target forwards after the prefill while the row was active
     accepted: jax.Array  # i32[B,G] accepted draft tokens per draft position
+    reached: jax.Array  # i32[B,G] steps that drafted position k with drafts < k accepted
+    adapt: Any = None  # specjax.decoding.adaptive.AdaptState under a schedule
 
 
 @struct.dataclass
 class LoopResult:
-    """tokens i32[B,S']; lengths, prompt_lengths i32[B]; steps i32[B]; accepted i32[B,G]."""
+    """tokens i32[B,S']; lengths, prompt_lengths i32[B]; steps i32[B]; accepted,
+    reached i32[B,G] (alpha_k = accepted[k] / reached[k]); chosen i32[n]: steps at each
+    draft length of an adaptive schedule (i32[0] without one)."""
 
     tokens: jax.Array
     lengths: jax.Array
     prompt_lengths: jax.Array
     steps: jax.Array
     accepted: jax.Array
+    reached: jax.Array
+    chosen: jax.Array
 
 
 def _is_eos(tokens, eos_ids):
@@ -264,6 +276,7 @@ def _prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamm
         tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
         steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
+        reached=jnp.zeros((B, max(gamma, 1)), jnp.int32),
     )
     view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes, last_logits)
     return state, view
@@ -309,7 +322,9 @@ def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
 
 
 def _result(s: LoopState) -> LoopResult:
-    return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted)
+    chosen = jnp.zeros((0,), jnp.int32) if s.adapt is None else s.adapt.chosen
+    return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted, s.reached,
+                      chosen)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
@@ -371,13 +386,18 @@ def _emit(s: LoopState, cfg: LoopConfig, draft, tau, nxt):
     return tokens, lengths, s.done | (active & stop), active.astype(jnp.int32)
 
 
-def _advance(s: LoopState, tokens, lengths, done, act, cache, dstate, key, tau) -> LoopState:
-    """The next loop state; counts the step and the accepted drafts per position."""
+def _advance(s: LoopState, tokens, lengths, done, act, cache, dstate, key, tau,
+             drafted: int | None = None) -> LoopState:
+    """The next loop state; counts the step, the accepted drafts per position, and the
+    positions reached among the `drafted` (default G) drafts of this step."""
     G = s.accepted.shape[1]
-    accepted = s.accepted + act[:, None] * (jnp.arange(G)[None, :] < tau[:, None])
+    drafted = G if drafted is None else drafted
+    k = jnp.arange(G)[None, :]
+    accepted = s.accepted + act[:, None] * (k < tau[:, None])
+    reached = s.reached + act[:, None] * ((k < drafted) & (k <= tau[:, None]))
     return s.replace(tokens=tokens, lengths=lengths, done=done, cache=cache,
                      drafter_state=dstate, key=key, steps=s.steps + act,
-                     accepted=accepted.astype(jnp.int32))
+                     accepted=accepted.astype(jnp.int32), reached=reached.astype(jnp.int32))
 
 
 def _at_index(x, idx):
@@ -434,6 +454,8 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
 
     `speculative_loop` runs finish(propose(s)) in a `lax.while_loop`; `step_timing`
     compiles propose and the whole step separately to time them."""
+    if cfg.schedule is not None:
+        raise ValueError("cfg.schedule: use _adaptive_phases")
     G = drafter.gamma
     verify = cfg.verifier()
     fused = cfg.fused_verify()
@@ -495,7 +517,8 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
                          logits=_at_index(out.logits, tau) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
-        return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
+        return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau,
+                        drafted=draft.shape[1])
 
     def finish_tree(params, drafter_params, s: LoopState, tree: DraftTree) -> LoopState:
         model = nnx.merge(graphdef, params)
@@ -524,9 +547,87 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     return start, propose, finish_tree if tree_mode else finish_chain
 
 
+def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
+    """The loop's phases under an adaptive schedule (`cfg.schedule`,
+    specjax.decoding.adaptive):
+
+      start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState
+        (as `_speculative_phases`' at the drafter's G, plus the schedule's state);
+      branch(params, drafter_params, s, index) -> LoopState: one step at draft length
+        choices[index] (a `lax.switch` over one branch per choice; index 0 with choice 0
+        is an autoregressive step that still feeds the drafter its hidden states);
+      step(params, drafter_params, s, costs) -> LoopState: `branch` at the index the
+        schedule chooses from costs f32[n] (ms per step at each choice).
+    """
+    from specjax.decoding import adaptive
+
+    sched = cfg.schedule
+    if hasattr(drafter, "propose_tree"):
+        raise ValueError("an adaptive schedule drafts chains; this drafter proposes trees")
+    if sched.gamma > drafter.gamma:
+        raise ValueError(f"schedule choices {sched.choices} exceed the drafter's G "
+                         f"{drafter.gamma}")
+    fixed = dataclasses.replace(cfg, schedule=None)
+    start_full, _, _ = _speculative_phases(graphdef, drafter, fixed)
+    attention = cfg.target_attention()
+    wants_logits = getattr(drafter, "reads_logits", False)
+    full = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
+
+    def start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState:
+        s = start_full(params, drafter_params, prompts, prompt_lengths, budgets, key)
+        return s.replace(adapt=adaptive.init_state(sched, prompts.shape[0]))
+
+    def autoregressive(params, drafter_params, s: LoopState) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        key, _, k_verify = jax.random.split(s.key, 3)
+        pos = (s.lengths - 1)[:, None]
+        pending = jnp.take_along_axis(s.tokens, pos, axis=1)
+        with jax.named_scope("target_verify_forward"):
+            out = model(pending, pos, s.cache, capture=drafter.capture, attention=attention)
+        nxt, _ = sample_logits(k_verify, out.logits[:, 0], cfg.sampling)
+        tau = jnp.zeros_like(s.lengths)
+        tokens, lengths, done, act = _emit(s, cfg, jnp.zeros((len(nxt), 0), jnp.int32), tau,
+                                           nxt)
+        cache = out.cache.rewind(lengths - 1)
+        after = LoopView(tokens, lengths, cache, out.hidden, pos,
+                         logits=out.logits[:, 0] if wants_logits else None)
+        with jax.named_scope("drafter_update"):
+            dstate = full.update(drafter_params, s.drafter_state, after, tau)
+        return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau, drafted=0)
+
+    def make_branch(index: int, g: int):
+        if g == 0:
+            run = autoregressive
+        else:
+            _, propose, finish = _speculative_phases(
+                graphdef, adaptive.with_gamma(drafter, g), fixed)
+
+            def run(params, drafter_params, s):
+                return finish(params, drafter_params, s, propose(params, drafter_params, s))
+
+        def branch(params, drafter_params, s: LoopState) -> LoopState:
+            new = run(params, drafter_params, s)
+            tau = jnp.sum(new.accepted - s.accepted, axis=1)
+            return new.replace(adapt=adaptive.observe(sched, s.adapt, index, g, tau, ~s.done))
+        return branch
+
+    branches = [make_branch(i, g) for i, g in enumerate(sched.choices)]
+
+    def branch(params, drafter_params, s: LoopState, index) -> LoopState:
+        return jax.lax.switch(index, [functools.partial(b, params, drafter_params)
+                                      for b in branches], s)
+
+    def step(params, drafter_params, s: LoopState, costs) -> LoopState:
+        k_choose = jax.random.fold_in(s.key, 0x5EED)  # its own stream (policy "random")
+        index = adaptive.choose(sched, s.adapt, costs, ~s.done, k_choose)
+        return branch(params, drafter_params, s, index)
+
+    return start, branch, step
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
 def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
-                     prompts, prompt_lengths, budgets, key):
+                     prompts, prompt_lengths, budgets, key, costs=None):
     """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
     `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
@@ -535,12 +636,22 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     (`specjax.drafters.base.TreeDrafter`), each step verifies a draft tree
     (`propose_drafts`, a tree-masked target forward, `LoopConfig.tree_verifier`,
     `compact_path`). The phases are `_speculative_phases`'.
+    With `cfg.schedule` (an adaptive draft length, `_adaptive_phases`), costs f32[n] are
+    the milliseconds per step at each of the schedule's choices (the cost table: a
+    run-time input, so a new table needs no recompilation).
     """
-    start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
-    state = start(params, drafter_params, prompts, prompt_lengths, budgets, key)
+    if cfg.schedule is not None:
+        start, _, adaptive_step = _adaptive_phases(graphdef, drafter, cfg)
+        costs = jnp.ones((len(cfg.schedule.choices),), jnp.float32) if costs is None else costs
 
-    def step(s: LoopState) -> LoopState:
-        return finish(params, drafter_params, s, propose(params, drafter_params, s))
+        def step(s: LoopState) -> LoopState:
+            return adaptive_step(params, drafter_params, s, costs)
+    else:
+        start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+
+        def step(s: LoopState) -> LoopState:
+            return finish(params, drafter_params, s, propose(params, drafter_params, s))
+    state = start(params, drafter_params, prompts, prompt_lengths, budgets, key)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
     return _result(final)
@@ -571,4 +682,28 @@ def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopCon
             times.append(time.perf_counter() - t0)
         out[name] = 1e3 * sorted(times)[len(times) // 2]
     out["verify_ms"] = out["step_ms"] - out["draft_ms"]
+    return out
+
+
+def branch_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
+                  prompts, prompt_lengths, budgets, key, repeats: int = 5) -> list[float]:
+    """Milliseconds of one loop step at each draft length of `cfg.schedule` (the adaptive
+    schedule's cost table): `_adaptive_phases`' branch compiled once, run `repeats` times
+    per choice on the state after the prefill of these prompts (median wall time after
+    one untimed call). -> [ms] in the order of `cfg.schedule.choices`."""
+    import time
+
+    start, branch, _ = _adaptive_phases(graphdef, drafter, cfg)
+    state = jax.jit(start)(params, drafter_params, prompts, prompt_lengths, budgets, key)
+    fn = jax.jit(branch)
+    out = []
+    for i in range(len(cfg.schedule.choices)):
+        index = jnp.int32(i)
+        jax.block_until_ready(fn(params, drafter_params, state, index))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, drafter_params, state, index))
+            times.append(time.perf_counter() - t0)
+        out.append(1e3 * sorted(times)[len(times) // 2])
     return out

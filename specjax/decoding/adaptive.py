@@ -1,0 +1,193 @@
+"""Adaptive draft length (`decode.py --gamma auto`; docs/adaptive.md).
+
+Every step of the speculative loop picks its draft length g from a static set of choices
+(0 = a plain autoregressive step, up to the drafter's G) inside the one compiled
+`lax.while_loop`: each choice is a branch of a `lax.switch` with its own static shapes
+(g drafts, a verify forward over g + 1 positions), so nothing recompiles.
+
+The rule (`choose`) maximises expected tokens per millisecond:
+
+    g* = argmax_g  E[tokens | g] / cost(g)
+    E[tokens | g] = sum over active rows b of  1 + sum_{k<g} prod_{j<=k} alpha[b, j]
+
+alpha[b, j] is an exponential moving average of row b's per-position acceptance
+(P(draft j accepted | drafts < j accepted)), updated after every step from what that
+step observed (`observe`: positions j < g with tau >= j); positions the schedule has not
+drafted lately keep their last value, starting from a prior. cost(g) is the measured
+wall time of one loop step with draft length g at the engine's batch size (a cost
+table, `calibrate` in specjax.decoding.engine, cached on disk or written by hand); it is
+a run-time input of the compiled loop, so a new table needs no recompilation.
+
+Verification is unchanged, so every schedule is lossless: greedy output equals
+autoregressive decoding and sampled output follows the target's distribution whatever
+the lengths chosen (tests drive the schedule adversarially with `policy="random"`).
+
+Sources: the expected-tokens formula is the standard one (Leviathan et al. 2023, eq. 1,
+with per-position instead of i.i.d. acceptance); choosing the length per step against
+measured costs is what SGLang's `--speculative-adaptive` and vLLM's batch-size tables
+aim at (SEEDS.md); the EMA and the cost table are this project's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.errors import SpecjaxError
+
+POLICIES = ("auto", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class GammaSchedule:
+    """Static settings of an adaptive schedule (part of the compiled loop's key).
+
+    choices: sorted distinct draft lengths, 0 <= g <= G; 0 is an autoregressive step.
+    policy: "auto" (the rule above) or "random" (uniform over the choices, from the
+      loop's key: for tests of losslessness under any schedule).
+    ema: weight of one new observation in alpha (0 < ema <= 1).
+    prior: alpha before any observation (optimistic: the schedule starts long and
+      shortens where drafts are rejected).
+    """
+
+    choices: tuple[int, ...]
+    policy: str = "auto"
+    ema: float = 0.25
+    prior: float = 0.8
+
+    def __post_init__(self):
+        c = self.choices
+        if not c or list(c) != sorted(set(c)) or c[0] < 0:
+            raise ValueError(f"choices={c} must be sorted, distinct and >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}: expected one of {POLICIES}")
+        if not 0 < self.ema <= 1 or not 0 <= self.prior <= 1:
+            raise ValueError(f"ema={self.ema} must be in (0, 1] and prior={self.prior} in "
+                             "[0, 1]")
+
+    @property
+    def gamma(self) -> int:
+        """G, the longest choice."""
+        return self.choices[-1]
+
+
+def default_choices(gamma: int) -> tuple[int, ...]:
+    """The draft lengths `--gamma auto` chooses from for a drafter of draft length G: 0, 1,
+    2, 3, 5 and G (those <= G). Each is a branch compiled into the loop, so the set is
+    kept small."""
+    if gamma < 1:
+        raise SpecjaxError(f"--gamma auto needs a drafter with draft length >= 1, got {gamma}")
+    return tuple(sorted({g for g in (0, 1, 2, 3, 5) if g <= gamma} | {gamma}))
+
+
+@struct.dataclass
+class AdaptState:
+    """alpha f32[B,G]: per-row EMA of per-position acceptance; chosen i32[n]: steps taken
+    at each choice (batch-level)."""
+
+    alpha: jax.Array
+    chosen: jax.Array
+
+
+def init_state(schedule: GammaSchedule, batch: int) -> AdaptState:
+    G = max(schedule.gamma, 1)
+    return AdaptState(alpha=jnp.full((batch, G), schedule.prior, jnp.float32),
+                      chosen=jnp.zeros((len(schedule.choices),), jnp.int32))
+
+
+def expected_tokens(alpha, choices: tuple[int, ...], active) -> jax.Array:
+    """f32[n]: expected tokens emitted by one step at each draft length in `choices`,
+    summed over the active rows (bool[B]): 1 + sum_{k<g} prod_{j<=k} alpha[b, j]."""
+    reach = jnp.cumprod(alpha, axis=1)  # [B,G] P(drafts 0..k all accepted)
+    csum = jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=1)], axis=1)
+    per_row = 1.0 + csum[:, jnp.asarray(choices)]  # [B,n]
+    return jnp.sum(per_row * active[:, None].astype(jnp.float32), axis=0)
+
+
+def choose(schedule: GammaSchedule, state: AdaptState, costs, active, key) -> jax.Array:
+    """i32[]: the index into `schedule.choices` of this step's draft length. costs: f32[n]
+    milliseconds per step at each choice (the cost table)."""
+    n = len(schedule.choices)
+    if schedule.policy == "random":
+        return jax.random.randint(key, (), 0, n, dtype=jnp.int32)
+    rate = expected_tokens(state.alpha, schedule.choices, active) / jnp.maximum(costs, 1e-9)
+    return jnp.argmax(rate).astype(jnp.int32)
+
+
+def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int,
+            tau, active) -> AdaptState:
+    """The state after a step at choice `index` (static) that drafted `drafted` tokens and
+    accepted tau i32[B] of them on the active rows bool[B]: positions j < drafted with
+    tau >= j were reached; of those, j < tau were accepted."""
+    G = state.alpha.shape[1]
+    j = jnp.arange(G)[None, :]
+    reached = (j < drafted) & (j <= tau[:, None]) & active[:, None]
+    hit = (j < tau[:, None]).astype(jnp.float32)
+    alpha = jnp.where(reached, (1 - schedule.ema) * state.alpha + schedule.ema * hit,
+                      state.alpha)
+    return AdaptState(alpha=alpha, chosen=state.chosen.at[index].add(1))
+
+
+# ------------------------------------------------------------------------ the cost table
+
+def table_key(**parts) -> str:
+    """A stable hex key of everything a cost table depends on (the target's and drafter's
+    shapes and dtypes, batch size, lengths, choices, sampling, kernels, device)."""
+    text = json.dumps({k: str(v) for k, v in sorted(parts.items())}, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+
+
+def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
+    """Milliseconds per step for `choices` from a cost-table JSON file
+    ({"ms_per_step": {"0": ms, "1": ms, ...}}, written by `write_table` or by hand).
+
+    Raises: SpecjaxError (one line) for an unreadable file, missing choices or values
+      that are not positive numbers."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        table = raw["ms_per_step"]
+        if not isinstance(table, dict):
+            raise TypeError("ms_per_step is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e}); "
+                           'write {"ms_per_step": {"0": MS, "1": MS, ...}}') from None
+    out = []
+    for g in choices:
+        v = table.get(str(g))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise SpecjaxError(f"--cost-table {path} needs a positive ms_per_step for draft "
+                               f"length {g} (choices {list(choices)}), got {v!r}")
+        out.append(float(v))
+    return out
+
+
+def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict) -> None:
+    """Writes a cost table atomically (see `read_table`), with `meta` for the reader."""
+    from specjax.fileio import atomic_write
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    data = {"ms_per_step": {str(g): float(m) for g, m in zip(choices, ms, strict=True)},
+            **meta}
+    atomic_write(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))
+
+
+def with_gamma(drafter, gamma: int):
+    """The same drafter proposing `gamma` tokens: `drafter.with_gamma(gamma)` where a
+    drafter defines it, else `dataclasses.replace(drafter, gamma=gamma)` (every drafter
+    in specjax is a frozen dataclass whose state does not depend on G).
+
+    Raises: SpecjaxError for a drafter that is neither."""
+    if hasattr(drafter, "with_gamma"):
+        return drafter.with_gamma(gamma)
+    if dataclasses.is_dataclass(drafter) and any(
+            f.name == "gamma" for f in dataclasses.fields(drafter)):
+        return dataclasses.replace(drafter, gamma=gamma)
+    raise SpecjaxError(f"--gamma auto: the drafter {type(drafter).__name__} cannot change its "
+                       "draft length (define with_gamma)")

@@ -1,0 +1,164 @@
+"""Adaptive draft length (specjax.decoding.adaptive, `--gamma auto`): the rule against a
+float64 enumeration, the EMA update, lossless output under adversarial (random)
+schedules for every drafter family, the auto rule's choices on known costs, and the
+cost-table file."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.decoding import adaptive
+from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.drafters import make_drafter
+from specjax.errors import SpecjaxError
+from tests.test_drafters_decode import drafter_net
+from tests.test_speculative_greedy import BUDGETS, TP, models, prompts, rows, run_ar
+from tests.test_speculative_greedy import make_drafter as simple_drafter
+
+
+def test_expected_tokens_matches_enumeration():
+    """E[tokens | g] against an explicit sum over acceptance patterns in float64."""
+    rng = np.random.default_rng(0)
+    alpha = rng.uniform(0.1, 0.95, (3, 5))
+    active = np.array([True, False, True])
+    choices = (0, 1, 2, 3, 5)
+    got = np.asarray(adaptive.expected_tokens(jnp.asarray(alpha, jnp.float32), choices,
+                                              jnp.asarray(active)))
+    for i, g in enumerate(choices):
+        want = 0.0
+        for b in np.flatnonzero(active):
+            # independent Bernoulli(alpha_j) outcomes; tau = the leading run of accepts
+            # (alpha_j is conditional on the earlier drafts, so this is the chain's law)
+            for pattern in itertools.product([0, 1], repeat=g):
+                p = np.prod([alpha[b, j] if a else 1 - alpha[b, j]
+                             for j, a in enumerate(pattern)])
+                tau = next((j for j, a in enumerate(pattern) if not a), g)
+                want += p * (tau + 1)  # a step emits tau drafts and one more token
+        np.testing.assert_allclose(got[i], want, rtol=1e-5)
+
+
+def test_observe_updates_reached_positions_only():
+    s = adaptive.GammaSchedule((0, 1, 2, 4), ema=0.5, prior=0.8)
+    st = adaptive.init_state(s, 3)
+    tau = jnp.array([1, 4, 0])
+    active = jnp.array([True, True, False])
+    new = adaptive.observe(s, st, 2, 2, tau, active)  # index 2: drafted 2
+    a = np.asarray(new.alpha)
+    # row 0: tau 1 of 2 -> position 0 accepted, position 1 reached and rejected
+    np.testing.assert_allclose(a[0], [0.9, 0.4, 0.8, 0.8])
+    np.testing.assert_allclose(a[1], [0.9, 0.9, 0.8, 0.8])  # both accepted; 2, 3 not drafted
+    np.testing.assert_allclose(a[2], [0.8] * 4)  # inactive
+    assert np.asarray(new.chosen).tolist() == [0, 0, 1, 0]
+
+
+def test_auto_rule_picks_the_best_rate():
+    s = adaptive.GammaSchedule((0, 1, 3))
+    st = adaptive.AdaptState(jnp.full((2, 3), 0.9, jnp.float32), jnp.zeros(3, jnp.int32))
+    act = jnp.array([True, True])
+    # E = 1, 1.9, 1 + .9 + .81 + .729: with flat costs the longest wins, with steep costs AR
+    assert int(adaptive.choose(s, st, jnp.array([1.0, 1.0, 1.0]), act, None)) == 2
+    assert int(adaptive.choose(s, st, jnp.array([1.0, 5.0, 9.0]), act, None)) == 0
+    low = st.replace(alpha=jnp.full((2, 3), 0.05, jnp.float32))
+    assert int(adaptive.choose(s, low, jnp.array([1.0, 1.2, 1.6]), act, None)) == 0
+
+
+# ----------------------------------------------------------------------------- in the loop
+
+def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=3):
+    target, _ = models()
+    g, p = nnx.split(target)
+    sched = adaptive.GammaSchedule(adaptive.default_choices(G), policy=policy)
+    cfg = LoopConfig(max_length=TP + 24, prompt_width=TP, schedule=sched)
+    toks, lens = prompts()
+    return speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
+                            jnp.asarray(budgets, jnp.int32), jax.random.key(key),
+                            None if costs is None else jnp.asarray(costs, jnp.float32))
+
+
+LEARNED = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
+           ("block", "kv"), ("block", "both")]
+
+
+@pytest.mark.parametrize("kind,context", LEARNED + [("draft_lm", None), ("ngram", None)])
+def test_random_schedules_are_greedy_identical(kind, context):
+    """Every drafter family: a random draft length (0 = an autoregressive step) every step,
+    two different schedules, output token for token that of autoregressive decoding."""
+    target, _ = models()
+    if context is None and kind in ("draft_lm", "ngram"):
+        drafter, dparams = simple_drafter(kind, 3)
+    else:
+        dcfg, net = drafter_net(kind, context)
+        drafter, dparams = make_drafter(dcfg, net, target, gamma=3)
+    want = rows(run_ar(BUDGETS))
+    seen = set()
+    for key in (1, 2):
+        res = _run_sched(drafter, dparams, BUDGETS, key=key)
+        assert rows(res) == want, key
+        chosen = np.asarray(res.chosen)
+        assert chosen.sum() > 0
+        seen |= set(np.flatnonzero(chosen).tolist())
+    assert seen == set(range(4)), seen  # every choice (0, 1, 2, 3) ran
+
+
+def test_the_drafter_stays_in_sync_across_lengths():
+    """The target drafting for itself (a draft LM that is the target) must have every
+    drafted token accepted under any schedule: a branch that skipped the drafter's update
+    (the autoregressive one) or fed it the wrong positions would leave its cache stale
+    and show as rejections."""
+    drafter, dparams = simple_drafter("self", 3)
+    res = _run_sched(drafter, dparams, BUDGETS, key=3)
+    assert rows(res) == rows(run_ar(BUDGETS))
+    acc, reach = np.asarray(res.accepted), np.asarray(res.reached)
+    np.testing.assert_array_equal(acc, reach)  # alpha_k = 1 at every reached position
+    assert np.asarray(res.chosen)[0] > 0 and reach.sum() > 0
+
+
+def test_auto_schedule_follows_the_costs():
+    """With AR made cheap the auto rule decodes autoregressively; with AR made expensive
+    it drafts; both greedy-identical, and the counters add up."""
+    drafter, dparams = simple_drafter("draft_lm", 3)
+    want = rows(run_ar(BUDGETS))
+    cheap_ar = _run_sched(drafter, dparams, BUDGETS, "auto", costs=[1.0, 50.0, 60.0, 70.0])
+    assert rows(cheap_ar) == want
+    assert np.asarray(cheap_ar.chosen).tolist()[1:] == [0, 0, 0]
+    assert np.asarray(cheap_ar.accepted).sum() == 0 and np.asarray(cheap_ar.reached).sum() == 0
+    dear_ar = _run_sched(drafter, dparams, BUDGETS, "auto", costs=[100.0, 1.0, 1.0, 1.0])
+    assert rows(dear_ar) == want
+    chosen = np.asarray(dear_ar.chosen)
+    assert chosen[0] == 0 and chosen.sum() == np.asarray(dear_ar.steps).max()
+    # reached counts only drafted positions: alpha_k = accepted / reached stays in [0, 1]
+    acc, reach = np.asarray(dear_ar.accepted).sum(0), np.asarray(dear_ar.reached).sum(0)
+    assert (acc <= reach).all() and reach[0] > 0
+
+
+def test_cost_table_file(tmp_path):
+    path = tmp_path / "costs.json"
+    adaptive.write_table(str(path), (0, 1, 3), [1.0, 2.0, 3.5], {"device": "cpu"})
+    assert adaptive.read_table(str(path), (0, 1, 3)) == [1.0, 2.0, 3.5]
+    assert json.loads(path.read_text())["device"] == "cpu"
+    with pytest.raises(SpecjaxError, match="draft length 2"):
+        adaptive.read_table(str(path), (0, 2))
+    path.write_text('{"ms_per_step": {"0": -1}}')
+    with pytest.raises(SpecjaxError, match="positive"):
+        adaptive.read_table(str(path), (0,))
+    path.write_text("not json")
+    with pytest.raises(SpecjaxError, match="unreadable"):
+        adaptive.read_table(str(path), (0,))
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError):
+        adaptive.GammaSchedule((2, 1))
+    with pytest.raises(ValueError):
+        adaptive.GammaSchedule((0, 1), policy="greedy")
+    assert adaptive.default_choices(7) == (0, 1, 2, 3, 5, 7)
+    assert adaptive.default_choices(2) == (0, 1, 2)
+    with pytest.raises(SpecjaxError):
+        adaptive.default_choices(0)
