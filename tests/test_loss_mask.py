@@ -255,7 +255,7 @@ def _cfg(setup, run_dir, kind="ttt", mesh=(1, 1, 1), masked=True, *extra):
     return load_config(TINY, [*args, *extra], run_dir=str(run_dir))
 
 
-@pytest.mark.parametrize("kind", ["ttt", "block"])
+@pytest.mark.parametrize("kind", ["ttt", pytest.param("block", marks=pytest.mark.slow)])
 def test_masked_runs_match_across_meshes_and_differ_from_unmasked(setup, tmp_path, kind):
     ref = train(_cfg(setup, tmp_path / "a", kind), progress=False)
     mesh = train(_cfg(setup, tmp_path / "b", kind, (2, 2, 2)), progress=False)

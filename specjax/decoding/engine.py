@@ -23,7 +23,6 @@ from flax import nnx
 from specjax.decoding.generate import (
     LoopConfig,
     autoregressive_loop,
-    branch_timing,
     speculative_loop,
     step_timing,
 )
@@ -228,16 +227,37 @@ class Engine:
         return jnp.asarray(self.costs)
 
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
-                  repeats: int = 5) -> list[float]:
-        """Measures the adaptive schedule's cost table on this batch's state after the
-        prefill (`specjax.decoding.generate.branch_timing`: ms per step at each choice),
-        keeps it for the runs that follow, and returns it. Raises ValueError without a
-        schedule."""
+                  repeats: int = 3) -> list[float]:
+        """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
+        and returns it: ms per loop step at each choice, from this engine's own compiled
+        loop (no other compilation) run on `prompts` with the schedule forced to one
+        choice at a time (a table that makes every other choice infinitely dear):
+        (wall - the prefill's wall) / loop iterations, median of `repeats`; the prefill's
+        wall comes from runs with a budget of one token (no loop iteration).
+        Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
-        args = self._arrays(prompts, max_new_tokens)
-        ms = branch_timing(self.graphdef, self.params, self.drafter, self.drafter_params,
-                           self.cfg, *args, key, repeats=repeats)
+        self.compile()
+        n = len(self.cfg.schedule.choices)
+
+        def wall(costs, budget):
+            args = (*self._arrays(prompts, budget), key)
+            times, iters = [], 0
+            for _ in range(repeats + 1):  # the first call warms up
+                t0 = time.perf_counter()
+                res = jax.block_until_ready(self.compiled(*self._dynamic(args)[:-1],
+                                                          jnp.asarray(costs, jnp.float32)))
+                times.append(time.perf_counter() - t0)
+                iters = int(np.asarray(res.steps).max())
+            return sorted(times[1:])[len(times[1:]) // 2], iters
+
+        prefill, _ = wall(np.ones(n), 1)
+        ms = []
+        for i in range(n):
+            forced = np.full(n, 1e30)
+            forced[i] = 1.0
+            t, iters = wall(forced, max_new_tokens)
+            ms.append(1e3 * max(t - prefill, 1e-6) / max(iters, 1))
         self.costs = np.asarray(ms, np.float32)
         return ms
 

@@ -554,7 +554,7 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
       start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState
         (as `_speculative_phases`' at the drafter's G, plus the schedule's state);
       branch(params, drafter_params, s, index) -> LoopState: one step at draft length
-        choices[index] (a `lax.switch` over one branch per choice; index 0 with choice 0
+        choices[index] (one branch per choice, each with its own static shapes; choice 0
         is an autoregressive step that still feeds the drafter its hidden states);
       step(params, drafter_params, s, costs) -> LoopState: `branch` at the index the
         schedule chooses from costs f32[n] (ms per step at each choice).
@@ -614,8 +614,15 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     branches = [make_branch(i, g) for i, g in enumerate(sched.choices)]
 
     def branch(params, drafter_params, s: LoopState, index) -> LoopState:
-        return jax.lax.switch(index, [functools.partial(b, params, drafter_params)
-                                      for b in branches], s)
+        # Not `lax.switch`: XLA copies the KV cache in and out of a conditional's branches
+        # (every step, the whole cache); a while loop that runs once or not at all updates
+        # its carry in place, as the outer loop does. One runs per step.
+        for i, b in enumerate(branches):
+            s, index = jax.lax.while_loop(
+                lambda c, i=i: c[1] == i,
+                lambda c, b=b: (b(params, drafter_params, c[0]), jnp.int32(-1)),
+                (s, index))
+        return s
 
     def step(params, drafter_params, s: LoopState, costs) -> LoopState:
         k_choose = jax.random.fold_in(s.key, 0x5EED)  # its own stream (policy "random")
@@ -684,26 +691,3 @@ def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopCon
     out["verify_ms"] = out["step_ms"] - out["draft_ms"]
     return out
 
-
-def branch_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
-                  prompts, prompt_lengths, budgets, key, repeats: int = 5) -> list[float]:
-    """Milliseconds of one loop step at each draft length of `cfg.schedule` (the adaptive
-    schedule's cost table): `_adaptive_phases`' branch compiled once, run `repeats` times
-    per choice on the state after the prefill of these prompts (median wall time after
-    one untimed call). -> [ms] in the order of `cfg.schedule.choices`."""
-    import time
-
-    start, branch, _ = _adaptive_phases(graphdef, drafter, cfg)
-    state = jax.jit(start)(params, drafter_params, prompts, prompt_lengths, budgets, key)
-    fn = jax.jit(branch)
-    out = []
-    for i in range(len(cfg.schedule.choices)):
-        index = jnp.int32(i)
-        jax.block_until_ready(fn(params, drafter_params, state, index))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, drafter_params, state, index))
-            times.append(time.perf_counter() - t0)
-        out.append(1e3 * sorted(times)[len(times) // 2])
-    return out

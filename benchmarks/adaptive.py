@@ -1,0 +1,209 @@
+"""Adaptive draft length (`--gamma auto`, issue 32) against fixed draft lengths and
+autoregressive decoding, measured on this machine with the library's Engine as decode.py
+measures (every engine of one (temperature, batch) runs interleaved batch by batch of the
+same prompts, in one process, so speedups are ratios on the same machine state).
+
+    python benchmarks/adaptive.py                       # the grid (slow on 2 cores)
+    python benchmarks/adaptive.py --drafters eagle3 ngram --batch-sizes 1 4
+    python benchmarks/adaptive.py --quick               # eagle3 + ngram, B=1, T=0, 4 x 32
+    python benchmarks/adaptive.py --render-only         # docs/adaptive.md from the JSON
+
+Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (fixed),
+`--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not
+counted in the wall time, reported as calibration_s), and at B = 1 every other fixed
+length among the schedule's choices (the best fixed length is the aim's reference).
+Every engine runs the first batch once untimed before the timed runs (the first call of
+a compiled loop costs far more than the next ones on this CPU). The
+prompts are the bundled demo prompts, repeated to fill the largest batch; EOS on;
+temperature 1 verifies with block verification. Results: benchmarks/results/adaptive.json
+and the `<!-- adaptive:results -->` section of docs/adaptive.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
+DOC = os.path.join(ROOT, "docs", "adaptive.md")
+DEMO = os.path.join(ROOT, "checkpoints", "demo")
+DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
+            "kv1": os.path.join(DEMO, "drafters", "kv1"),
+            "hybrid": os.path.join(DEMO, "drafters", "hybrid"),
+            "block": os.path.join(DEMO, "drafters", "block"),
+            "draft-lm": os.path.join(DEMO, "draft"),
+            "ngram": "ngram"}
+
+
+def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
+            sweep: bool = True) -> dict:
+    """Runs the grid; returns the results record (see the module docstring)."""
+    import platform
+    import subprocess
+
+    import jax
+
+    from specjax.decoding import adaptive
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.prompts import read_prompts
+    from specjax.decoding.sampling import SamplingParams
+
+    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    target = load_target(os.path.join(DEMO, "target"))
+    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
+    longest = max(len(ids) for ids in base)
+    max_length = longest + new_tokens
+    runs = []
+    for temp in temps:
+        sampling = SamplingParams(temperature=temp)
+        for B in batches:
+            n = max(n_prompts, B)
+            prompts = [base[i % len(base)] for i in range(n)]
+            common = dict(sampling=sampling, verify="block", max_length=max_length,
+                          prompt_width=prompt_width_for(longest, max_length), batch_size=B,
+                          eos_token_ids=target.cfg.eos_token_ids)
+            for name in drafters:
+                loaded = load_drafter(DRAFTERS[name], target, sampling=sampling)
+                G = loaded.gamma
+                sched = adaptive.GammaSchedule(adaptive.default_choices(G))
+                engines = {"AR": Engine(target.model, **common)}
+                fixed = [G] + ([g for g in sched.choices if 0 < g < G] if sweep and B == 1
+                               else [])
+                for g in fixed:
+                    d = adaptive.with_gamma(loaded.drafter, g)
+                    engines[f"G={g}"] = Engine(target.model, drafter=d,
+                                               drafter_params=loaded.params, **common)
+                engines["auto"] = Engine(target.model, drafter=loaded.drafter,
+                                         drafter_params=loaded.params, schedule=sched,
+                                         **common)
+                compile_s = {k: e.compile() for k, e in engines.items()}
+                key0 = jax.random.key(0)
+                t0 = time.perf_counter()
+                costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0)
+                calibration_s = time.perf_counter() - t0
+                for e in engines.values():  # untimed: a compiled loop's first call is slow
+                    e.run(prompts[:B], new_tokens, key0)
+                stats = {k: Stats() for k in engines}
+                outs = {k: [] for k in engines}
+                for i in range(0, n, B):
+                    key = jax.random.fold_in(key0, i)
+                    for k, e in engines.items():
+                        out = e.run(prompts[i:i + B], new_tokens, key)
+                        stats[k].add(out)
+                        outs[k].extend(out.outputs)
+                ar = stats["AR"].tokens_per_s
+                rec = {"drafter": name, "gamma": G, "temperature": temp, "batch": B,
+                       "prompts": n, "ar_tokens_per_s": ar, "choices": list(sched.choices),
+                       "ms_per_step": [round(float(c), 3) for c in costs],
+                       "calibration_s": calibration_s, "compile_s": compile_s,
+                       "systems": {}}
+                for k, st in stats.items():
+                    if k == "AR":
+                        continue
+                    sys_rec = {"tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / ar,
+                               "tau": st.tau, "alpha": st.alpha,
+                               "identical": outs[k] == outs["AR"] if temp == 0 else None}
+                    if k == "auto":
+                        steps = [int(c) for c in st.chosen]
+                        sys_rec["steps_per_length"] = steps
+                        sys_rec["mean_draft_length"] = sum(
+                            g * c for g, c in zip(sched.choices, steps, strict=True)) / max(
+                            sum(steps), 1)
+                    rec["systems"][k] = sys_rec
+                fixed_best = max((v["speedup"], k) for k, v in rec["systems"].items()
+                                 if k != "auto")
+                rec["best_fixed"] = fixed_best[1]
+                runs.append(rec)
+                a = rec["systems"]["auto"]
+                print(f"[adaptive] {name} T={temp:g} B={B}: AR {ar:.1f} tok/s; "
+                      + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in rec["systems"].items())
+                      + f"; auto mean g {a['mean_draft_length']:.2f}; costs "
+                      f"{rec['ms_per_step']}", file=sys.stderr, flush=True)
+                del engines, loaded
+    return {"runs": runs, "new_tokens": new_tokens, "git": rev,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "schedule": {"ema": adaptive.GammaSchedule.ema,
+                         "prior": adaptive.GammaSchedule.prior}}
+
+
+def render(res: dict) -> str:
+    """The markdown table of a results record."""
+    lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
+             f"{res['git']}, {res['date']}; the bundled demo prompts repeated to fill each "
+             f"batch, {res['new_tokens']} new tokens, EOS on, T = 1 with block "
+             "verification; shipped weights in checkpoints/demo). Speedup = tokens/s over "
+             "autoregressive decoding, measured in the same run. auto's cost table was "
+             "measured on the first batch (calibration, not counted).", "",
+             "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
+             "(B=1 sweep) | auto / best | identical |", "|" + "---|" * 10]
+    for r in res["runs"]:
+        s = r["systems"]
+        fixed, auto = s[f"G={r['gamma']}"], s["auto"]
+        best = s[r["best_fixed"]]
+        ident = {True: "yes", False: "NO", None: "-"}[auto["identical"]]
+        lines.append(
+            f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | "
+            f"{r['ar_tokens_per_s']:.1f} | {fixed['speedup']:.2f}x (G={r['gamma']}) | "
+            f"**{auto['speedup']:.2f}x** | {auto['mean_draft_length']:.2f} | "
+            f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
+            f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(res: dict, doc: str = DOC) -> None:
+    """Replaces the `<!-- adaptive:results -->` section of docs/adaptive.md."""
+    begin, end = "<!-- adaptive:results -->", "<!-- /adaptive:results -->"
+    text = open(doc).read()
+    block = f"{begin}\n{render(res)}{end}"
+    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    with open(doc + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(doc + ".tmp", doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts (at least one batch)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the B=1 fixed-G sweep")
+    ap.add_argument("--quick", action="store_true",
+                    help="eagle3 and ngram, T=0, B=1, 4 prompts x 32 tokens")
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--json", default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.render_only:
+        write_doc(json.load(open(args.json)))
+        return 0
+    if args.quick:
+        args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
+        args.prompts, args.new_tokens = 4, 32
+    from specjax.compile_cache import enable_compile_cache
+
+    enable_compile_cache(None)
+    res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
+                  args.new_tokens, sweep=not args.no_sweep)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
+    if os.path.abspath(args.json) == RESULTS:
+        write_doc(res)
+    print(render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
