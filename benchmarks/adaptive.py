@@ -12,8 +12,9 @@ Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (
 `--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not
 counted in the wall time, reported as calibration_s), and at B = 1 every other fixed
 length among the schedule's choices (the best fixed length is the aim's reference).
-Every engine runs the first batch once untimed before the timed runs (the first call of
-a compiled loop costs far more than the next ones on this CPU). The
+Every engine runs the first batch twice untimed before the timed runs (the first calls
+of a compiled loop cost far more than the next ones on this CPU), then all prompts
+`--repeats` times (interleaved; the totals over repeats give tokens/s). The
 prompts are the bundled demo prompts, repeated to fill the largest batch; EOS on;
 temperature 1 verifies with block verification. Results: benchmarks/results/adaptive.json
 and the `<!-- adaptive:results -->` section of docs/adaptive.md.
@@ -42,7 +43,7 @@ DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
 
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
-            sweep: bool = True) -> dict:
+            sweep: bool = True, repeats: int = 2) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
     import platform
     import subprocess
@@ -89,16 +90,19 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 t0 = time.perf_counter()
                 costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0)
                 calibration_s = time.perf_counter() - t0
-                for e in engines.values():  # untimed: a compiled loop's first call is slow
-                    e.run(prompts[:B], new_tokens, key0)
+                for _ in range(2):  # untimed: a compiled loop's first calls are slow
+                    for e in engines.values():
+                        e.run(prompts[:B], new_tokens, key0)
                 stats = {k: Stats() for k in engines}
                 outs = {k: [] for k in engines}
-                for i in range(0, n, B):
-                    key = jax.random.fold_in(key0, i)
-                    for k, e in engines.items():
-                        out = e.run(prompts[i:i + B], new_tokens, key)
-                        stats[k].add(out)
-                        outs[k].extend(out.outputs)
+                for rep in range(repeats):
+                    for i in range(0, n, B):
+                        key = jax.random.fold_in(key0, i)
+                        for k, e in engines.items():
+                            out = e.run(prompts[i:i + B], new_tokens, key)
+                            stats[k].add(out)
+                            if rep == 0:
+                                outs[k].extend(out.outputs)
                 ar = stats["AR"].tokens_per_s
                 rec = {"drafter": name, "gamma": G, "temperature": temp, "batch": B,
                        "prompts": n, "ar_tokens_per_s": ar, "choices": list(sched.choices),
@@ -128,7 +132,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                       + f"; auto mean g {a['mean_draft_length']:.2f}; costs "
                       f"{rec['ms_per_step']}", file=sys.stderr, flush=True)
                 del engines, loaded
-    return {"runs": runs, "new_tokens": new_tokens, "git": rev,
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
             "date": time.strftime("%Y-%m-%d"),
             "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="prompts (at least one batch)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-sweep", action="store_true", help="skip the B=1 fixed-G sweep")
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
     ap.add_argument("--quick", action="store_true",
                     help="eagle3 and ngram, T=0, B=1, 4 prompts x 32 tokens")
     ap.add_argument("--render-only", action="store_true")
@@ -194,7 +199,7 @@ def main(argv=None) -> int:
 
     enable_compile_cache(None)
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
-                  args.new_tokens, sweep=not args.no_sweep)
+                  args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json + ".tmp", "w") as f:
         json.dump(res, f, indent=1)

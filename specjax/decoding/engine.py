@@ -233,7 +233,9 @@ class Engine:
         loop (no other compilation) run on `prompts` with the schedule forced to one
         choice at a time (a table that makes every other choice infinitely dear):
         (wall - the prefill's wall) / loop iterations, median of `repeats`; the prefill's
-        wall comes from runs with a budget of one token (no loop iteration).
+        wall comes from runs with a budget of one token (no loop iteration). The table is
+        then made non-decreasing in the draft length (a longer draft never costs less; a
+        dip is timing noise).
         Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
@@ -258,6 +260,8 @@ class Engine:
             forced[i] = 1.0
             t, iters = wall(forced, max_new_tokens)
             ms.append(1e3 * max(t - prefill, 1e-6) / max(iters, 1))
+        # a longer draft never costs less: a dip is timing noise (it would mislead the rule)
+        ms = np.maximum.accumulate(np.asarray(ms)).tolist()
         self.costs = np.asarray(ms, np.float32)
         return ms
 
