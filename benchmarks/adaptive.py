@@ -187,6 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="eagle3 and ngram, T=0, B=1, 4 prompts x 32 tokens")
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the runs already in --json (others than the ones measured now)")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
     if args.render_only:
@@ -200,6 +202,14 @@ def main(argv=None) -> int:
     enable_compile_cache(None)
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats)
+    if args.append and os.path.exists(args.json):
+        def key(r):
+            return r["drafter"], r["temperature"], r["batch"]
+        new = {key(r) for r in res["runs"]}
+        old = [r for r in json.load(open(args.json))["runs"] if key(r) not in new]
+        order = list(DRAFTERS)
+        res["runs"] = sorted(old + res["runs"], key=lambda r: (
+            order.index(r["drafter"]), r["temperature"], r["batch"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json + ".tmp", "w") as f:
         json.dump(res, f, indent=1)

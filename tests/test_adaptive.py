@@ -45,17 +45,21 @@ def test_expected_tokens_matches_enumeration():
 
 
 def test_observe_updates_reached_positions_only():
-    s = adaptive.GammaSchedule((0, 1, 2, 4), ema=0.5, prior=0.8)
-    st = adaptive.init_state(s, 3)
+    s = adaptive.GammaSchedule((0, 1, 2, 4), ema=0.5, prior=0.8, recover=0.5)
+    st = adaptive.init_state(s, 3).replace(alpha=jnp.full((3, 4), 0.6, jnp.float32))
     tau = jnp.array([1, 4, 0])
     active = jnp.array([True, True, False])
     new = adaptive.observe(s, st, 2, 2, tau, active)  # index 2: drafted 2
     a = np.asarray(new.alpha)
-    # row 0: tau 1 of 2 -> position 0 accepted, position 1 reached and rejected
-    np.testing.assert_allclose(a[0], [0.9, 0.4, 0.8, 0.8])
-    np.testing.assert_allclose(a[1], [0.9, 0.9, 0.8, 0.8])  # both accepted; 2, 3 not drafted
-    np.testing.assert_allclose(a[2], [0.8] * 4)  # inactive
+    # row 0: tau 1 of 2 -> position 0 accepted, position 1 reached and rejected; 2 and 3
+    # not drafted: half way back to the prior 0.8
+    np.testing.assert_allclose(a[0], [0.8, 0.3, 0.7, 0.7])
+    np.testing.assert_allclose(a[1], [0.8, 0.8, 0.7, 0.7])  # both accepted
+    np.testing.assert_allclose(a[2], [0.6] * 4)  # inactive: unchanged
     assert np.asarray(new.chosen).tolist() == [0, 0, 1, 0]
+    # an autoregressive step observes nothing: every position drifts to the prior
+    ar = adaptive.observe(s, st, 0, 0, jnp.zeros(3, jnp.int32), active)
+    np.testing.assert_allclose(np.asarray(ar.alpha)[:2], 0.7)
 
 
 def test_auto_rule_picks_the_best_rate():

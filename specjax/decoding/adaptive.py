@@ -12,8 +12,11 @@ The rule (`choose`) maximises expected tokens per millisecond:
 
 alpha[b, j] is an exponential moving average of row b's per-position acceptance
 (P(draft j accepted | drafts < j accepted)), updated after every step from what that
-step observed (`observe`: positions j < g with tau >= j); positions the schedule has not
-drafted lately keep their last value, starting from a prior. cost(g) is the measured
+step observed (`observe`: positions j < g with tau >= j), starting from a prior.
+Positions a step did not observe drift back toward the prior (`recover` per step), so a
+row whose drafts failed for a while is tried again later: without it, a schedule that
+chose autoregressive steps would never observe acceptance again (n-gram lookup, whose
+drafts fail until the text repeats, stayed autoregressive for good). cost(g) is the measured
 wall time of one loop step with draft length g at the engine's batch size (a cost
 table, `calibrate` in specjax.decoding.engine, cached on disk or written by hand); it is
 a run-time input of the compiled loop, so a new table needs no recompilation.
@@ -54,12 +57,15 @@ class GammaSchedule:
     ema: weight of one new observation in alpha (0 < ema <= 1).
     prior: alpha before any observation (optimistic: the schedule starts long and
       shortens where drafts are rejected).
+    recover: per step, the share of the way back to the prior that an unobserved
+      position's alpha moves (0: never).
     """
 
     choices: tuple[int, ...]
     policy: str = "auto"
     ema: float = 0.25
     prior: float = 0.8
+    recover: float = 0.05
 
     def __post_init__(self):
         c = self.choices
@@ -67,9 +73,9 @@ class GammaSchedule:
             raise ValueError(f"choices={c} must be sorted, distinct and >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r}: expected one of {POLICIES}")
-        if not 0 < self.ema <= 1 or not 0 <= self.prior <= 1:
-            raise ValueError(f"ema={self.ema} must be in (0, 1] and prior={self.prior} in "
-                             "[0, 1]")
+        if not 0 < self.ema <= 1 or not 0 <= self.prior <= 1 or not 0 <= self.recover <= 1:
+            raise ValueError(f"ema={self.ema} must be in (0, 1], prior={self.prior} and "
+                             f"recover={self.recover} in [0, 1]")
 
     @property
     def gamma(self) -> int:
@@ -124,13 +130,15 @@ def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int
             tau, active) -> AdaptState:
     """The state after a step at choice `index` (static) that drafted `drafted` tokens and
     accepted tau i32[B] of them on the active rows bool[B]: positions j < drafted with
-    tau >= j were reached; of those, j < tau were accepted."""
+    tau >= j were reached; of those, j < tau were accepted. The other positions of
+    active rows move `recover` of the way back to the prior."""
     G = state.alpha.shape[1]
     j = jnp.arange(G)[None, :]
     reached = (j < drafted) & (j <= tau[:, None]) & active[:, None]
     hit = (j < tau[:, None]).astype(jnp.float32)
+    drift = state.alpha + schedule.recover * (schedule.prior - state.alpha)
     alpha = jnp.where(reached, (1 - schedule.ema) * state.alpha + schedule.ema * hit,
-                      state.alpha)
+                      jnp.where(active[:, None], drift, state.alpha))
     return AdaptState(alpha=alpha, chosen=state.chosen.at[index].add(1))
 
 
