@@ -24,24 +24,31 @@ from tests.test_speculative_greedy import make_drafter as simple_drafter
 
 
 def test_expected_tokens_matches_enumeration():
-    """E[tokens | g] against an explicit sum over acceptance patterns in float64."""
+    """E[tokens | g] against an explicit sum over acceptance patterns in float64, and the
+    finish time against its definition."""
     rng = np.random.default_rng(0)
     alpha = rng.uniform(0.1, 0.95, (3, 5))
     active = np.array([True, False, True])
+    remaining = np.array([10, 50, 3])
     choices = (0, 1, 2, 3, 5)
-    got = np.asarray(adaptive.expected_tokens(jnp.asarray(alpha, jnp.float32), choices,
-                                              jnp.asarray(active)))
-    for i, g in enumerate(choices):
-        want = 0.0
-        for b in np.flatnonzero(active):
+    got = np.asarray(adaptive.expected_tokens(jnp.asarray(alpha, jnp.float32), choices))
+    want = np.zeros((3, len(choices)))
+    for b in range(3):
+        for i, g in enumerate(choices):
             # independent Bernoulli(alpha_j) outcomes; tau = the leading run of accepts
             # (alpha_j is conditional on the earlier drafts, so this is the chain's law)
             for pattern in itertools.product([0, 1], repeat=g):
                 p = np.prod([alpha[b, j] if a else 1 - alpha[b, j]
                              for j, a in enumerate(pattern)])
                 tau = next((j for j, a in enumerate(pattern) if not a), g)
-                want += p * (tau + 1)  # a step emits tau drafts and one more token
-        np.testing.assert_allclose(got[i], want, rtol=1e-5)
+                want[b, i] += p * (tau + 1)  # a step emits tau drafts and one more token
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    costs = np.array([1.0, 1.3, 1.6, 2.0, 2.9])
+    t = np.asarray(adaptive.finish_time(jnp.asarray(alpha, jnp.float32), choices,
+                                        jnp.asarray(costs, jnp.float32), jnp.asarray(active),
+                                        jnp.asarray(remaining)))
+    slowest = np.max(np.where(active[:, None], remaining[:, None] / want, 0), axis=0)
+    np.testing.assert_allclose(t, costs * slowest, rtol=1e-5)
 
 
 def test_observe_updates_reached_positions_only():
@@ -62,15 +69,21 @@ def test_observe_updates_reached_positions_only():
     np.testing.assert_allclose(np.asarray(ar.alpha)[:2], 0.7)
 
 
-def test_auto_rule_picks_the_best_rate():
+def test_auto_rule_picks_the_fastest_finish():
     s = adaptive.GammaSchedule((0, 1, 3))
     st = adaptive.AdaptState(jnp.full((2, 3), 0.9, jnp.float32), jnp.zeros(3, jnp.int32))
-    act = jnp.array([True, True])
+    act, rem = jnp.array([True, True]), jnp.array([20, 20])
     # E = 1, 1.9, 1 + .9 + .81 + .729: with flat costs the longest wins, with steep costs AR
-    assert int(adaptive.choose(s, st, jnp.array([1.0, 1.0, 1.0]), act, None)) == 2
-    assert int(adaptive.choose(s, st, jnp.array([1.0, 5.0, 9.0]), act, None)) == 0
-    low = st.replace(alpha=jnp.full((2, 3), 0.05, jnp.float32))
-    assert int(adaptive.choose(s, low, jnp.array([1.0, 1.2, 1.6]), act, None)) == 0
+    assert int(adaptive.choose(s, st, jnp.array([1.0, 1.0, 1.0]), act, rem, None)) == 2
+    assert int(adaptive.choose(s, st, jnp.array([1.0, 5.0, 9.0]), act, rem, None)) == 0
+    # the batch waits for its slowest row: one row whose drafts fail makes drafting lose
+    # even though the other row would gain
+    mixed = st.replace(alpha=jnp.array([[0.95] * 3, [0.05] * 3], jnp.float32))
+    costs = jnp.array([1.0, 1.2, 1.6])
+    assert int(adaptive.choose(s, mixed, costs, act, rem, None)) == 0
+    # ... unless that row is done, or has nearly nothing left
+    assert int(adaptive.choose(s, mixed, costs, jnp.array([True, False]), rem, None)) == 2
+    assert int(adaptive.choose(s, mixed, costs, act, jnp.array([20, 1]), None)) == 2
 
 
 # ----------------------------------------------------------------------------- in the loop

@@ -5,10 +5,15 @@ Every step of the speculative loop picks its draft length g from a static set of
 `lax.while_loop`: each choice is a branch of a `lax.switch` with its own static shapes
 (g drafts, a verify forward over g + 1 positions), so nothing recompiles.
 
-The rule (`choose`) maximises expected tokens per millisecond:
+The rule (`choose`) minimises the expected time to finish the batch, as if the
+length chosen now were kept: a compiled batch runs until its last row is done and every
+step costs the same for all rows, so the row with the most work left sets the pace:
 
-    g* = argmax_g  E[tokens | g] / cost(g)
-    E[tokens | g] = sum over active rows b of  1 + sum_{k<g} prod_{j<=k} alpha[b, j]
+    g* = argmin_g  cost(g) * max over active rows b of  remaining[b] / E_b(g)
+    E_b(g) = 1 + sum_{k<g} prod_{j<=k} alpha[b, j]     (expected tokens of one step)
+
+remaining[b] is row b's budget left. At batch 1 this is the most expected tokens per
+millisecond, E(g) / cost(g).
 
 alpha[b, j] is an exponential moving average of row b's per-position acceptance
 (P(draft j accepted | drafts < j accepted)), updated after every step from what that
@@ -107,23 +112,33 @@ def init_state(schedule: GammaSchedule, batch: int) -> AdaptState:
                       chosen=jnp.zeros((len(schedule.choices),), jnp.int32))
 
 
-def expected_tokens(alpha, choices: tuple[int, ...], active) -> jax.Array:
-    """f32[n]: expected tokens emitted by one step at each draft length in `choices`,
-    summed over the active rows (bool[B]): 1 + sum_{k<g} prod_{j<=k} alpha[b, j]."""
+def expected_tokens(alpha, choices: tuple[int, ...]) -> jax.Array:
+    """f32[B,n]: expected tokens emitted by one step of each row at each draft length in
+    `choices`: 1 + sum_{k<g} prod_{j<=k} alpha[b, j]."""
     reach = jnp.cumprod(alpha, axis=1)  # [B,G] P(drafts 0..k all accepted)
     csum = jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=1)], axis=1)
-    per_row = 1.0 + csum[:, jnp.asarray(choices)]  # [B,n]
-    return jnp.sum(per_row * active[:, None].astype(jnp.float32), axis=0)
+    return 1.0 + csum[:, jnp.asarray(choices)]
 
 
-def choose(schedule: GammaSchedule, state: AdaptState, costs, active, key) -> jax.Array:
-    """i32[]: the index into `schedule.choices` of this step's draft length. costs: f32[n]
-    milliseconds per step at each choice (the cost table)."""
+def finish_time(alpha, choices: tuple[int, ...], costs, active, remaining) -> jax.Array:
+    """f32[n]: the expected time to finish the batch at each draft length, kept fixed:
+    costs[i] * max over active rows of remaining[b] / E_b(choices[i]) (costs f32[n] ms per
+    step, active bool[B], remaining i32[B] tokens left)."""
+    steps = remaining[:, None].astype(jnp.float32) / expected_tokens(alpha, choices)  # [B,n]
+    steps = jnp.where(active[:, None], steps, 0.0)
+    return costs * jnp.max(steps, axis=0)
+
+
+def choose(schedule: GammaSchedule, state: AdaptState, costs, active, remaining,
+           key) -> jax.Array:
+    """i32[]: the index into `schedule.choices` of this step's draft length (the rule in
+    the module docstring; policy "random": uniform, from `key`). costs: f32[n] ms per step
+    at each choice (the cost table); active bool[B]; remaining i32[B] tokens left."""
     n = len(schedule.choices)
     if schedule.policy == "random":
         return jax.random.randint(key, (), 0, n, dtype=jnp.int32)
-    rate = expected_tokens(state.alpha, schedule.choices, active) / jnp.maximum(costs, 1e-9)
-    return jnp.argmax(rate).astype(jnp.int32)
+    t = finish_time(state.alpha, schedule.choices, costs, active, jnp.maximum(remaining, 1))
+    return jnp.argmin(t).astype(jnp.int32)
 
 
 def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int,

@@ -626,7 +626,8 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
 
     def step(params, drafter_params, s: LoopState, costs) -> LoopState:
         k_choose = jax.random.fold_in(s.key, 0x5EED)  # its own stream (policy "random")
-        index = adaptive.choose(sched, s.adapt, costs, ~s.done, k_choose)
+        remaining = s.budgets - (s.lengths - s.prompt_lengths)
+        index = adaptive.choose(sched, s.adapt, costs, ~s.done, remaining, k_choose)
         return branch(params, drafter_params, s, index)
 
     return start, branch, step
