@@ -103,7 +103,12 @@ LEARNED = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden")
            ("block", "kv"), ("block", "both")]
 
 
-@pytest.mark.parametrize("kind,context", LEARNED + [("draft_lm", None), ("ngram", None)])
+FAST_KINDS = {("eagle3", None), ("block", "both"), ("draft_lm", None), ("ngram", None)}
+
+
+@pytest.mark.parametrize("kind,context", [
+    k if k in FAST_KINDS else pytest.param(*k, marks=pytest.mark.slow)
+    for k in LEARNED + [("draft_lm", None), ("ngram", None)]])
 def test_random_schedules_are_greedy_identical(kind, context):
     """Every drafter family: a random draft length (0 = an autoregressive step) every step,
     two different schedules, output token for token that of autoregressive decoding."""

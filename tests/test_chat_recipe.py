@@ -34,7 +34,7 @@ def recipe(tmp_path_factory):
     return {"dir": d, "target": target, "openai": openai}
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "block"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("block", marks=pytest.mark.slow)])
 def test_prepare_regenerate_train_decode(recipe, kind, capsys):
     d, target = recipe["dir"], recipe["target"]
     prep, regen = d / "prep", d / "regen"

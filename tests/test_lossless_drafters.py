@@ -468,9 +468,8 @@ def test_draft_trees_are_lossless(name, verify, sp, hot, num_drafts):
 
 # Adaptive draft length (issue 32): a random length in {0, 1, G} every step, so rounds of
 # different lengths (and autoregressive steps) follow each other. (drafter, rule, sampling)
-SCHEDULE_FAST = [("eagle3", "both", PLAIN), ("block-kv", "both", TOP_K),
-                 ("draft-lm", "both", PLAIN)]
-SCHEDULE_SLOW = [("kv", "both", PLAIN), ("hybrid", "both", TOP_P),
+SCHEDULE_FAST = [("eagle3", "both", PLAIN), ("draft-lm", "both", PLAIN)]
+SCHEDULE_SLOW = [("block-kv", "both", TOP_K), ("kv", "both", PLAIN), ("hybrid", "both", TOP_P),
                  ("block-hidden", "both", PLAIN), ("block-both", "both", PLAIN),
                  ("ngram", "both", PLAIN), ("dflash", "both", PLAIN),
                  ("eagle3-hf", "token", PLAIN), ("eagle3", "token", PLAIN)]
