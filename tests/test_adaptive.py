@@ -214,3 +214,51 @@ def test_branches_do_not_copy_the_kv_cache():
     adaptive_copies = copies(LoopConfig(max_length=TP + 24, prompt_width=TP, schedule=sched),
                              jnp.ones(4, jnp.float32))
     assert adaptive_copies <= fixed, (adaptive_copies, fixed)
+
+
+# ----------------------------------------------------------------------------- decode.py
+
+def test_decode_gamma_auto_end_to_end(tmp_path, capsys):
+    """decode.py --gamma auto: greedy output identical to AR, the schedule in the summary,
+    the measured cost table written to --cost-table and read back by the next run."""
+    import decode
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x + {i}\n"
+                                           f"def g{i}(x):\n"}) + "\n" for i in range(2)))
+    table = tmp_path / "costs.json"
+    common = ["--drafter", "ngram", "--gamma", "auto", "--prompts", str(prompts),
+              "--max-new-tokens", "8", "--show", "0", "--compile-cache", "none",
+              "--cost-table", str(table)]
+    for run in ("measured", "read"):
+        summary = tmp_path / f"{run}.json"
+        assert decode.main([*common, "--summary", str(summary)]) == 0
+        s = json.loads(summary.read_text())
+        sched = s["gamma_schedule"]
+        assert s["ar_identical"] is True and sched["choices"] == [0, 1, 2, 3, 4]
+        assert sum(sched["steps"]) > 0 and len(sched["ms_per_step"]) == 5
+        assert (sched["calibration_s"] is None) == (run == "read")
+        assert sched["ms_per_step"] == sorted(sched["ms_per_step"])  # non-decreasing
+    assert adaptive.read_table(str(table), (0, 1, 2, 3, 4)) == pytest.approx(
+        sched["ms_per_step"], rel=1e-3)
+    assert "draft length: steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gamma", "auto", "--num-drafts", "2"], "fixed --gamma"),
+    (["--gamma", "auto", "--drafter", "logitspec"], "fixed --gamma"),
+    (["--cost-table", "x.json"], "goes with --gamma auto"),
+    (["--gamma", "often"], "a draft length or auto"),
+    (["--gamma", "0"], "must be >= 1"),
+])
+def test_decode_gamma_auto_bad_flags(tmp_path, capsys, args, needle):
+    import decode
+
+    out = tmp_path / "o.jsonl"
+    try:
+        rc = decode.main(["--drafter", "ngram", "--output", str(out), *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err
+    assert not out.exists()

@@ -306,5 +306,6 @@ class Engine:
         if self.drafter is None:
             raise ValueError("step_timing needs a drafter")
         args = self._arrays(prompts, max_new_tokens)
+        cfg = dataclasses.replace(self.cfg, schedule=None)  # a step at the drafter's G
         return step_timing(self.graphdef, self.params, self.drafter, self.drafter_params,
-                           self.cfg, *args, key, repeats=repeats)
+                           cfg, *args, key, repeats=repeats)
