@@ -149,7 +149,8 @@ def render(res: dict) -> str:
              "autoregressive decoding, measured in the same run. auto's cost table was "
              "measured on the first batch (calibration, not counted).", "",
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
-             "(B=1 sweep) | auto / best | identical |", "|" + "---|" * 10]
+             "(every choice at B=1, G above) | auto / best fixed | identical |",
+             "|" + "---|" * 10]
     for r in res["runs"]:
         s = r["systems"]
         fixed, auto = s[f"G={r['gamma']}"], s["auto"]

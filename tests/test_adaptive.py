@@ -262,3 +262,19 @@ def test_decode_gamma_auto_bad_flags(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_adaptive_doc_quotes_the_results_file():
+    """docs/adaptive.md's table is rendered from benchmarks/results/adaptive.json."""
+    import os
+
+    from benchmarks import adaptive as bench
+
+    if not os.path.exists(bench.RESULTS):
+        pytest.skip("no results file yet")
+    res = json.load(open(bench.RESULTS))
+    doc = open(bench.DOC).read()
+    assert bench.render(res) in doc
+    for r in res["runs"]:
+        if r["temperature"] == 0:
+            assert all(v["identical"] for v in r["systems"].values()), r
