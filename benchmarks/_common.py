@@ -81,3 +81,19 @@ def prompt_ids(path: str, tokenizer, vocab_size: int, n: int, target_dir: str
 
     return [ids for _, ids in read_prompts(tokenizer, vocab_size, path=path,
                                            target=target_dir)[:n]]
+
+
+def replace_doc_section(doc: str, tag: str, body: str, heading: str = "") -> None:
+    """Replaces the text between `<!-- tag -->` and `<!-- /tag -->` in the markdown file
+    `doc` with `body` (the section is appended, after `heading` for a new file, where
+    it is missing); written atomically."""
+    begin, end = f"<!-- {tag} -->", f"<!-- /{tag} -->"
+    text = open(doc).read() if os.path.exists(doc) else heading
+    block = f"{begin}\n{body}{end}"
+    if begin in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(doc + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(doc + ".tmp", doc)

@@ -167,13 +167,9 @@ def render(res: dict) -> str:
 
 def write_doc(res: dict, doc: str = DOC) -> None:
     """Replaces the `<!-- adaptive:results -->` section of docs/adaptive.md."""
-    begin, end = "<!-- adaptive:results -->", "<!-- /adaptive:results -->"
-    text = open(doc).read()
-    block = f"{begin}\n{render(res)}{end}"
-    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    with open(doc + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(doc + ".tmp", doc)
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "adaptive:results", render(res))
 
 
 def main(argv=None) -> int:

@@ -260,16 +260,9 @@ def render(res: dict) -> str:
 
 def write_doc(res: dict, doc: str = DOC) -> None:
     """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing)."""
-    begin, end = "<!-- trees:results -->", "<!-- /trees:results -->"
-    text = open(doc).read() if os.path.exists(doc) else "# Draft trees\n\n"
-    block = f"{begin}\n{render(res)}{end}"
-    if begin in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(doc + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(doc + ".tmp", doc)
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "trees:results", render(res), "# Draft trees\n\n")
 
 
 def main(argv=None) -> int:

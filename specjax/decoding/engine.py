@@ -214,11 +214,13 @@ class Engine:
         return speculative_loop, (self.graphdef, self.params, self.drafter, self.drafter_params,
                                   self.cfg, *args)
 
-    def _dynamic(self, args):
+    def _dynamic(self, args, costs=None):
+        """The compiled loop's arguments; `costs` overrides the cost table (calibration)."""
         if self.drafter is None:
             return (self.params, *args)
         if self.cfg.schedule is not None:
-            return (self.params, self.drafter_params, *args, self._costs())
+            costs = self._costs() if costs is None else jnp.asarray(costs, jnp.float32)
+            return (self.params, self.drafter_params, *args, costs)
         return (self.params, self.drafter_params, *args)
 
     def _costs(self):
@@ -247,8 +249,7 @@ class Engine:
             times, iters = [], 0
             for _ in range(repeats + 1):  # the first call warms up
                 t0 = time.perf_counter()
-                res = jax.block_until_ready(self.compiled(*self._dynamic(args)[:-1],
-                                                          jnp.asarray(costs, jnp.float32)))
+                res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
                 times.append(time.perf_counter() - t0)
                 iters = int(np.asarray(res.steps).max())
             return sorted(times[1:])[len(times[1:]) // 2], iters
