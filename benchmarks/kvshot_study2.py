@@ -195,6 +195,7 @@ def machine() -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg": list(os.getloadavg()),
             "jax": jax.__version__, "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
             "python": platform.python_version()}
 
 
@@ -1095,6 +1096,8 @@ def main(argv=None) -> int:
     m.add_argument("--force", action="store_true", help="measure again runs with results")
     m.add_argument("--settings", nargs="+", choices=tuple(SETTINGS),
                    default=list(DEFAULT_SETTINGS), help="in-loop settings")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override the runs were trained with (repeatable)")
     r = sub.add_parser("report", help="render docs/kvshot2.md and plots from the results")
     r.add_argument("--doc", default=DOC)
     r.add_argument("--img-dir", default=IMG_DIR)
@@ -1109,7 +1112,7 @@ def main(argv=None) -> int:
         enable_compile_cache(None)  # decode.py's default: the AR loops compile once
         done = measure(names, args.seeds, force=args.force, runs_root=args.runs_root,
                        results_dir=args.results_dir, sizes=sizes,
-                       settings=tuple(args.settings))
+                       settings=tuple(args.settings), overrides=tuple(args.set))
         log(f"measured {len(done)} runs: {', '.join(done) or 'none'}")
         return 0
     results = load_results(args.results_dir)
