@@ -171,14 +171,14 @@ def git_state() -> dict:
     """{"rev": HEAD's short hash, "dirty": tracked files under specjax/, decode.py and
     benchmarks/ that differ from HEAD (the code measured is HEAD plus these)}."""
     def git(*a):
-        try:
+        try:  # not stripped: porcelain lines start with a space when the index is clean
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+                                  check=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return ""
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", "specjax", "decode.py",
                 "benchmarks")
-    return {"rev": git("rev-parse", "--short=12", "HEAD") or None,
+    return {"rev": git("rev-parse", "--short=12", "HEAD").strip() or None,
             "dirty": sorted(line[3:] for line in dirty.splitlines())}
 
 
@@ -720,7 +720,8 @@ def table_provenance(results: dict) -> str:
         m, c, sec = r["machine"], r["code"], r["seconds"]
         dirty = f" + {len(c['dirty'])} changed files" if c.get("dirty") else ""
         la = f"{m['loadavg'][0]:.1f}, {m.get('loadavg_end', [math.nan])[0]:.1f}"
-        lines.append(f"| {n}-s{s} | {r['measured_at']} | `{c['rev']}`{dirty} | {m['cpu']}, "
+        where = m["cpu"] if m["backend"] == "cpu" else m.get("device", m["backend"])
+        lines.append(f"| {n}-s{s} | {r['measured_at']} | `{c['rev']}`{dirty} | {where}, "
                      f"{m['cores']} cores, jax {m['jax']} ({m['backend']}) | {la} "
                      f"| `{r['weights']['drafter_sha256'][:12]}` "
                      f"| {_best_step(r['train'])} "
@@ -741,18 +742,21 @@ def _best_step(train: dict) -> str:
 
 
 def table_simulated(results: dict) -> str:
-    lines = ["| drafter | seeds | tau (simulated) [95% CI] | vs eagle3 | acc_0 | acc_6 "
+    lines = ["| drafter | params | seeds | tau (simulated) [95% CI] | vs eagle3 | acc_0 | acc_6 "
              "| retention acc_6/acc_0 [95% CI] | alpha_0..alpha_6 (conditional) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for n in MATRIX:
         tau = interval(results, n, "tau_sim")
         if tau is None:
-            lines.append(f"| {LABELS[n]} | none | {MISSING} | | | | | |")
+            lines.append(f"| {LABELS[n]} | | none | {MISSING} | | | | | |")
             continue
         d = paired(results, n, "eagle3", "tau_sim") if n != "eagle3" else None
         acc = acc_point(results, n)
         al = alpha_point(results, n, "sim")
-        lines.append(f"| {LABELS[n]} | {_seeds_cell(results, n)} | {_ci(tau)} "
+        counts = sorted({r["train"].get("params") for (m, _), r in results.items() if m == n
+                         and r["train"].get("params")})
+        size = ", ".join(f"{c / 1e6:.2f}M" for c in counts) or "-"
+        lines.append(f"| {LABELS[n]} | {size} | {_seeds_cell(results, n)} | {_ci(tau)} "
                      f"| {_ci(d, '+.2f') if n != 'eagle3' else '-'} | {acc[0]:.3f} "
                      f"| {acc[-1]:.3f} | {_ci(interval(results, n, 'retention'), '.1%')} "
                      f"| {' '.join(_f(x) for x in al)} |")
@@ -771,12 +775,12 @@ def table_loop(results: dict) -> str:
             continue
         d = paired(results, n, "eagle3", "tau_t0") if n != "eagle3" else None
         al = alpha_point(results, n, "t0")
-        same = [all(results[n, s]["decode"]["t0"]["identical"]) for s in SEEDS
-                if (n, s) in results]
+        same = [x for s in SEEDS if (n, s) in results
+                for x in results[n, s]["decode"]["t0"]["identical"]]
         lines.append(
             f"| {LABELS[n]} | {_seeds_cell(results, n)} | {_ci(tau)} "
             f"| {_ci(d, '+.2f') if n != 'eagle3' else '-'} | {' '.join(_f(x) for x in al)} "
-            f"| {_ci(interval(results, n, 'speedup_t0'))} | {all(same)} "
+            f"| {_ci(interval(results, n, 'speedup_t0'))} | {sum(same)}/{len(same)} "
             f"| {_ci(interval(results, n, 'tau_t1_token'))} "
             f"| {_ci(interval(results, n, 'tau_t1_block'))} "
             f"| {_ci(interval(results, n, 'speedup_t1_token'))} "
@@ -964,8 +968,62 @@ def _save_fig(fig, path, atomic_write, io) -> str:
     return path
 
 
+def provenance(results_dir: str) -> dict:
+    """RESULTS_DIR/provenance.json when there is one (written by hand for runs made
+    elsewhere, e.g. on a lent accelerator): {"commands": [lines of the commands block],
+    "report": the report command, "weights": where the exports were, "machine": the
+    machine paragraph, "notes": [more setup items]}; {} otherwise."""
+    path = os.path.join(results_dir, "provenance.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def budget_text(results: dict, runs_root: str) -> tuple[str, str]:
+    """(the training budget read from the runs' saved config.yaml files, a sentence on
+    whether validation tau still rose at the end)."""
+    import yaml
+
+    plans, warm = set(), set()
+    for (n, s) in results:
+        path = os.path.join(run_dir(n, s, runs_root), "config.yaml")
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            c = yaml.safe_load(f) or {}
+        t, d = c.get("train", {}), c.get("data", {})
+        plan = (t.get("steps"), t.get("batch_size"), t.get("grad_accum", 1), d.get("seq_len"))
+        (warm if t.get("init_from") else plans).add(plan)
+    def one(p):
+        steps, b, acc, seq = p
+        return f"{steps} steps of B {b * acc} x T {seq} = {steps * b * acc * seq:,} tokens"
+    if not plans:
+        budget = "runs' configs not found"
+    else:
+        budget = "; ".join(one(p) for p in sorted(plans))
+    if warm:
+        budget += ("; eagle3_more and hybrid_from_eagle3 train "
+                   + "; ".join(one(p) for p in sorted(warm))
+                   + " more from the same seed's eagle3 export")
+    rising = [(n, s) for (n, s), r in results.items()
+              if len(r["train"].get("evals") or []) > 1
+              and r["train"]["evals"][-1]["tau"] > r["train"]["evals"][-2]["tau"]]
+    gains = [r["train"]["evals"][-1]["tau"] - r["train"]["evals"][-2]["tau"]
+             for (n, s), r in results.items() if (n, s) in rising]
+    if rising:
+        plateau = (f"A stated budget, not a plateau: validation tau still rose at the last "
+                   f"evaluation in {len(rising)} of {len(results)} runs (by "
+                   f"{min(gains):.3f} to {max(gains):.3f} over the last evaluation interval, "
+                   "with the learning rate at the end of its cosine decay), so every "
+                   "figure is a figure at this budget, the same for all.")
+    else:
+        plateau = "Every run's validation tau stopped rising before its last evaluation."
+    return budget, plateau
+
+
 def render(results: dict, *, runs_root: str = MATRIX_ROOT, doc: str = DOC,
-           img_dir: str | None = IMG_DIR) -> str:
+           img_dir: str | None = IMG_DIR, results_dir: str = RESULTS_DIR) -> str:
     """The text of docs/kvshot2.md from `results` (`load_results`); writes it to `doc`
     (None: not written) and the plots to `img_dir` (None: none). Returns the text."""
     status, missing = table_status(results, runs_root)
@@ -977,11 +1035,29 @@ def render(results: dict, *, runs_root: str = MATRIX_ROOT, doc: str = DOC,
         imgs = write_plots(results, img_dir)
     rel = [os.path.relpath(p, os.path.dirname(doc) if doc else ROOT) for p in imgs]
     missing_text = ", ".join(missing) if missing else "none"
+    prov = provenance(results_dir)
+    commands = prov.get("commands") or [
+        "python benchmarks/kvshot.py matrix                 # trains runs/study2/NAME-sSEED",
+        "python benchmarks/kvshot_study2.py measure         # finished runs without results",
+        "python benchmarks/kvshot_study2.py report          # this page and its plots"]
+    budget, plateau = budget_text(results, runs_root)
+    gpu = sorted({r["machine"].get("device", r["machine"]["backend"]) for r in results.values()
+                  if r["machine"]["backend"] != "cpu"})
+    cpu = any(r["machine"]["backend"] == "cpu" for r in results.values())
+    target_dtype = ("f32" if not gpu else "bf16" if not cpu else
+                    "f32 on CPU, bf16 on an accelerator")
+    weights_where = prov.get("weights", "runs/study2/NAME-sSEED/drafter")
+    machine_text = prov.get("machine") or (
+        "every figure below was measured on this 2-core CPU (no accelerator), beside the "
+        "matrix's training job (load averages in the provenance table); speedups are ratios "
+        "within one process and one prompt, but absolute tokens/s on a shared CPU are not "
+        "comparable across runs.")
     parts = [
         "# The KVShot study, redone (issue 29): seeds, equal terms, intervals",
         "",
-        "<!-- generated by `python benchmarks/kvshot_study2.py report` from "
-        "benchmarks/results/kvshot2/*.json: edit the generator, not this file -->",
+        f"<!-- generated by `{prov.get('report', 'python benchmarks/kvshot_study2.py report')}`"
+        f" from {os.path.relpath(results_dir, ROOT)}/*.json: edit the generator, not this "
+        "file -->",
         "",
         f"**Status: {len(results)} of {len(MATRIX) * len(SEEDS)} runs measured.** Missing: "
         f"{missing_text}. Rows of drafters without results say \"{MISSING}\"; a figure "
@@ -989,35 +1065,31 @@ def render(results: dict, *, runs_root: str = MATRIX_ROOT, doc: str = DOC,
         "study (one seed, unequal terms) is docs/kvshot.md, left as it was.",
         "",
         "```bash",
-        "python benchmarks/kvshot.py matrix                 # trains runs/study2/NAME-sSEED",
-        "python benchmarks/kvshot_study2.py measure         # finished runs without results",
-        "python benchmarks/kvshot_study2.py report          # this page and its plots",
+        *commands,
         "```",
         "",
         "## Setup",
         "",
         "- Target: checkpoints/demo/target (24.7M parameters, frozen). Drafters: "
         "configs/study2/*.yaml, the same regenerated data (the target's own greedy text, "
-        "benchmarks/data/study2/), the same budget (512 steps of B 8 x T 256 = 1,048,576 "
-        "tokens; eagle3_more and hybrid_from_eagle3 train 512 steps more from the same "
-        "seed's eagle3 export), 64 TTT chains or 64 blocks of G = 7 per sequence, every "
-        "context at target depths 2, 4, 5, seeds 0, 1, 2 (train.seed). Each export is the "
-        "best-tau snapshot of its run's validation (held-out positions 0-63).",
-        "- CPU budget, not a plateau: these are the reduced-budget runs the issue allows "
-        "on CPU, all with the same budget.",
+        f"benchmarks/data/study2/), the same budget ({budget}), 64 TTT chains or 64 "
+        "blocks of G = 7 per sequence, every context at target depths 2, 4, 5, seeds 0, 1, "
+        "2 (train.seed). Each export is the best-tau snapshot of its run's validation "
+        "(held-out positions 0-63).",
+        f"- {plateau}",
         "- Simulated: the trainer's own validation statistics "
         "(DrafterTrainer.loss_and_stats, evaluation mode) per held-out sequence, on "
         "sequences that took no part in choosing the export (positions sim_start .. "
         "sim_start + sim_rows of the held-out order, T = 256). tau = 1 + sum of accepted "
         "drafts / chains; acc_k: draft k right on its own; alpha_k: conditional.",
-        "- In the loop: specjax.decoding.engine.Engine as decode.py builds it (f32 target, "
-        "bf16 drafter matmuls, batch 1, EOS on, kernels auto) on `prompts` prompts cut from "
-        "held-out documents (their first prompt_tokens tokens), new_tokens new tokens "
-        "each; each prompt decoded by the drafter and then autoregressively with "
-        "the same key, so the speedup is a within-process ratio. tau = 1 + accepted / "
-        "verification steps.",
+        "- In the loop: specjax.decoding.engine.Engine as decode.py builds it "
+        f"({target_dtype} target, bf16 drafter matmuls, batch 1, EOS on, kernels auto) on "
+        "`prompts` prompts cut from held-out documents (their first prompt_tokens tokens), "
+        "new_tokens new tokens each; each prompt decoded by the drafter and then "
+        "autoregressively with the same key, so the speedup is a within-process ratio. "
+        "tau = 1 + accepted / verification steps.",
         f"- Sizes: {sizes_text}.",
-        "- Weights: each run's exported drafter (runs/study2/NAME-sSEED/drafter; sha256 "
+        f"- Weights: each run's exported drafter ({weights_where}; sha256 "
         "prefix of its model.safetensors in the provenance table); target fingerprint "
         "(specjax.models.checkpoint.fingerprint) "
         + (", ".join(sorted({f"`{r['weights']['target_fingerprint'][:12]}`"
@@ -1027,10 +1099,8 @@ def render(results: dict, *, runs_root: str = MATRIX_ROOT, doc: str = DOC,
         "replacement, independently, and recomputes the statistic from totals; a difference "
         "between two drafters resamples both with the same seeds and prompts (paired; seed "
         "pairs share the seed index, and a warm-started run shares its seed's eagle3).",
-        "- Machine: every figure below was measured on this 2-core CPU (no accelerator), "
-        "beside the matrix's training job (load averages in the provenance table); "
-        "speedups are ratios within one process and one prompt, but absolute tokens/s on a "
-        "shared CPU are not comparable across runs.",
+        f"- Machine: {machine_text}",
+        *[f"- {x}" for x in prov.get("notes", [])],
         "",
         "## Runs",
         "",
@@ -1116,7 +1186,8 @@ def main(argv=None) -> int:
         log(f"measured {len(done)} runs: {', '.join(done) or 'none'}")
         return 0
     results = load_results(args.results_dir)
-    render(results, runs_root=args.runs_root, doc=args.doc, img_dir=args.img_dir)
+    render(results, runs_root=args.runs_root, doc=args.doc, img_dir=args.img_dir,
+           results_dir=args.results_dir)
     log(f"{len(results)} runs with results; wrote {args.doc}")
     return 0
 
