@@ -25,6 +25,8 @@ Runs without a warm start go first, all seeds at once (up to --jobs processes); 
 hybrid and its eagle3 control start from their seed's eagle3 export afterwards. At the
 deadline, runs still going get SIGTERM (train.py checkpoints and exits) and are reported
 unfinished; no run is shortened to fit, so every finished run had the same budget.
+Exit status: 0 when every selected run finished (and, with measure/all, has results), 1
+otherwise (what was done is packed either way), 2 for bad arguments.
 
 --dry-run runs the same steps on the CPU with a few training steps and tiny measurements
 (runs/study2_dryrun, results in OUT only).
@@ -170,10 +172,19 @@ def pack_measure(out: str, results: str) -> None:
           for p in sorted(glob.glob(os.path.join(results, "*.json")))])
 
 
-def train_phase(args, root: str, deadline: float) -> None:
+def selected(only) -> list[str]:
+    """MATRIX order, limited to `only` plus the warm starts' parents (None: all)."""
+    if not only:
+        return list(MATRIX)
+    keep = set(only) | {WARM_START[n] for n in only if n in WARM_START}
+    return [n for n in MATRIX if n in keep]
+
+
+def train_phase(args, root: str, deadline: float) -> bool:
     overrides = list(DRY_OVERRIDES if args.dry_run else DEVICE_OVERRIDES)
     seeds = args.seeds
-    waves = [[n for n in MATRIX if n not in WARM_START], [n for n in MATRIX if n in WARM_START]]
+    names = selected(args.only)
+    waves = [[n for n in names if n not in WARM_START], [n for n in names if n in WARM_START]]
     for wave in waves:
         jobs = [(f"{n}-s{s}", train_command(root, n, s, overrides),
                  run_dir(root, n, s) + ".log")
@@ -185,16 +196,17 @@ def train_phase(args, root: str, deadline: float) -> None:
         if time.time() >= deadline:
             break
     pack_train(args.out, root)
-    done = [f"{n}-s{s}" for s in seeds for n in MATRIX if finished(root, n, s)]
-    log(f"train: {len(done)} of {len(MATRIX) * len(seeds)} runs finished: {', '.join(done)}")
+    done = [f"{n}-s{s}" for s in seeds for n in names if finished(root, n, s)]
+    log(f"train: {len(done)} of {len(names) * len(seeds)} runs finished: {', '.join(done)}")
+    return len(done) == len(names) * len(seeds)
 
 
-def measure_phase(args, root: str, results: str, deadline: float) -> None:
+def measure_phase(args, root: str, results: str, deadline: float) -> bool:
     extra = list(DRY_SIZES) if args.dry_run else []
     overrides = list(DRY_OVERRIDES if args.dry_run else DEVICE_OVERRIDES)
     jobs = []
     for s in args.seeds:
-        for n in MATRIX:
+        for n in selected(args.only):
             if not finished(root, n, s) or os.path.isfile(os.path.join(results,
                                                                        f"{n}-s{s}.json")):
                 continue
@@ -209,6 +221,8 @@ def measure_phase(args, root: str, results: str, deadline: float) -> None:
     pack_measure(args.out, results)
     n = len(glob.glob(os.path.join(results, "*.json")))
     log(f"measure: {n} runs with results in {results}")
+    return all(os.path.isfile(os.path.join(results, f"{m}-s{s}.json"))
+               for s in args.seeds for m in selected(args.only))
 
 
 def environment() -> None:
@@ -228,6 +242,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, required=True, help="seconds for this command")
     ap.add_argument("--jobs", type=int, default=8, help="processes at once (default 8)")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    ap.add_argument("--only", nargs="+", choices=MATRIX,
+                    help="these drafters only (a warm start's parent is trained too)")
+    ap.add_argument("--runs-root", default=None,
+                    help="where runs go (default runs/study2_device; --dry-run: "
+                    "runs/study2_dryrun, its results under RUNS_ROOT/results)")
     ap.add_argument("--measure-share", type=float, default=0.45,
                     help="with `all`: the share of the budget kept for measuring")
     ap.add_argument("--dry-run", action="store_true",
@@ -239,25 +258,28 @@ def main(argv=None) -> int:
         ap.error("--measure-share must be in (0, 1)")
     os.makedirs(args.out, exist_ok=True)
     os.chdir(ROOT)
-    root = os.path.join(ROOT, "runs", "study2_dryrun") if args.dry_run else RUNS_ROOT
+    root = os.path.abspath(args.runs_root or (os.path.join(ROOT, "runs", "study2_dryrun")
+                                              if args.dry_run else RUNS_ROOT))
     results = os.path.join(root, "results") if args.dry_run else RESULTS_DIR
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # batch 2 on one device
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("TQDM_MININTERVAL", "20")
     os.environ["PYTHONUNBUFFERED"] = "1"
     end = START + args.budget - 15  # packing and exit
     environment()
+    ok = True
     try:
         if args.phase in ("train", "all"):
             tend = end - args.measure_share * args.budget if args.phase == "all" else end
-            train_phase(args, root, tend)
+            ok = train_phase(args, root, tend)
         if args.phase in ("measure", "all"):
-            measure_phase(args, root, results, end)
+            ok = measure_phase(args, root, results, end) and ok
     finally:
         with open(os.path.join(args.out, "study_device.log"), "a") as f:
             f.write("\n".join(LOG_LINES) + "\n")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

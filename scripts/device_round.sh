@@ -11,14 +11,16 @@
 #   5.   with what is left (STUDY_S or more seconds): the KVShot study's data, the demo
 #        target's f32 greedy continuations (the settings of configs/study2/'s
 #        benchmarks/data/study2: seed 5, 256 new tokens), -> OUT/study_{train,val}.npy.gz and
-#        OUT/study_manifest.json; STEP5=eagle3 runs scripts/gpu_eagle3_round.sh instead.
+#        OUT/study_manifest.json; STEP5=eagle3 runs scripts/gpu_eagle3_round.sh instead;
+#        STEP5=study trains and measures the KVShot matrix (benchmarks/kvshot_device.py all
+#        -> OUT/study_train.tar.gz, OUT/study_measure.tar.gz).
 #
 #   bash scripts/device_round.sh --budget SECONDS --out DIR [--dry-run]
 #
 # --dry-run runs every step on the CPU (Pallas interpret mode, tiny shapes; step 5
 # regenerates 4 prompts x 8 tokens);
 # tests/test_device_round.py runs it in CI. Environment: PYTHON (default python3),
-# STUDY_S (least seconds left for step 5, default 120), STEP5 (regen | eagle3 | none).
+# STUDY_S (least seconds left for step 5, default 120), STEP5 (regen | eagle3 | study | none).
 set -uo pipefail
 BUDGET=""; OUTD=""; DRY=0
 while [ $# -gt 0 ]; do
@@ -52,7 +54,11 @@ LEFT=$(( BUDGET - ($(date +%s) - START) ))
 STEP5=${STEP5:-regen}
 if [ "$STEP5" != none ] && { [ $DRY = 1 ] || [ "$LEFT" -ge "${STUDY_S:-120}" ]; }; then
   echo "[device_round.sh] step 5 ($STEP5) with $LEFT s left" | tee -a "$OUTD/device_round.log"
-  if [ "$STEP5" = eagle3 ] && [ $DRY = 0 ]; then
+  if [ "$STEP5" = study ]; then
+    STUDY=(--out "$OUTD" --budget $(( LEFT - 20 )))
+    [ $DRY = 1 ] && STUDY+=(--dry-run --seeds 0 --only eagle3 --jobs 1)
+    $PY benchmarks/kvshot_device.py all "${STUDY[@]}" 2>&1 | tail -40 >>"$OUTD/device_round.log"
+  elif [ "$STEP5" = eagle3 ] && [ $DRY = 0 ]; then
     bash scripts/gpu_eagle3_round.sh $(( LEFT - 20 )) "$OUTD/eagle3" 2>&1 | tail -40 \
       >>"$OUTD/device_round.log"
   else
