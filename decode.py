@@ -46,14 +46,26 @@ from specjax.decoding.prompts import (  # noqa: F401 - read_prompts re-exported
 
 
 def _gamma_arg(text: str):
-    """--gamma: a positive draft length or "auto" (checked in validate_flags)."""
-    if text == "auto":
-        return "auto"
+    """--gamma: a positive draft length, "auto" or "fixed" (checked in validate_flags)."""
+    if text in ("auto", "fixed"):
+        return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a draft length or "
-                                         "auto") from None
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: a draft length, auto or "
+                                         "fixed") from None
+
+
+def resolve_gamma(args) -> None:
+    """The --gamma default: auto for a drafter that proposes one chain, else fixed (draft
+    trees, --num-drafts, logitspec and --drafter none take the drafter's own G). Sets
+    args.gamma to an int, "auto" or None (None: the drafter's G)."""
+    if args.gamma is None:
+        tree = (args.num_drafts > 1 or args.tree_topk is not None
+                or args.drafter == "logitspec")
+        args.gamma = None if tree or args.drafter == "none" else "auto"
+    elif args.gamma == "fixed":
+        args.gamma = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,15 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "rendered with the target's chat template (conversation lines "
                          "always are)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--gamma", type=_gamma_arg, default=None, metavar="N|auto",
-                    help="draft length G (default: the G a learned drafter was trained for, "
-                         "else 4); auto: every step picks its length from 0 (an "
-                         "autoregressive step), 1, 2, 3, 5 and that G by expected tokens per "
-                         "ms (docs/adaptive.md)")
+    ap.add_argument("--gamma", type=_gamma_arg, default=None, metavar="N|auto|fixed",
+                    help="draft length. auto (the default for a drafter of one chain): every "
+                         "step picks its length from 0 (an autoregressive step), 1, 2, 3, 5 "
+                         "and the drafter's G by expected tokens per ms, from a cost table "
+                         "measured once per setting (docs/adaptive.md); fixed: always the G "
+                         "a learned drafter was trained for (else 4; the default for draft "
+                         "trees); N: always N")
     ap.add_argument("--cost-table", default=None, metavar="FILE",
                     help="--gamma auto: ms per step at each draft length (JSON); read if it "
                          "exists, else measured on the first batch and written here "
-                         "(default: measured once per setting, cached beside the compile "
+                         "(default: measured once per setting, cached in the compile "
                          "cache)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -173,6 +187,10 @@ def validate_flags(args) -> None:
     Raises: SpecjaxError (one line naming the flag)."""
     from specjax.errors import SpecjaxError
 
+    if args.gamma == "auto" and args.drafter == "none":
+        raise SpecjaxError("--gamma auto needs a drafter (--drafter none decodes "
+                           "autoregressively)")
+    resolve_gamma(args)
     if isinstance(args.gamma, int) and args.gamma < 1:
         raise SpecjaxError(f"--gamma={args.gamma} must be >= 1 (or auto)")
     if args.gamma == "auto" and (args.num_drafts > 1 or args.tree_topk is not None
@@ -251,7 +269,8 @@ def _format_table(summary: dict) -> str:
 def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
                         prompt_width: int) -> str | None:
     """Where --gamma auto caches its measured cost table when --cost-table is not given:
-    beside the compile cache, keyed by everything the costs depend on (None: no cache)."""
+    COMPILE_CACHE/specjax-costs/KEY.json, keyed by everything the costs depend on (None:
+    no cache, with --compile-cache none)."""
     import jax
 
     from specjax.decoding import adaptive
@@ -268,7 +287,8 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
         backend=jax.default_backend(), device=jax.devices()[0].device_kind,
         jax=jax.__version__)
-    return os.path.join(os.path.dirname(os.path.abspath(base)), "costs", key + ".json")
+    # inside the compile cache: jax reads only its own *-cache files there
+    return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
 
 
 def check_memory(args, cfg, dtype, max_length: int, prompt_width: int) -> None:
@@ -424,8 +444,11 @@ def run(args) -> int:
                     "measured_on": jax.devices()[0].device_kind,
                     "batch_size": args.batch_size, "drafter": drafter_arg})
             except OSError as e:
-                raise SpecjaxError(f"--cost-table {table} cannot be written ({e.strerror})"
-                                   ) from None
+                if args.cost_table is not None:
+                    raise SpecjaxError(f"--cost-table {table} cannot be written "
+                                       f"({e.strerror})") from None
+                # the default place is in the compile cache: where that cannot be written
+                # the cache is off, and so is this one (the next run measures again)
     for i, batch in enumerate(tqdm(batches, desc="decoding", unit="batch",
                                    disable=None, file=sys.stderr)):
         key = jax.random.fold_in(base_key, i)

@@ -151,8 +151,10 @@ def _prompt_sets(n: int, tokenizer, vocab: int):
 
 
 def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
-            timing: bool = True) -> dict:
-    """Runs every (setting, batch, prompt set, system); returns the results record."""
+            timing: bool = True, warmup: int = 2) -> dict:
+    """Runs every (setting, batch, prompt set, system); returns the results record.
+    warmup: untimed passes of every engine over the first batch before any timed run (the
+    first calls of a compiled loop are several times slower on this CPU)."""
     import subprocess
 
     import jax
@@ -192,6 +194,10 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                 t0 = time.perf_counter()
                 eng.compile()
                 engines[s.name] = (s, eng, G, time.perf_counter() - t0)
+            first = [ids for _, ids in next(iter(sets.values()))[:B]]
+            for eng in [ar] + [e[1] for e in engines.values()]:
+                for w in range(warmup):
+                    eng.run(first, new_tokens, jax.random.key(1000 + w))
             for set_name, prompts in sets.items():
                 stats = {name: Stats() for name in ["AR", *engines]}
                 outs = {name: [] for name in stats}
@@ -228,7 +234,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
             del engines
     import platform
 
-    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens,
+    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "warmup": warmup,
             "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
             "jax": jax.__version__,
@@ -242,7 +248,9 @@ def render(res: dict) -> str:
     lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
              f"{res['date']}; weights {', '.join(res['weights'])}; {res['prompts']} prompts "
              f"per set x "
-             f"{res['new_tokens']} new tokens, EOS on). The two right columns are a "
+             f"{res['new_tokens']} new tokens, EOS on, "
+             f"{res.get('warmup', 0)} untimed warm-up passes of every engine over the first "
+             "batch before timing). The two right columns are a "
              "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
              "(`decode.py --step-timing`), T=0, B=1, first bundled prompt.", "", head,
@@ -276,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--no-step-timing", action="store_true",
                     help="skip the draft/verify ms of each system (two compilations each)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed passes of every engine before timing (default 2)")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
     if args.render_only:
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
     res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
-                  args.only, timing=not args.no_step_timing)
+                  args.only, timing=not args.no_step_timing, warmup=args.warmup)
     with open(args.json + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
     os.replace(args.json + ".tmp", args.json)

@@ -100,7 +100,7 @@ def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=
 
 
 LEARNED = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
-           ("block", "kv"), ("block", "both")]
+           ("block", "kv"), ("block", "both"), ("medc", None)]
 
 
 FAST_KINDS = {("eagle3", None), ("block", "both"), ("draft_lm", None), ("ngram", None)}
@@ -247,8 +247,10 @@ def test_decode_gamma_auto_end_to_end(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--gamma", "auto", "--num-drafts", "2"], "fixed --gamma"),
     (["--gamma", "auto", "--drafter", "logitspec"], "fixed --gamma"),
-    (["--cost-table", "x.json"], "goes with --gamma auto"),
-    (["--gamma", "often"], "a draft length or auto"),
+    (["--cost-table", "x.json", "--gamma", "3"], "goes with --gamma auto"),
+    (["--cost-table", "x.json", "--gamma", "fixed"], "goes with --gamma auto"),
+    (["--gamma", "auto", "--drafter", "none"], "needs a drafter"),
+    (["--gamma", "often"], "a draft length, auto or fixed"),
     (["--gamma", "0"], "must be >= 1"),
 ])
 def test_decode_gamma_auto_bad_flags(tmp_path, capsys, args, needle):

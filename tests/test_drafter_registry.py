@@ -83,17 +83,17 @@ def target_cfg(L):
 
 
 def test_builtin_kinds_and_their_declared_facts():
-    assert registry.kinds()[:4] == ("eagle3", "kv", "hybrid", "block")
+    assert registry.kinds()[:5] == ("eagle3", "kv", "hybrid", "block", "medc")
     assert "toy" in registry.kinds()
     assert registry.objective_kinds("block") == ("block",)
     assert registry.objective_kinds("ttt")[:3] == ("eagle3", "kv", "hybrid")
-    assert registry.early_stop_kinds() == ("eagle3", "hybrid")
+    assert registry.early_stop_kinds() == ("eagle3", "hybrid", "medc")
     assert registry.setting_kinds("context") == ("block",)
     names = {k: (registry.get(k).network.__name__, registry.get(k).adapter.__name__)
-             for k in ("eagle3", "kv", "hybrid", "block")}
+             for k in ("eagle3", "kv", "hybrid", "block", "medc")}
     assert names == {"eagle3": ("Eagle3", "Eagle3Drafter"), "kv": ("KVOnly", "KVDrafter"),
                      "hybrid": ("Hybrid", "Eagle3Drafter"),
-                     "block": ("BlockNet", "BlockDrafter")}
+                     "block": ("BlockNet", "BlockDrafter"), "medc": ("Medc", "Eagle3Drafter")}
     with pytest.raises(SpecjaxError, match="drafter kind 'nope'"):
         registry.get("nope")
 
@@ -161,7 +161,7 @@ def test_draft_stop_only_for_kinds_that_stop(setup):  # noqa: F811
         if ok:
             make_drafter(dcfg, net, target, stop_below=0.5)
         else:
-            with pytest.raises(SpecjaxError, match="only eagle3 and hybrid drafters stop"):
+            with pytest.raises(SpecjaxError, match="only eagle3, hybrid and medc drafters stop"):
                 make_drafter(dcfg, net, target, stop_below=0.5)
 
 

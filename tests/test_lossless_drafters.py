@@ -175,7 +175,7 @@ def _write(path: Path, tensors, config) -> Path:
 
 LEARNED = {"eagle3": ("eagle3", None), "kv": ("kv", None), "hybrid": ("hybrid", None),
            "block-hidden": ("block", "hidden"), "block-kv": ("block", "kv"),
-           "block-both": ("block", "both")}
+           "block-both": ("block", "both"), "medc": ("medc", None)}
 
 
 @functools.cache
@@ -394,8 +394,12 @@ FAST = [
     ("kv", "block", PLAIN, HOT, "reference"),
     ("ngram", "token", PLAIN, None, "reference"),
     ("dflash", "token", PLAIN, None, "reference"),
+    ("medc", "both", TOP_P, None, "off"),
 ]
 SLOW = [
+    ("medc", "both", PLAIN, HOT, "off"),
+    ("medc", "token", PLAIN, None, "reference"),
+    ("medc-stop", "both", TOP_K, None, "off"),
     ("draft-lm", "both", TOP_K, None, "off"),
     ("draft-lm", "both", TOP_P, None, "off"),
     ("ngram", "both", TOP_P, None, "off"),
@@ -457,6 +461,7 @@ TREE_SLOW = [
     ("ngram", "block", PLAIN, None, 2),
     ("draft-lm", "token", TOP_P, None, 3),
     ("dflash", "block", PLAIN, HOT, 2),
+    ("medc", "token", PLAIN, None, 2),
 ]
 TREE_CASES = TREE_FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in TREE_SLOW]
 
@@ -472,7 +477,8 @@ SCHEDULE_FAST = [("eagle3", "both", PLAIN), ("draft-lm", "both", PLAIN)]
 SCHEDULE_SLOW = [("block-kv", "both", TOP_K), ("kv", "both", PLAIN), ("hybrid", "both", TOP_P),
                  ("block-hidden", "both", PLAIN), ("block-both", "both", PLAIN),
                  ("ngram", "both", PLAIN), ("dflash", "both", PLAIN),
-                 ("eagle3-hf", "token", PLAIN), ("eagle3", "token", PLAIN)]
+                 ("eagle3-hf", "token", PLAIN), ("eagle3", "token", PLAIN),
+                 ("medc", "both", PLAIN)]
 SCHEDULE_CASES = SCHEDULE_FAST + [pytest.param(*c, marks=pytest.mark.slow)
                                   for c in SCHEDULE_SLOW]
 

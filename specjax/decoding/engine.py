@@ -229,15 +229,17 @@ class Engine:
         return jnp.asarray(self.costs)
 
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
-                  repeats: int = 3) -> list[float]:
+                  repeats: int = 2, max_tokens: int = 32) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
         choice at a time (a table that makes every other choice infinitely dear):
-        (wall - the prefill's wall) / loop iterations, median of `repeats`; the prefill's
-        wall comes from runs with a budget of one token (no loop iteration). The table is
-        then made non-decreasing in the draft length (a longer draft never costs less; a
-        dip is timing noise).
+        (wall - the prefill's wall) / loop iterations, median of `repeats` after one
+        warm-up call, each run generating min(max_new_tokens, max_tokens) tokens (a step's
+        cost hardly depends on how many follow it; the cap keeps a batch of 32 near a
+        minute on a 2-core CPU); the prefill's wall comes from runs with a budget of one
+        token (no loop iteration). The table is then made non-decreasing in the draft
+        length (a longer draft never costs less; a dip is timing noise).
         Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
@@ -259,7 +261,7 @@ class Engine:
         for i in range(n):
             forced = np.full(n, 1e30)
             forced[i] = 1.0
-            t, iters = wall(forced, max_new_tokens)
+            t, iters = wall(forced, min(max_new_tokens, max_tokens))
             ms.append(1e3 * max(t - prefill, 1e-6) / max(iters, 1))
         # a longer draft never costs less: a dip is timing noise (it would mislead the rule)
         ms = np.maximum.accumulate(np.asarray(ms)).tolist()

@@ -197,8 +197,8 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     V = target.cfg.vocab_size
     learned = name not in ("none", "ngram", "logitspec") and DrafterConfig.is_drafter_dir(name)
     if draft_stop and not learned:
-        raise SpecjaxError(f"--draft-stop: only learned eagle3 and hybrid drafters stop "
-                           f"early, not --drafter {name}")
+        raise SpecjaxError(f"--draft-stop: only learned eagle3, hybrid and medc drafters "
+                           f"stop early, not --drafter {name}")
     if name == "none":
         return LoadedDrafter(None, None, name, None)
     if name == "ngram":

@@ -61,7 +61,9 @@ def make_drafter(dcfg: DrafterConfig, net: nnx.Module, target, *, gamma: int | N
     if not 0.0 <= stop_below <= 1.0:
         raise SpecjaxError(f"--draft-stop {stop_below}: a confidence in [0, 1] (0: off)")
     if stop_below > 0 and not spec.early_stop:
-        stoppers = " and ".join(registry.early_stop_kinds())
+        names = registry.early_stop_kinds()
+        stoppers = (" and ".join(names) if len(names) < 3
+                    else ", ".join(names[:-1]) + " and " + names[-1])
         raise SpecjaxError(f"--draft-stop: only {stoppers} drafters stop early; this "
                            f"drafter is {dcfg.kind}")
     graphdef, state = nnx.split(net)

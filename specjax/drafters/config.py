@@ -44,8 +44,9 @@ class DrafterConfig:
     """Hyper-parameters of one learned drafter (shape letters: docs/design.md section 2).
 
     Attributes:
-      kind: "eagle3" (hidden states), "kv" (KVShot KV-only), "hybrid" (both, gated), or
-        "block" (DFlash-style parallel block drafter).
+      kind: "eagle3" (hidden states), "kv" (KVShot KV-only), "hybrid" (both, gated),
+        "block" (DFlash-style parallel block drafter) or "medc" (eagle3's layout with the
+        token injected after the layer, medc.py).
       gamma: G, the draft length it is trained for (decode.py's default --gamma).
       num_layers: Ld, drafter decoder layers (eagle3 and hybrid: 1).
       hidden_size, num_heads, num_kv_heads, head_dim: D, N, K, H: the target's.

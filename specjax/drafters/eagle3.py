@@ -45,6 +45,10 @@ class Eagle3(nnx.Module):
     """The EAGLE-3 network: fc [D, C*D], embed_norm/hidden_norm [D], one layer reading
     2D features (weights.layer_weights), final_norm [D]."""
 
+    # True for networks whose logits read a token after the layer (`readout`, medc.py);
+    # EAGLE-3 reads the token in the layer's input, so its readout is the identity.
+    token_readout = False
+
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D, C = cfg.hidden_size, len(cfg.capture)
         self.cfg, self.dtype = cfg, dtype
@@ -78,6 +82,14 @@ class Eagle3(nnx.Module):
     def logits(self, out, head):
         return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
 
+    def readout(self, out, emb):
+        """The features the logits are read from: out [...,D] (the layer's output, fed
+        back as the next step's h) with the embedding emb [...,D] of the token that
+        follows its position. EAGLE-3: out itself (its token entered the layer's input);
+        medc.Medc injects the token here."""
+        del emb
+        return out
+
     def ttt(self, hidden, kv, tokens, embed, inv_freq, steps: int, anchors=None,
             kernel: AttentionKernel | None = None):
         """Training-time-test unroll (EAGLE-3; docs/design.md section 6).
@@ -96,8 +108,9 @@ class Eagle3(nnx.Module):
           anchors: i32[B,P] positions whose chains are unrolled (None: all T). Steps
             k >= 1 cost P instead of T positions.
           kernel: the attention kernel of `attend` (`specjax.decoding.kernel_policy`; None: jnp).
-        Returns: (outputs [steps,B,P,D] pre-norm, gates [steps,B,P,D] or None); step k
-          at anchor t predicts token t+k+2 (the target's distribution at t+k+1).
+        Returns: (outputs [steps,B,P,D] pre-norm, through `readout`, gates [steps,B,P,D]
+          or None); step k at anchor t predicts token t+k+2 (the target's distribution
+          at t+k+1).
         """
         memory = None
         if self.cfg.uses_kv:
@@ -117,7 +130,9 @@ class Eagle3(nnx.Module):
         q, g = _at_positions(q, anchors), _at_positions(g, anchors)
         out, gate = self.mix_memory(self.finish(g, attend(q, [self_keys], kernel=kernel)),
                                     anchors, anchors, memory, inv_freq, kernel)
-        outs, gates, diag, h = [out], [gate], [], out
+        first = (self.readout(out, _at_positions(emb, anchors)) if self.token_readout
+                 else out)
+        outs, gates, diag, h = [first], [gate], [], out
         for k in range(1, steps):
             idx = jnp.minimum(anchors + k + 1, tokens.shape[1] - 1)
             emb = jnp.take(embed, jnp.take_along_axis(tokens, idx, axis=1), axis=0)
@@ -126,7 +141,7 @@ class Eagle3(nnx.Module):
             diag.append((kk, vv))
             out = self.finish(h, attend(q, [self_keys], diag, kernel=kernel))
             out, gate = self.mix_memory(out, anchors + k, anchors, memory, inv_freq, kernel)
-            outs.append(out)
+            outs.append(self.readout(out, emb))
             gates.append(gate)
             h = out
         return jnp.stack(outs), (None if gates[0] is None else jnp.stack(gates))
@@ -237,7 +252,7 @@ class Eagle3Drafter(LearnedDrafter):
         """
         net = self.net(params)
         keys = jax.random.split(key, self.gamma)
-        lg0 = self.logits(net, state.h_last, params)
+        lg0 = self.logits(net, _first_readout(net, state.h_last, params, view), params)
         x, q = sample_logits(keys[0], lg0, self.sampling)
         x, q = ranked_choice(lg0, q, x, self.sampling, first_rank)
         B, n = x.shape[0], self.gamma - 1
@@ -262,7 +277,7 @@ class Eagle3Drafter(LearnedDrafter):
             out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
                                     self.attention)
-            lg = self.logits(net, out[:, 0], params)
+            lg = self.logits(net, net.readout(out, emb)[:, 0], params)
             nxt, probs = sample_logits(k, lg, self.sampling)
             return dk, dv, out[:, 0], nxt, probs, lg
 
@@ -335,7 +350,8 @@ class Eagle3Drafter(LearnedDrafter):
         G, K = self.gamma, topk
         B = view.lengths.shape[0]
         i32 = jnp.int32
-        logp0 = jax.nn.log_softmax(self.logits(net, state.h_last, params), axis=-1)  # [B,V]
+        logp0 = jax.nn.log_softmax(
+            self.logits(net, _first_readout(net, state.h_last, params, view), params), -1)
         s1, t1 = jax.lax.top_k(logp0, K)  # [B,K] depth 1 (candidates 0..K-1)
         t1 = t1.astype(i32)
         n = G - 1  # forwards
@@ -363,7 +379,8 @@ class Eagle3Drafter(LearnedDrafter):
             out, _ = net.mix_memory(net.finish(h, attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
                                     self.attention)
-            logp = jax.nn.log_softmax(self.logits(net, out, params), axis=-1)  # [B,K,V]
+            logp = jax.nn.log_softmax(self.logits(net, net.readout(out, emb), params),
+                                      axis=-1)  # [B,K,V]
             cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
             (cand_s, cand_t, cand_p), (ns, ng, ni) = expand_frontier(fs, fg, cs, ct,
                                                                      K + j * K * K)
@@ -399,6 +416,15 @@ class Eagle3Drafter(LearnedDrafter):
         out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
         last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
         return Eagle3State(cache, _entry_at(out, last), memory)
+
+
+def _first_readout(net, h_last, params, view):
+    """The features of the first draft's logits: h_last [B,D] (the entry at lengths-2)
+    through the network's readout with the pending token (position lengths-1)."""
+    if not net.token_readout:
+        return h_last
+    pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+    return net.readout(h_last, jnp.take(params["embed"], pending, axis=0))
 
 
 def _top1(logits, probs, sampling):

@@ -27,7 +27,7 @@ from specjax.errors import SpecjaxError
 
 # Modules of the built-in kinds, in the order their kinds are listed.
 BUILTIN_MODULES = ("specjax.drafters.eagle3", "specjax.drafters.kv", "specjax.drafters.hybrid",
-                   "specjax.drafters.block")
+                   "specjax.drafters.block", "specjax.drafters.medc")
 
 _KINDS: dict[str, DrafterKind] = {}
 _lock = threading.RLock()
