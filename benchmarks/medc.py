@@ -18,7 +18,6 @@ not covered).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
