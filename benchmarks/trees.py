@@ -248,9 +248,10 @@ def render(res: dict) -> str:
     lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
              f"{res['date']}; weights {', '.join(res['weights'])}; {res['prompts']} prompts "
              f"per set x "
-             f"{res['new_tokens']} new tokens, EOS on, "
-             f"{res.get('warmup', 0)} untimed warm-up passes of every engine over the first "
-             "batch before timing). The two right columns are a "
+             f"{res['new_tokens']} new tokens, EOS on"
+             + (f", {res['warmup']} untimed warm-up passes of every engine over the first "
+                "batch before timing" if res.get("warmup") else "")
+             + "). The two right columns are a "
              "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
              "(`decode.py --step-timing`), T=0, B=1, first bundled prompt.", "", head,
