@@ -48,6 +48,7 @@ class Eagle3(nnx.Module):
     # True for networks whose logits read a token after the layer (`readout`, medc.py);
     # EAGLE-3 reads the token in the layer's input, so its readout is the identity.
     token_readout = False
+    input_width = 2  # the layer's q/k/v read input_width * D features ([emb; h])
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D, C = cfg.hidden_size, len(cfg.capture)
@@ -55,7 +56,8 @@ class Eagle3(nnx.Module):
         self.fc = normal(rngs, (D, C * D), dtype)
         self.embed_norm = ones((D,), dtype)
         self.hidden_norm = ones((D,), dtype)
-        for name, p in layer_weights(cfg, rngs, dtype, 1, 2 * D, False).items():
+        for name, p in layer_weights(cfg, rngs, dtype, 1, self.input_width * D,
+                                     False).items():
             setattr(self, name, p)
         self.final_norm = ones((D,), dtype)
 

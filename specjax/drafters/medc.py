@@ -33,7 +33,7 @@ from flax import nnx
 from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind
-from specjax.drafters.weights import layer_params, layer_weights, normal, ones
+from specjax.drafters.weights import layer_params, normal, ones
 from specjax.models import layers
 from specjax.models.matmul import linear
 
@@ -44,17 +44,12 @@ class Medc(Eagle3):
     inject_w [D, 2D]."""
 
     token_readout = True
+    input_width = 1  # h alone
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        D, C = cfg.hidden_size, len(cfg.capture)
-        self.cfg, self.dtype = cfg, dtype
-        self.fc = normal(rngs, (D, C * D), dtype)
-        self.hidden_norm = ones((D,), dtype)
-        for name, p in layer_weights(cfg, rngs, dtype, 1, D, False).items():
-            setattr(self, name, p)
-        self.final_norm = ones((D,), dtype)
+        super().__init__(cfg, dtype=dtype, rngs=rngs)  # fc, norms, the layer (D inputs)
+        D = cfg.hidden_size
         self.inject_norm = ones((D,), dtype)
-        self.embed_norm = ones((D,), dtype)
         self.inject_w = normal(rngs, (D, 2 * D), dtype)
 
     def project(self, emb, h, cos, sin):
