@@ -241,6 +241,25 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
             "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)]}
 
 
+def _row_key(r: dict) -> tuple:
+    return (r["temperature"], r["verify"], r["batch"], r["prompts"], r["system"])
+
+
+def merge(old: dict, new: dict) -> dict:
+    """`old` with the rows of `new` put in (replacing rows of the same setting, batch,
+    prompt set and system). The new rows carry their own git, date and warm-up; the
+    record's header fields stay old's. Raises ValueError when the prompt counts differ."""
+    if (old["prompts"], old["new_tokens"]) != (new["prompts"], new["new_tokens"]):
+        raise ValueError(f"--merge: {new['prompts']} prompts x {new['new_tokens']} tokens "
+                         f"against {old['prompts']} x {old['new_tokens']} in the file")
+    fresh = {_row_key(r): dict(r, git=new["git"], date=new["date"],
+                               warmup=new.get("warmup", 0)) for r in new["runs"]}
+    runs = [fresh.pop(_row_key(r), r) for r in old["runs"]] + list(fresh.values())
+    # stable: T = 0 first, then token before block verification, batch sizes ascending
+    runs.sort(key=lambda r: (r["temperature"], r["verify"] != "token", r["batch"]))
+    return dict(old, runs=runs)
+
+
 def render(res: dict) -> str:
     """The markdown table of a results record."""
     head = ("| setting | B | prompts | system | N | tau | tok/s | speedup (CPU) | "
@@ -254,8 +273,13 @@ def render(res: dict) -> str:
              + "). The two right columns are a "
              "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
-             "(`decode.py --step-timing`), T=0, B=1, first bundled prompt.", "", head,
-             "|" + "---|" * 12]
+             "(`decode.py --step-timing`), T=0, B=1, first bundled prompt."]
+    later = sorted({(r["temperature"], r["verify"], r["batch"], r["git"], r["date"],
+                     r.get("warmup", 0)) for r in res["runs"] if "git" in r})
+    for t, v, b, git, date, w in later:
+        lines.append(f"Rows T={t:g} {v} B={b}: measured later (`--merge`), git {git}, {date}, "
+                     f"{w} warm-up passes.")
+    lines += ["", head, "|" + "---|" * 12]
     for r in res["runs"]:
         setting = "T=0" if r["temperature"] == 0 else f"T={r['temperature']:g} {r['verify']}"
         ident = {True: "yes", False: "NO", None: "-"}[r["identical"]]
@@ -288,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed passes of every engine before timing (default 2)")
     ap.add_argument("--json", default=RESULTS)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other rows of --json: replace only the (setting, batch, "
+                         "system) rows measured now, each tagged with its own git and date")
     args = ap.parse_args(argv)
     if args.render_only:
         write_doc(json.load(open(args.json)))
@@ -296,6 +323,8 @@ def main(argv=None) -> int:
         args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
     res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
                   args.only, timing=not args.no_step_timing, warmup=args.warmup)
+    if args.merge and os.path.exists(args.json):
+        res = merge(json.load(open(args.json)), res)
     with open(args.json + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
     os.replace(args.json + ".tmp", args.json)

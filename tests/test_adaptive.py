@@ -67,6 +67,14 @@ def test_observe_updates_reached_positions_only():
     # an autoregressive step observes nothing: every position drifts to the prior
     ar = adaptive.observe(s, st, 0, 0, jnp.zeros(3, jnp.int32), active)
     np.testing.assert_allclose(np.asarray(ar.alpha)[:2], 0.7)
+    # positions past the draft drift toward the deepest observable position when it beats
+    # the prior; a drafted position behind a rejection keeps its value (no information)
+    hi = st.replace(alpha=jnp.array([[0.9, 0.96, 0.5, 0.5], [0.9, 0.96, 0.5, 0.5],
+                                     [0.9, 0.96, 0.5, 0.5]], jnp.float32))
+    new = adaptive.observe(s, hi, 2, 2, jnp.array([2, 0, 2]), active)
+    a = np.asarray(new.alpha)
+    np.testing.assert_allclose(a[0], [0.95, 0.98, 0.74, 0.74], rtol=1e-6)  # toward 0.98
+    np.testing.assert_allclose(a[1], [0.45, 0.96, 0.73, 0.73], rtol=1e-6)  # toward 0.96
 
 
 def test_auto_rule_picks_the_fastest_finish():
@@ -88,7 +96,8 @@ def test_auto_rule_picks_the_fastest_finish():
 
 # ----------------------------------------------------------------------------- in the loop
 
-def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=3):
+def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=3,
+               alpha0=None):
     target, _ = models()
     g, p = nnx.split(target)
     sched = adaptive.GammaSchedule(adaptive.default_choices(G), policy=policy)
@@ -96,7 +105,8 @@ def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=
     toks, lens = prompts()
     return speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
                             jnp.asarray(budgets, jnp.int32), jax.random.key(key),
-                            None if costs is None else jnp.asarray(costs, jnp.float32))
+                            None if costs is None else jnp.asarray(costs, jnp.float32),
+                            None if alpha0 is None else jnp.asarray(alpha0, jnp.float32))
 
 
 LEARNED = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
@@ -140,6 +150,43 @@ def test_the_drafter_stays_in_sync_across_lengths():
     acc, reach = np.asarray(res.accepted), np.asarray(res.reached)
     np.testing.assert_array_equal(acc, reach)  # alpha_k = 1 at every reached position
     assert np.asarray(res.chosen)[0] > 0 and reach.sum() > 0
+
+
+def test_the_schedule_starts_from_alpha0_and_returns_its_estimates():
+    """alpha0 seeds the schedule (what a previous run learned, `Engine.alpha0`): the target
+    drafting for itself is accepted every time, so started at alpha 1 it never decodes
+    autoregressively, while started at 0 it does until the drift toward the prior makes
+    drafting worth trying; both greedy-identical, and the final estimates come back."""
+    drafter, dparams = simple_drafter("self", 3)
+    want = rows(run_ar(BUDGETS))
+    costs = [1.0, 1.5, 2.0, 2.5]
+    sure = _run_sched(drafter, dparams, BUDGETS, "auto", costs=costs, alpha0=[1.0] * 3)
+    doubt = _run_sched(drafter, dparams, BUDGETS, "auto", costs=costs, alpha0=[0.0] * 3)
+    assert rows(sure) == want and rows(doubt) == want
+    assert np.asarray(sure.chosen)[0] == 0 and np.asarray(doubt.chosen)[0] > 0
+    alpha = np.asarray(sure.alpha)
+    assert alpha.shape == (len(BUDGETS), 3) and np.all(alpha > 0.99)
+
+
+def test_engine_carries_the_schedule_between_runs():
+    """Engine.run seeds each run's schedule with the estimates the previous run ended with
+    (`Engine.alpha0`), and `reset_schedule` returns to the prior."""
+    from specjax.decoding.engine import Engine
+
+    target, _ = models()
+    drafter, dparams = simple_drafter("self", 3)
+    sched = adaptive.GammaSchedule(adaptive.default_choices(3))
+    eng = Engine(target, drafter=drafter, drafter_params=dparams, max_length=TP + 24,
+                 prompt_width=TP, schedule=sched, costs=[1.0, 1.5, 2.0, 2.5])
+    toks, lens = prompts()
+    ids = [np.asarray(toks)[0, :int(lens[0])].tolist()]
+    assert eng.alpha0 is None
+    first = eng.run(ids, 12, jax.random.key(0))
+    assert eng.alpha0.shape == (3,)
+    assert np.all(eng.alpha0 >= sched.prior) and eng.alpha0.max() > sched.prior
+    assert eng.run(ids, 12, jax.random.key(0)).outputs == first.outputs
+    eng.reset_schedule()
+    assert eng.alpha0 is None
 
 
 def test_auto_schedule_follows_the_costs():

@@ -52,3 +52,29 @@ def test_committed_doc_matches_committed_results():
     res = json.load(open(trees.RESULTS))
     assert trees.render(res) in open(trees.DOC).read()
     assert all(r["identical"] for r in res["runs"] if r["temperature"] == 0)
+
+
+def test_merge_replaces_only_the_rows_measured_again():
+    def row(system, t, verify, b, tau):
+        return {"system": system, "temperature": t, "verify": verify, "batch": b,
+                "prompts": "bundled", "tau": tau, "alpha": [0.5], "tokens_per_s": 1.0,
+                "ar_tokens_per_s": 1.0, "speedup": 1.0, "nodes": 8, "gamma": 7,
+                "compile_s": 1.0, "identical": None if t else True,
+                "projected": {"H100": 1.0, "TPU v5e": 1.0}}
+
+    head = {"prompts": 2, "new_tokens": 8, "date": "d0", "machine": "x", "cores": 2,
+            "numpy": "2", "jax": "0.10.2", "weights": ["w"]}
+    old = dict(head, git="old", runs=[row("a", 0.0, "greedy", 1, 1.0),
+                                      row("a", 1.0, "token", 1, 2.0),
+                                      row("a", 1.0, "block", 1, 3.0)])
+    new = dict(head, git="new", date="d1", warmup=2,
+               runs=[row("a", 1.0, "token", 4, 4.0), row("a", 1.0, "token", 1, 5.0)])
+    out = trees.merge(old, new)
+    got = [(r["verify"], r["batch"], r["tau"], r.get("git")) for r in out["runs"]]
+    assert got == [("greedy", 1, 1.0, None), ("token", 1, 5.0, "new"),
+                   ("token", 4, 4.0, "new"), ("block", 1, 3.0, None)]
+    assert out["git"] == "old"  # the header stays the file's; new rows carry their own
+    text = trees.render(out)
+    assert "Rows T=1 token B=1: measured later (`--merge`), git new, d1" in text
+    with pytest.raises(ValueError, match="prompts"):
+        trees.merge(old, dict(new, prompts=3))

@@ -135,7 +135,11 @@ class Engine:
       num_drafts: drafts per step, verified as one draft tree when > 1 (see `LoopConfig`).
       schedule: None (draft G every step) or a `specjax.decoding.adaptive.GammaSchedule`
         (adaptive draft length); its cost table is `costs` (ms per step per choice; None:
-        `calibrate` measures one on the first batch).
+        `calibrate` measures one on the first batch). Each run starts the schedule from
+        `alpha0` f32[G], the acceptance estimates the previous run ended with (averaged
+        over its rows; the schedule's prior before the first run), so a long job of many
+        short batches does not relearn its drafter's acceptance every batch;
+        `reset_schedule()` returns to the prior.
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
     divide.
@@ -180,6 +184,7 @@ class Engine:
                               prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
                               schedule=schedule if drafter is not None else None)
         self.costs = None if costs is None else np.asarray(costs, np.float32)
+        self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -220,7 +225,7 @@ class Engine:
             return (self.params, *args)
         if self.cfg.schedule is not None:
             costs = self._costs() if costs is None else jnp.asarray(costs, jnp.float32)
-            return (self.params, self.drafter_params, *args, costs)
+            return (self.params, self.drafter_params, *args, costs, self._alpha0())
         return (self.params, self.drafter_params, *args)
 
     def _costs(self):
@@ -228,17 +233,31 @@ class Engine:
             return jnp.ones((len(self.cfg.schedule.choices),), jnp.float32)
         return jnp.asarray(self.costs)
 
+    def _alpha0(self):
+        sched = self.cfg.schedule
+        if self.alpha0 is None:
+            return jnp.full((max(sched.gamma, 1),), sched.prior, jnp.float32)
+        return jnp.asarray(self.alpha0, jnp.float32)
+
+    def reset_schedule(self) -> None:
+        """Starts the next run's adaptive schedule from its prior again."""
+        self.alpha0 = None
+
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
-                  repeats: int = 2, max_tokens: int = 32) -> list[float]:
+                  repeats: int = 3, max_tokens: int = 32,
+                  min_steps: int = 6) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
         choice at a time (a table that makes every other choice infinitely dear):
-        (wall - the prefill's wall) / loop iterations, median of `repeats` after one
-        warm-up call, each run generating min(max_new_tokens, max_tokens) tokens (a step's
-        cost hardly depends on how many follow it; the cap keeps a batch of 32 near a
-        minute on a 2-core CPU); the prefill's wall comes from runs with a budget of one
-        token (no loop iteration). The table is then made non-decreasing in the draft
+        (wall - the prefill's wall) / loop iterations, the fastest of `repeats` after one
+        warm-up call (the least disturbed run: a median of two let one slow run in, and
+        a cached table keeps its noise for good), each run generating
+        min(max_new_tokens, max(max_tokens, min_steps * (g + 1))) tokens at draft length
+        g (a step's cost hardly depends on how many follow it; the cap keeps a batch of 32
+        near a minute on a 2-core CPU, and min_steps keeps long drafts from being timed
+        over two or three iterations); the prefill's wall comes from runs with a budget of
+        one token (no loop iteration). The table is then made non-decreasing in the draft
         length (a longer draft never costs less; a dip is timing noise).
         Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
@@ -254,14 +273,14 @@ class Engine:
                 res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
                 times.append(time.perf_counter() - t0)
                 iters = int(np.asarray(res.steps).max())
-            return sorted(times[1:])[len(times[1:]) // 2], iters
+            return min(times[1:]), iters
 
         prefill, _ = wall(np.ones(n), 1)
         ms = []
-        for i in range(n):
+        for i, g in enumerate(self.cfg.schedule.choices):
             forced = np.full(n, 1e30)
             forced[i] = 1.0
-            t, iters = wall(forced, min(max_new_tokens, max_tokens))
+            t, iters = wall(forced, min(max_new_tokens, max(max_tokens, min_steps * (g + 1))))
             ms.append(1e3 * max(t - prefill, 1e-6) / max(iters, 1))
         # a longer draft never costs less: a dip is timing noise (it would mislead the rule)
         ms = np.maximum.accumulate(np.asarray(ms)).tolist()
@@ -276,7 +295,7 @@ class Engine:
         args = (*self._arrays([], 1), key)
         fn, full = self._fn_args(args)
         if self.drafter is not None and self.cfg.schedule is not None:
-            full = (*full, self._costs())
+            full = (*full, self._costs(), self._alpha0())
         t0 = time.perf_counter()
         self.compiled = fn.lower(*full).compile()
         self.compile_s = time.perf_counter() - t0
@@ -297,6 +316,8 @@ class Engine:
         n = len(prompts)
         G = max(self.gamma, 1)
         chosen = res.chosen if self.cfg.schedule is not None else None
+        if self.cfg.schedule is not None:  # what this run learned seeds the next one
+            self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
                            reached=res.reached[:n, :G], chosen=chosen)
 

@@ -227,7 +227,9 @@ class LoopState:
 class LoopResult:
     """tokens i32[B,S']; lengths, prompt_lengths i32[B]; steps i32[B]; accepted,
     reached i32[B,G] (alpha_k = accepted[k] / reached[k]); chosen i32[n]: steps at each
-    draft length of an adaptive schedule (i32[0] without one)."""
+    draft length of an adaptive schedule (i32[0] without one); alpha f32[B,G]: the
+    schedule's acceptance estimates at the end (f32[0, 0] without one; the next run can
+    start from them, `speculative_loop`'s alpha0)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -236,6 +238,7 @@ class LoopResult:
     accepted: jax.Array
     reached: jax.Array
     chosen: jax.Array
+    alpha: jax.Array
 
 
 def _is_eos(tokens, eos_ids):
@@ -323,8 +326,9 @@ def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
 
 def _result(s: LoopState) -> LoopResult:
     chosen = jnp.zeros((0,), jnp.int32) if s.adapt is None else s.adapt.chosen
+    alpha = jnp.zeros((0, 0), jnp.float32) if s.adapt is None else s.adapt.alpha
     return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted, s.reached,
-                      chosen)
+                      chosen, alpha)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
@@ -573,9 +577,10 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     wants_logits = getattr(drafter, "reads_logits", False)
     full = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
 
-    def start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState:
+    def start(params, drafter_params, prompts, prompt_lengths, budgets, key,
+              alpha0=None) -> LoopState:
         s = start_full(params, drafter_params, prompts, prompt_lengths, budgets, key)
-        return s.replace(adapt=adaptive.init_state(sched, prompts.shape[0]))
+        return s.replace(adapt=adaptive.init_state(sched, prompts.shape[0], alpha0))
 
     def autoregressive(params, drafter_params, s: LoopState) -> LoopState:
         model = nnx.merge(graphdef, params)
@@ -635,7 +640,7 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
 def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
-                     prompts, prompt_lengths, budgets, key, costs=None):
+                     prompts, prompt_lengths, budgets, key, costs=None, alpha0=None):
     """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
     `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
@@ -646,11 +651,16 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     `compact_path`). The phases are `_speculative_phases`'.
     With `cfg.schedule` (an adaptive draft length, `_adaptive_phases`), costs f32[n] are
     the milliseconds per step at each of the schedule's choices (the cost table: a
-    run-time input, so a new table needs no recompilation).
+    run-time input, so a new table needs no recompilation), and alpha0 f32[G] (or
+    f32[B,G]) the acceptance estimates the schedule starts from (None: its prior; a
+    previous run's `LoopResult.alpha` carries what it learned).
     """
     if cfg.schedule is not None:
-        start, _, adaptive_step = _adaptive_phases(graphdef, drafter, cfg)
+        start_adaptive, _, adaptive_step = _adaptive_phases(graphdef, drafter, cfg)
         costs = jnp.ones((len(cfg.schedule.choices),), jnp.float32) if costs is None else costs
+
+        def start(*args):
+            return start_adaptive(*args, alpha0=alpha0)
 
         def step(s: LoopState) -> LoopState:
             return adaptive_step(params, drafter_params, s, costs)
