@@ -147,7 +147,11 @@ def render(res: dict) -> str:
              f"batch, {res['new_tokens']} new tokens, EOS on, T = 1 with block "
              "verification; shipped weights in checkpoints/demo). Speedup = tokens/s over "
              "autoregressive decoding, measured in the same run. auto's cost table was "
-             "measured on the first batch (calibration, not counted).", "",
+             "measured on the first batch (calibration, not counted).",
+             *[f"Rows of {d} were measured earlier, at git {g} ({day}), and kept by "
+               "`--append`." for d, g, day in sorted(
+                   {(r["drafter"], r["git"], r["date"]) for r in res["runs"]
+                    if r.get("git", res["git"]) != res["git"]})], "",
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
              "(every choice at B=1, G above) | auto / best fixed | identical |",
              "|" + "---|" * 10]
@@ -203,7 +207,10 @@ def main(argv=None) -> int:
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]
         new = {key(r) for r in res["runs"]}
-        old = [r for r in json.load(open(args.json))["runs"] if key(r) not in new]
+        prev = json.load(open(args.json))
+        # rows kept from the file keep the commit and date they were measured at
+        old = [dict(r, git=r.get("git", prev["git"]), date=r.get("date", prev["date"]))
+               for r in prev["runs"] if key(r) not in new]
         order = list(DRAFTERS)
         res["runs"] = sorted(old + res["runs"], key=lambda r: (
             order.index(r["drafter"]), r["temperature"], r["batch"]))
