@@ -764,14 +764,22 @@ def table_simulated(results: dict) -> str:
 
 
 def table_loop(results: dict) -> str:
+    """The in-loop table; a T = 1 column that no run measured (`--settings` left it
+    out) is dropped and named below the table instead of showing "not yet measured"
+    in every row."""
+    optional = [("tau T=1 token", "tau_t1_token"), ("tau T=1 block", "tau_t1_block"),
+                ("speedup T=1 token", "speedup_t1_token"),
+                ("speedup T=1 block", "speedup_t1_block")]
+    cols = [(h, k) for h, k in optional
+            if any(interval(results, n, k) is not None for n in MATRIX)]
+    dropped = [h for h, k in optional if (h, k) not in cols]
     lines = ["| drafter | seeds | tau T=0 [95% CI] | vs eagle3 | alpha_0..alpha_6 T=0 "
-             "| speedup T=0 [95% CI] | T=0 == AR | tau T=1 token | tau T=1 block "
-             "| speedup T=1 token | speedup T=1 block |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| speedup T=0 [95% CI] | T=0 == AR |" + "".join(f" {h} |" for h, _ in cols),
+             "|" + "---|" * (7 + len(cols))]
     for n in MATRIX:
         tau = interval(results, n, "tau_t0")
         if tau is None:
-            lines.append(f"| {LABELS[n]} | none | {MISSING} | | | | | | | | |")
+            lines.append(f"| {LABELS[n]} | none | {MISSING} |" + " |" * (4 + len(cols)))
             continue
         d = paired(results, n, "eagle3", "tau_t0") if n != "eagle3" else None
         al = alpha_point(results, n, "t0")
@@ -780,11 +788,11 @@ def table_loop(results: dict) -> str:
         lines.append(
             f"| {LABELS[n]} | {_seeds_cell(results, n)} | {_ci(tau)} "
             f"| {_ci(d, '+.2f') if n != 'eagle3' else '-'} | {' '.join(_f(x) for x in al)} "
-            f"| {_ci(interval(results, n, 'speedup_t0'))} | {sum(same)}/{len(same)} "
-            f"| {_ci(interval(results, n, 'tau_t1_token'))} "
-            f"| {_ci(interval(results, n, 'tau_t1_block'))} "
-            f"| {_ci(interval(results, n, 'speedup_t1_token'))} "
-            f"| {_ci(interval(results, n, 'speedup_t1_block'))} |")
+            f"| {_ci(interval(results, n, 'speedup_t0'))} | {sum(same)}/{len(same)} |"
+            + "".join(f" {_ci(interval(results, n, k))} |" for _, k in cols))
+    if dropped:
+        lines += ["", "Not measured in any run (`measure --settings` left them out): "
+                  + ", ".join(dropped) + "."]
     return "\n".join(lines)
 
 
