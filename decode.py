@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "probabilities) is below this; the rest of the G positions get a "
                          "filler the target rejects unless it agrees (output unchanged). "
                          "0: always draft G")
+    ap.add_argument("--draft-window", type=int, default=None, metavar="W",
+                    help="learned drafters: read only the last W context positions of the "
+                         "target's hidden states or K/V when drafting (long contexts: the "
+                         "drafter's attention stops growing with the context). Output "
+                         "unchanged: the target verifies every draft (default: all)")
     ap.add_argument("--kernels", choices=("auto", "off", "reference", "pallas"),
                     default="auto",
                     help="verification: pallas = the fused Pallas kernel from the target's "
@@ -281,7 +286,8 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
     key = adaptive.table_key(
         target=cfg, dtype=dtype, drafter=loaded.name, drafter_gamma=loaded.gamma,
         drafter_dtype=args.drafter_dtype, matmul_dtype=args.matmul_dtype,
-        draft_vocab=args.draft_vocab, draft_stop=args.draft_stop, batch=args.batch_size,
+        draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
+        draft_window=args.draft_window, batch=args.batch_size,
         max_length=max_length, prompt_width=prompt_width,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
@@ -390,6 +396,7 @@ def run(args) -> int:
                           sampling=sampling,
                           dtype=dtype, matmul_dtype=args.drafter_dtype,
                           draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
+                          draft_window=args.draft_window,
                           verify=args.verify, num_drafts=args.num_drafts,
                           tree_nodes=args.tree_nodes if args.tree_topk is None else None)
     drafter, dparams, drafter_arg = loaded.drafter, loaded.params, loaded.name
@@ -473,7 +480,8 @@ def run(args) -> int:
                "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma, drafter)
                                   if drafter is not None else 1),
                "batch_size": args.batch_size, "prompts": len(prompts), "chat": chat,
-               "mesh": dict(mesh.shape) if mesh is not None else None}
+               "mesh": dict(mesh.shape) if mesh is not None else None,
+               "draft_window": args.draft_window}
     if timing is not None:
         summary.update(timing)
     if schedule is not None:

@@ -158,7 +158,8 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
 def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
                  sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
                  draft_stop: float = 0.0, verify: str | None = None,
-                 num_drafts: int = 1, tree_nodes: int | None = None) -> LoadedDrafter:
+                 num_drafts: int = 1, tree_nodes: int | None = None,
+                 draft_window: int | None = None) -> LoadedDrafter:
     """The drafter `spec` names, for `target`, as decode.py's --drafter takes it.
 
     Args:
@@ -182,10 +183,14 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         them: "logitspec" needs verify "token" when sampling (its tree is not K i.i.d.
         drafts) and makes its own tree (num_drafts 1).
       tree_nodes: "logitspec"'s node budget N (None: its default).
+      draft_window: a learned or external drafter reads only the last `draft_window`
+        context positions at decoding (`LearnedDrafter.window`; None: all of them).
     Returns: LoadedDrafter(drafter, params, name, gamma); the arguments are not changed.
     Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
-      the target, a draft_stop given to a drafter that cannot stop early, or "logitspec"
-      with verify "block" at temperature > 0 or num_drafts > 1.
+      the target, a draft_stop given to a drafter that cannot stop early, a draft_window
+      below 1 or given to a drafter without a context window (none, ngram, logitspec, a
+      draft LM), or "logitspec" with verify "block" at temperature > 0 or
+      num_drafts > 1.
     """
     from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
@@ -199,6 +204,24 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     if draft_stop and not learned:
         raise SpecjaxError(f"--draft-stop: only learned eagle3, hybrid and medc drafters "
                            f"stop early, not --drafter {name}")
+    if draft_window is not None:
+        if draft_window < 1:
+            raise SpecjaxError(f"--draft-window={draft_window} must be >= 1")
+        if name in ("none", "ngram", "logitspec"):
+            raise SpecjaxError(f"--draft-window: only learned drafters (eagle3, medc, "
+                               f"hybrid, kv, block, external heads) read a context window, "
+                               f"not --drafter {name}")
+
+    def windowed(drafter):
+        if draft_window is None:
+            return drafter
+        import dataclasses
+
+        if not any(f.name == "window" for f in dataclasses.fields(drafter)):
+            raise SpecjaxError(f"--draft-window: only learned drafters (eagle3, medc, "
+                               f"hybrid, kv, block, external heads) read a context window, "
+                               f"not the draft LM {name}")
+        return dataclasses.replace(drafter, window=draft_window)
     if name == "none":
         return LoadedDrafter(None, None, name, None)
     if name == "ngram":
@@ -226,19 +249,19 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         drafter, dparams = load_learned_drafter(
             name, target.model, target.path, gamma, sampling, dtype, matmul_dtype=mm,
             draft_vocab=draft_vocab, stop_below=draft_stop)
-        return LoadedDrafter(drafter, dparams, name, drafter.gamma)
+        return LoadedDrafter(windowed(drafter), dparams, name, drafter.gamma)
     from specjax.drafters.external import detect_layout, load_external
 
     if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
         drafter, dparams = load_external(name, target.model, gamma=gamma, sampling=sampling,
                                          dtype=dtype, matmul_dtype=mm, draft_vocab=draft_vocab)
-        return LoadedDrafter(drafter, dparams, name, drafter.gamma)
+        return LoadedDrafter(windowed(drafter), dparams, name, drafter.gamma)
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.models.checkpoint import load_model
 
     G = gamma or DEFAULT_GAMMA
     drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), G, sampling, V)
-    return LoadedDrafter(drafter, dparams, name, G)
+    return LoadedDrafter(windowed(drafter), dparams, name, G)
 
 
 __all__ = ["DEFAULT_GAMMA", "DEMO_DIR", "DEMO_DRAFTERS", "DEMO_PROMPTS", "DEMO_TARGET",

@@ -23,11 +23,27 @@ NEG = -1e30
 
 class Limit(NamedTuple):
     """A source mask given by position: slot s is visible to query t of row b iff
-    s <= pos[b, t] (pos i32[B,T]). Long sources given this way are read in chunks up to
-    the largest visible slot (`specjax.models.attention`), so their cost follows the context;
-    with a `kernel` they go through it instead."""
+    s <= pos[b, t] (pos i32[B,T]), and, with a window, s >= lo[b, t] (lo i32[B,T] or
+    None: `window_lo`). Long sources given this way are read in chunks from the smallest
+    lo to the largest visible slot (`specjax.models.attention`), so their cost follows the
+    context, or the window; with a `kernel` an unwindowed Limit source goes through it
+    instead (a windowed one stays on the jnp path: the kernel has no lower bound)."""
 
     pos: jax.Array
+    lo: jax.Array | None = None
+
+
+def window_lo(pos, window: int | None):
+    """The first visible slot of a draft window of `window` slots ending at pos i32[...]
+    (None: no window): pos - window + 1, at least 0. `--draft-window` (docs/long_context.md)."""
+    if window is None:
+        return None
+    return jnp.maximum(pos - (window - 1), 0).astype(jnp.int32)
+
+
+def windowed(pos, window: int | None) -> Limit:
+    """Limit(pos) read through a draft window of `window` slots (None: all of them)."""
+    return Limit(pos, window_lo(pos, window))
 
 
 class Blocks(NamedTuple):
@@ -77,7 +93,7 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = (),
             parts.append(_blocks_part(qg, k, v, mask.size, scale))
             continue
         if isinstance(mask, Limit):
-            if kernel is not None:
+            if kernel is not None and mask.lo is None:
                 o, lse = kernel(q, k, v, jnp.maximum(mask.pos + 1, 0).astype(jnp.int32))
                 lse = lse.reshape(B, T, K, R).transpose(0, 2, 3, 1)  # [B,K,R,T]
                 parts.append((lse, jnp.where(jnp.isfinite(lse), 1.0, 0.0),
@@ -86,12 +102,18 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = (),
                 continue
             if k.shape[2] > ATTEND_CHUNK:
                 qf = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)  # row r*T + t
+                lo = None if mask.lo is None else jnp.tile(mask.lo, (1, R))
                 m, l, acc = cache_attention_stats(qf, k, v, jnp.tile(mask.pos, (1, R)),
-                                                  chunk=ATTEND_CHUNK, dot_dtype=q.dtype)
+                                                  chunk=ATTEND_CHUNK, dot_dtype=q.dtype,
+                                                  q_lo=lo)
                 parts.append((m.reshape(B, K, R, T), l.reshape(B, K, R, T),
                               acc.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)))
                 continue
-            mask = jnp.arange(k.shape[2])[None, None, :] <= mask.pos[:, :, None]
+            slots = jnp.arange(k.shape[2])[None, None, :]
+            lo = mask.lo
+            mask = slots <= mask.pos[:, :, None]
+            if lo is not None:
+                mask = mask & (slots >= lo[:, :, None])
         s = jnp.einsum("BTKRH,BKSH->BKRTS", qg, k, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(mask[:, None, None], s, NEG))
         values.append(("full", v))

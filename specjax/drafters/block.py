@@ -29,7 +29,7 @@ from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
-from specjax.drafters.attend import Blocks, Limit, attend
+from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_from_target, memory_update, merge_init, scatter_positions
@@ -183,7 +183,8 @@ class BlockDrafter(LearnedDrafter):
         for cache in (state.hidden, state.memory):
             if cache is not None:
                 # context strictly before the anchor, read up to the longest row only
-                visible = Limit(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)))
+                visible = windowed(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)),
+                                   self.window)
                 contexts.append(((cache.k, cache.v), visible))
         out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
                             params["inv_freq"], self.attention)

@@ -29,7 +29,7 @@ from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
-from specjax.drafters.attend import Limit, attend
+from specjax.drafters.attend import Limit, attend, windowed
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_update, ttt_memory
@@ -148,7 +148,8 @@ class Eagle3(nnx.Module):
             h = out
         return jnp.stack(outs), (None if gates[0] is None else jnp.stack(gates))
 
-    def mix_memory(self, out, q_positions, limit, memory, inv_freq, kernel=None):
+    def mix_memory(self, out, q_positions, limit, memory, inv_freq, kernel=None,
+                   window=None):
         """Hook for the hybrid's cross-attention path over the merged target memory
         (identity here); returns (out, gate or None). See Hybrid.mix_memory."""
         return out, None
@@ -176,10 +177,11 @@ class Eagle3Drafter(LearnedDrafter):
         cos, sin = layers.rope_cos_sin(params["inv_freq"], positions, net.dtype)
         q, k, v = net.project(emb, g, cos, sin)
         cache = _write(cache, k, v, positions)
-        attn = attend(q, [(cache.k[0], cache.v[0], _visible(positions))],
+        attn = attend(q, [(cache.k[0], cache.v[0], windowed(positions, self.window))],
                       kernel=self.attention)
         out, _ = net.mix_memory(net.finish(g, attn), positions, positions,
-                                _first_memory(memory), params["inv_freq"], self.attention)
+                                _first_memory(memory), params["inv_freq"], self.attention,
+                                window=self.window)
         return out, cache
 
     def _memory(self, net, params, memory, view, positions):
@@ -260,7 +262,7 @@ class Eagle3Drafter(LearnedDrafter):
         B, n = x.shape[0], self.gamma - 1
         pos0 = (view.lengths - 1)[:, None]  # the first draft entry's position
         anchor = pos0 - 1  # the last committed entry: cache and memory slots <= it
-        committed = Limit(anchor)
+        committed = windowed(anchor, self.window)
         c = self.cfg
         empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
 
@@ -278,7 +280,7 @@ class Eagle3Drafter(LearnedDrafter):
                                (dk, dv, drafts)], kernel=self.attention)
             out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
-                                    self.attention)
+                                    self.attention, window=self.window)
             lg = self.logits(net, net.readout(out, emb)[:, 0], params)
             nxt, probs = sample_logits(k, lg, self.sampling)
             return dk, dv, out[:, 0], nxt, probs, lg
@@ -361,7 +363,7 @@ class Eagle3Drafter(LearnedDrafter):
         S = max(n * K, 1)  # draft-entry buffer: forward j writes slots j*K .. j*K+K-1
         empty = jnp.zeros((B, c.num_kv_heads, S, c.head_dim), state.cache.k.dtype)
         anchor = jnp.broadcast_to((view.lengths - 2)[:, None], (B, K))  # last committed
-        committed = Limit(anchor)
+        committed = windowed(anchor, self.window)
         slot = jnp.arange(S, dtype=i32)
         own = jnp.arange(K, dtype=i32)
 
@@ -380,7 +382,7 @@ class Eagle3Drafter(LearnedDrafter):
                                (dk, dv, mine)], kernel=self.attention)
             out, _ = net.mix_memory(net.finish(h, attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
-                                    self.attention)
+                                    self.attention, window=self.window)
             logp = jax.nn.log_softmax(self.logits(net, net.readout(out, emb), params),
                                       axis=-1)  # [B,K,V]
             cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children
@@ -452,12 +454,6 @@ def _write(cache: KVCache, k, v, positions) -> KVCache:
     b = jnp.arange(k.shape[0])[:, None]
     return cache.replace(k=cache.k.at[0, b, :, positions].set(k, mode="drop"),
                          v=cache.v.at[0, b, :, positions].set(v, mode="drop"))
-
-
-def _visible(positions):
-    """Slot s is visible to the entry at positions[b,t] iff s <= it (a `Limit`:
-    a long cache is read only up to the largest position)."""
-    return Limit(positions)
 
 
 def _entry_at(x, idx):

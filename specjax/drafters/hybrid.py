@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters import registry
-from specjax.drafters.attend import Limit, attend
+from specjax.drafters.attend import attend, windowed
 from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.eagle3 import Eagle3, Eagle3Drafter, Eagle3Kind, eagle3_capture
 from specjax.drafters.memory import merge_init
@@ -44,11 +44,13 @@ class Hybrid(Eagle3):
         self.gate_b = nnx.Param(jnp.zeros((D,), dtype))
         self.gate_d = nnx.Param(jnp.asarray(np.eye(D), dtype))
 
-    def mix_memory(self, n, q_positions, limit, memory, inv_freq, kernel=None):
+    def mix_memory(self, n, q_positions, limit, memory, inv_freq, kernel=None,
+                   window=None):
         """n [B,T,D] (the EAGLE-3 output) -> (h [B,T,D], gate [B,T,D]).
 
         q_positions i32[B,T]: RoPE positions of the queries; limit i32[B,T]: memory slots
-        <= limit are visible; memory: (k, v) [B,K,S,H] with slot s = position s;
+        <= limit are visible (with a draft window of `window` slots, only the last
+        `window` of them); memory: (k, v) [B,K,S,H] with slot s = position s;
         kernel: the attention kernel of `attend` (None: jnp).
         """
         c = self.cfg
@@ -59,7 +61,8 @@ class Hybrid(Eagle3):
         q = linear(x, self.cross_q[...]).reshape(B, T, c.num_heads, c.head_dim)
         cos, sin = layers.rope_cos_sin(inv_freq, q_positions, n.dtype)
         q = layers.apply_rope(layers.rms_norm(q, self.cross_q_norm[...], eps), cos, sin)
-        o = n + linear(attend(q, [(mk, mv, Limit(limit))], kernel=kernel), self.cross_o[...])
+        o = n + linear(attend(q, [(mk, mv, windowed(limit, window))], kernel=kernel),
+                       self.cross_o[...])
         g = jax.nn.sigmoid(linear(jnp.concatenate([n, o, o - n], -1), self.gate_w[...])
                            + self.gate_b[...])
         return n + g * linear(o - n, self.gate_d[...]), g

@@ -27,7 +27,7 @@ from specjax.decoding.kernel_policy import AttentionKernel
 from specjax.decoding.sampling import ranked_choice, sample_logits
 from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
-from specjax.drafters.attend import Limit, attend
+from specjax.drafters.attend import Limit, attend, windowed
 from specjax.drafters.config import DrafterConfig, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_update, merge_init, ttt_memory
@@ -104,7 +104,7 @@ class KVDrafter(LearnedDrafter):
         c, G = self.cfg, self.gamma
         B = view.lengths.shape[0]
         limit = (view.lengths - 2)[:, None]  # memory slots <= limit are committed
-        mem_mask = Limit(limit)  # the memory is read up to the longest row only
+        mem_mask = windowed(limit, self.window)  # read up to the longest row only
         own_shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
         slots = jnp.arange(G)
         pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
@@ -157,7 +157,7 @@ class KVDrafter(LearnedDrafter):
         B = view.lengths.shape[0]
         i32 = jnp.int32
         S = 1 + (G - 1) * K  # own entries: slot 0 the pending token, then K per depth
-        mem_mask = Limit(jnp.broadcast_to((view.lengths - 2)[:, None], (B, K)))
+        mem_mask = windowed(jnp.broadcast_to((view.lengths - 2)[:, None], (B, K)), self.window)
         slot = jnp.arange(S, dtype=i32)
 
         def forward(own_k, own_v, toks, pos, first: int, mine):
@@ -166,7 +166,7 @@ class KVDrafter(LearnedDrafter):
             T = toks.shape[1]
             cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
             x = jnp.take(params["embed"], toks, axis=0)
-            mem = Limit(mem_mask.pos[:, :T])
+            mem = Limit(mem_mask.pos[:, :T], None if mem_mask.lo is None else mem_mask.lo[:, :T])
             for i in range(c.num_layers):
                 q, kk, vv = layer_qkv(net, i, x, cos, sin)
                 own_k = own_k.at[i, :, :, first:first + T].set(

@@ -31,6 +31,11 @@ class LearnedDrafter:
     # The attention kernel of every `attend` over a `Limit` source (None: the jnp path),
     # fixed by the loop's or trainer's static configuration (`specjax.decoding.kernel_policy`).
     attention: AttentionKernel | None = None
+    # Draft window (`--draft-window`, docs/long_context.md): at decoding, the drafter reads
+    # only the last `window` context positions of its context (its own cache of the
+    # target's features, the target's K/V memory, the block drafter's context); None:
+    # all of them. Output stays exact: the target verifies every draft.
+    window: int | None = None
 
     @property
     def capture(self) -> tuple[int, ...]:

@@ -65,13 +65,16 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
     return acc / l[..., None]
 
 
-def _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of):
+def _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of, q_lo=None):
     """Online-softmax statistics (m, l, acc) f32 [B,K,Q], [B,K,Q], [B,K,Q,H] over the
-    chunks that hold a visible slot (see `cache_attention`)."""
+    chunks that hold a visible slot (see `cache_attention`); with q_lo i32[B,Q] (the
+    first visible slot of each query) the chunks wholly below every query's q_lo are
+    skipped too."""
     B, K, Q, H = qd.shape
     S = k.shape[-2]
     n_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks holding a visible slot
     n_chunks = jnp.clip(n_chunks, 1, -(-S // chunk))
+    first = 0 if q_lo is None else jnp.clip(jnp.min(q_lo) // chunk, 0, n_chunks - 1)
 
     def body(i, carry):
         m, l, acc = carry
@@ -91,14 +94,16 @@ def _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of):
 
     init = (jnp.full((B, K, Q), NEG, jnp.float32), jnp.zeros((B, K, Q), jnp.float32),
             jnp.zeros((B, K, Q, H), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    m, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
     return m, l, acc
 
 
 def cache_attention_stats(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=None,
-                          layer=None):
+                          layer=None, q_lo=None):
     """The unnormalised online-softmax statistics of `cache_attention` (same arguments),
-    for callers that merge several key/value sources under one softmax.
+    for callers that merge several key/value sources under one softmax. q_lo: None, or
+    i32[B,Q] the first visible slot of each query (a window: slots q_lo..q_pos; the
+    chunks below every query's q_lo are not read).
 
     Returns (m, l, acc): f32 [B,K,Q] running max of the scores, f32 [B,K,Q] sum of
     exp(score - m), f32 [B,K,Q,H] sum of exp(score - m) * value; the attention is
@@ -106,11 +111,11 @@ def cache_attention_stats(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dty
     if chunk <= 0:
         raise ValueError(f"chunk={chunk} must be positive")
     chunk = min(chunk, k.shape[-2])
-    qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer)
-    return _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of)
+    qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer, q_lo)
+    return _chunk_loop(qd, k, v, q_pos, chunk, rows, scores_of, values_of, q_lo)
 
 
-def _parts(q, q_pos, dot_dtype, layer):
+def _parts(q, q_pos, dot_dtype, layer, q_lo=None):
     """(q in the dot dtype, rows(x, start, size) -> [B,K,size,H] slots of the layer,
     scores_of(k_chunk, slots) -> masked f32 scores [B,K,Q,size], values_of(p, v_chunk)
     -> f32 [B,K,Q,H])."""
@@ -129,7 +134,10 @@ def _parts(q, q_pos, dot_dtype, layer):
     def scores_of(kc, slots):
         s = jnp.einsum("BKQH,BKSH->BKQS", qd, kc.astype(dt),
                        preferred_element_type=jnp.float32) * scale
-        return jnp.where(slots[None, None, None, :] <= q_pos[:, None, :, None], s, NEG)
+        seen = slots[None, None, None, :] <= q_pos[:, None, :, None]
+        if q_lo is not None:
+            seen = seen & (slots[None, None, None, :] >= q_lo[:, None, :, None])
+        return jnp.where(seen, s, NEG)
 
     def values_of(p, vc):
         return jnp.einsum("BKQS,BKSH->BKQH", p.astype(dt), vc.astype(dt),
