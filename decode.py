@@ -105,8 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--verify", choices=("token", "block"), default="block",
-                    help="verification rule when sampling (greedy at temperature 0)")
+    ap.add_argument("--verify", choices=("token", "block", "fly"), default="block",
+                    help="verification rule when sampling (greedy at temperature 0); fly = "
+                         "LOSSY FLy loose verification at temperature 0: a draft token "
+                         "that is not the target's choice is accepted where the target is "
+                         "unsure and agrees with the drafts after it (the output is NOT the "
+                         "target's; docs/long_context.md)")
+    ap.add_argument("--fly-window", type=int, default=None, metavar="W",
+                    help="--verify fly (LOSSY): a mismatch is accepted when the next W-1 "
+                         "drafts match the target (default 6, the authors')")
+    ap.add_argument("--fly-entropy", type=float, default=None, metavar="NATS",
+                    help="--verify fly (LOSSY): never accept a mismatch where the target's "
+                         "top-3 entropy is below this (default 0.3; inf = greedy)")
     ap.add_argument("--num-drafts", type=int, default=1, metavar="K",
                     help="drafts per step, verified as one draft tree of 1 + K*G nodes (at "
                          "temperature 0 the drafter's top-K first tokens, each continued "
@@ -230,6 +240,21 @@ def validate_flags(args) -> None:
             raise SpecjaxError("--tree-topk with sampling needs --verify token (block "
                                "verification of several drafts needs independent drafts: "
                                "--num-drafts)")
+    if args.verify != "fly" and (args.fly_window is not None or args.fly_entropy is not None):
+        raise SpecjaxError("--fly-window and --fly-entropy go with --verify fly")
+    if args.verify == "fly":
+        if args.temperature > 0:
+            raise SpecjaxError("--verify fly (lossy) runs at --temperature 0 only")
+        if args.num_drafts > 1 or args.tree_topk is not None or args.drafter == "logitspec":
+            raise SpecjaxError("--verify fly (lossy) verifies one chain: no --num-drafts, "
+                               "--tree-topk or logitspec")
+        if args.drafter == "none":
+            raise SpecjaxError("--verify fly needs a drafter (--drafter none decodes "
+                               "autoregressively)")
+        if args.fly_window is not None and args.fly_window < 1:
+            raise SpecjaxError(f"--fly-window={args.fly_window} must be >= 1")
+        if args.fly_entropy is not None and not args.fly_entropy >= 0:
+            raise SpecjaxError(f"--fly-entropy={args.fly_entropy} must be >= 0 (nats)")
     if args.num_drafts > 1 and args.drafter == "none":
         raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
                            "autoregressively)")
@@ -243,8 +268,26 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--output and --summary both name {args.output}; pass two files")
 
 
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How close lossy outputs are to the lossless ones, prompt by prompt:
+    {"prefix_tokens": mean tokens before the first difference, "token_agreement": the
+    fraction of the reference's positions where both hold the same token,
+    "identical_rows": rows that are equal}."""
+    prefix, same, total, rows = [], 0, 0, 0
+    for o, r in zip(outputs, reference, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), min(len(o), len(r)))
+        prefix.append(n)
+        same += sum(a == b for a, b in zip(o, r, strict=False))
+        total += max(len(r), 1)
+        rows += o == r
+    return {"prefix_tokens": sum(prefix) / max(len(prefix), 1),
+            "token_agreement": same / max(total, 1), "identical_rows": rows}
+
+
 def _format_table(summary: dict) -> str:
-    rows = [("new tokens", f"{summary['new_tokens']}"),
+    rows = [("verification", "fly: LOSSY, the output is not the target's")] if summary.get(
+        "lossy") else []
+    rows += [("new tokens", f"{summary['new_tokens']}"),
             ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),
             ("compile (s)", f"{summary['compile_s']:.2f}"),
             ("tokens/s", f"{summary['tokens_per_s']:.1f}")]
@@ -267,6 +310,11 @@ def _format_table(summary: dict) -> str:
         rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))
         if summary.get("ar_identical") is not None:
             rows.append(("identical to AR", str(summary["ar_identical"])))
+        agree = summary.get("ar_agreement")
+        if agree:
+            rows.append(("LOSSY: agreement", f"{agree['prefix_tokens']:.1f} tokens before the "
+                                             f"first difference (mean), "
+                                             f"{agree['token_agreement']:.1%} of positions"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
@@ -413,7 +461,13 @@ def run(args) -> int:
         from specjax.data.chat import end_of_turn_ids
 
         eos = eos + tuple(i for i in end_of_turn_ids(tokenizer) if i not in eos)
-    common = dict(sampling=sampling, verify=args.verify, max_length=max_length,
+    verify = args.verify
+    if verify == "fly":
+        from specjax.decoding.fly import FlyVerify
+
+        verify = FlyVerify(window=6 if args.fly_window is None else args.fly_window,
+                           threshold=0.3 if args.fly_entropy is None else args.fly_entropy)
+    common = dict(sampling=sampling, verify=verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
     schedule, costs, table = None, None, None
@@ -474,7 +528,11 @@ def run(args) -> int:
                "tau": st.tau if drafter is not None else None,
                "alpha": st.alpha if drafter is not None else [],
                "drafter": drafter_arg, "gamma": loaded.gamma if drafter is not None else 0,
-               "verify": "greedy" if sampling.greedy else args.verify,
+               "verify": (args.verify if args.verify == "fly"
+                          else "greedy" if sampling.greedy else args.verify),
+               "lossy": args.verify == "fly",
+               "fly": ({"window": verify.window, "entropy_threshold": verify.threshold}
+                       if args.verify == "fly" else None),
                "kernels": engines["main"].cfg.kernels,
                "num_drafts": engines["main"].cfg.num_drafts,
                "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma, drafter)
@@ -498,6 +556,8 @@ def run(args) -> int:
         summary["speedup"] = st.tokens_per_s / ar.tokens_per_s
         if "ar" in outputs and sampling.greedy:
             summary["ar_identical"] = outputs["ar"] == outputs["main"]
+            if args.verify == "fly":  # how far the lossy output is from the target's
+                summary["ar_agreement"] = agreement(outputs["main"], outputs["ar"])
 
     records = []
     for (pid, prompt_ids), ids in zip(prompts, outputs["main"], strict=True):

@@ -48,7 +48,9 @@ class LoopConfig:
     sampling: target (and drafter) filtering.
     eos_token_ids: tokens that stop a row (empty: only budgets stop rows).
     verify: "greedy", "token", "block", or a VerifyFn (tests inject biased ones);
-      with temperature 0 every rule is replaced by greedy.
+      with temperature 0 every rule is replaced by greedy, except a LOSSY rule
+      (`specjax.decoding.fly.FlyVerify`, temperature 0 only: ValueError otherwise), which
+      reads the target's softmax through its `probs` and replaces greedy.
     kernels: how verification runs. "off": `specjax.decoding.verify` on the filtered
       probabilities; "reference" / "pallas": `pallas_kernels.verify.verify_logits`
       straight from the target's logits, as jnp or as Pallas kernels (interpret mode on
@@ -112,6 +114,8 @@ class LoopConfig:
                 raise ValueError(f"{name}={value} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
+        if getattr(self.verify, "lossy", False) and not self.sampling.greedy:
+            raise ValueError("a lossy verification rule (FLy) runs at temperature 0 only")
 
     def prefill_sizes(self) -> tuple[int, ...]:
         """The prefill's static piece sizes, largest first (`specjax.models.prefill.prefill_pieces`)."""
@@ -202,6 +206,8 @@ class LoopConfig:
         raise ValueError(f"verify={self.verify!r} has no draft-tree form (num_drafts > 1)")
 
     def verifier(self) -> VerifyFn:
+        if getattr(self.verify, "lossy", False):  # FLy (specjax.decoding.fly): T = 0 only
+            return self.verify
         if self.sampling.greedy:
             return VERIFIERS["greedy"]
         return VERIFIERS[self.verify] if isinstance(self.verify, str) else self.verify
@@ -513,7 +519,8 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
             if fused is not None:
                 tau, nxt = fused(out.logits, draft, q, k_verify)
             else:
-                p = filtered_probs(out.logits, cfg.sampling)
+                p = (verify.probs(out.logits) if hasattr(verify, "probs")
+                     else filtered_probs(out.logits, cfg.sampling))
                 tau, nxt = verify(draft, q, p, k_verify)
         tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
         cache = out.cache.rewind(lengths - 1)
