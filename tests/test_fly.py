@@ -87,8 +87,15 @@ def test_degenerate_fly_is_greedy_in_the_loop(fly):
     from flax import nnx
 
     from specjax.decoding.generate import speculative_loop
-    from tests.test_speculative_greedy import BUDGETS, TP, make_drafter, models, prompts
-    from tests.test_speculative_greedy import rows, run_ar
+    from tests.test_speculative_greedy import (
+        BUDGETS,
+        TP,
+        make_drafter,
+        models,
+        prompts,
+        rows,
+        run_ar,
+    )
 
     target, _ = models()
     g, p = nnx.split(target)
@@ -133,3 +140,22 @@ def test_decode_verify_fly(tiny_demo, tmp_path, capsys):
         assert decode.main([*common, "--drafter", learned, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_benchmark_render_and_committed_doc():
+    """benchmarks/fly.py's table says LOSSY; docs/long_context.md holds what
+    `--render-only` makes of the committed JSON, when there is one."""
+    import os
+
+    from benchmarks import fly as fb
+
+    rec = {"prompts": "bundled", "system": "fly W=3", "window": 3, "threshold": 0.3,
+           "tau": 5.0, "alpha": [], "tokens_per_s": 1.0, "ar_tokens_per_s": 1.0,
+           "speedup": 1.5, "prefix_tokens": 40.0, "token_agreement": 0.9,
+           "identical_rows": 3, "rows": 4, "nll": 0.5, "nll_lossless": 0.4}
+    res = {"runs": [rec], "prompts": 4, "new_tokens": 8, "gamma": 7, "git": "abc",
+           "date": "d", "cores": 2, "weights": "w"}
+    text = fb.render(res)
+    assert "LOSSY" in text and "| bundled | fly W=3 | 5.00 | 1.50x | 3/4 | 40.0 | 90.0% |" in text
+    if os.path.exists(fb.RESULTS):
+        assert fb.render(json.load(open(fb.RESULTS))) in open(fb.DOC).read()

@@ -1,0 +1,174 @@
+"""FLy loose verification (`--verify fly`, LOSSY; issue 33 section 3): what it gains in
+tau and speed and what it costs in fidelity, against greedy verification of the same
+drafter, at temperature 0.
+
+    python benchmarks/fly.py                  # the sweep below (about 6 min here)
+    python benchmarks/fly.py --render-only    # docs/long_context.md's table from the JSON
+
+For each prompt set (the first --prompts bundled demo prompts, and as many held-out ones
+cut from benchmarks/data/study2/val.npy, 96 tokens each) the shipped eagle3 drafter at
+G = 7 runs with greedy verification (lossless) and with FLy at several windows W and
+entropy thresholds; one autoregressive Engine runs interleaved with them, prompt by
+prompt, so speedups are ratios on the same machine state. Fidelity, against the
+autoregressive (= the target's greedy) output of each prompt:
+- prefix: tokens before the first difference (mean over prompts);
+- agreement: the share of the reference's positions holding the same token;
+- NLL: the target's own mean negative log-likelihood (nats per token) of the text each
+  system generated, teacher-forced after the prompt; the lossless text's NLL beside it.
+
+Results: benchmarks/results/fly.json and the `<!-- fly:results -->` section of
+docs/long_context.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "fly.json")
+DOC = os.path.join(ROOT, "docs", "long_context.md")
+TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
+EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
+VAL = os.path.join(ROOT, "benchmarks", "data", "study2", "val.npy")
+# (label, window, entropy threshold); None = greedy verification (lossless)
+SETTINGS = [("greedy", None, None), ("fly W=2", 2, 0.3), ("fly W=3", 3, 0.3),
+            ("fly W=4", 4, 0.3), ("fly W=6", 6, 0.3), ("fly W=3, H>=1.0", 3, 1.0)]
+
+
+def nll(model, prompt: list[int], output: list[int]) -> tuple[float, int]:
+    """(sum of -log p_target(token | everything before it) over `output`, its length),
+    teacher-forced in one cache-free forward."""
+    import jax
+    import jax.numpy as jnp
+
+    if not output:
+        return 0.0, 0
+    ids = jnp.asarray([prompt + output], jnp.int32)
+    pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    logits = model(ids, pos, None).logits[0].astype(jnp.float32)  # [T,V]
+    logp = jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1)
+    tgt = jnp.asarray(output, jnp.int32)
+    return float(-jnp.sum(jnp.take_along_axis(logp, tgt[:, None], axis=-1))), len(output)
+
+
+def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
+    import jax
+    import numpy as np
+
+    import decode
+    from benchmarks.kvshot_study2 import held_out_prompts
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.fly import FlyVerify
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.models.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(TARGET)
+    target = load_target(TARGET, dtype="float32", tokenizer=tok)
+    loaded = load_drafter(EAGLE3, target, gamma=7)
+    bundled = [ids for _, ids in decode.read_prompts(tok, target.cfg.vocab_size)[:n_prompts]]
+    sets = {"bundled": bundled, "held-out": [ids for _, ids in held_out_prompts(
+        VAL, n_prompts, 96, eos=target.cfg.eos_token_ids[0])]}
+    longest = max(len(p) for ps in sets.values() for p in ps)
+    max_length = longest + new_tokens
+    common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
+                  eos_token_ids=target.cfg.eos_token_ids)
+    ar = Engine(target.model, **common)
+    engines = {}
+    for label, w, h in SETTINGS:
+        verify = "block" if w is None else FlyVerify(window=w, threshold=h)
+        engines[label] = Engine(target.model, drafter=loaded.drafter,
+                                drafter_params=loaded.params, verify=verify, **common)
+    for e in [ar, *engines.values()]:
+        e.compile()
+        e.run([bundled[0]], new_tokens, jax.random.key(1))  # warm-up
+    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    runs = []
+    for set_name, prompts in sets.items():
+        stats = {k: Stats() for k in ["AR", *engines]}
+        outs = {k: [] for k in stats}
+        for i, p in enumerate(prompts):
+            for k, e in [("AR", ar), *engines.items()]:
+                out = e.run([p], new_tokens, jax.random.key(i))
+                stats[k].add(out)
+                outs[k].extend(out.outputs)
+        ref_nll = [nll(target.model, p, o) for p, o in zip(prompts, outs["AR"], strict=True)]
+        ref = sum(a for a, _ in ref_nll) / max(sum(n for _, n in ref_nll), 1)
+        for label, w, h in SETTINGS:
+            st = stats[label]
+            agree = decode.agreement(outs[label], outs["AR"])
+            mine = [nll(target.model, p, o) for p, o in zip(prompts, outs[label], strict=True)]
+            rec = {"prompts": set_name, "system": label, "window": w, "threshold": h,
+                   "tau": st.tau, "alpha": st.alpha, "tokens_per_s": st.tokens_per_s,
+                   "ar_tokens_per_s": stats["AR"].tokens_per_s,
+                   "speedup": st.tokens_per_s / stats["AR"].tokens_per_s,
+                   "prefix_tokens": agree["prefix_tokens"],
+                   "token_agreement": agree["token_agreement"],
+                   "identical_rows": agree["identical_rows"], "rows": len(prompts),
+                   "nll": sum(a for a, _ in mine) / max(sum(n for _, n in mine), 1),
+                   "nll_lossless": ref}
+            runs.append(rec)
+            log(f"[fly] {set_name} {label}: tau {st.tau:.2f} {rec['speedup']:.2f}x prefix "
+                f"{rec['prefix_tokens']:.1f} agreement {rec['token_agreement']:.1%} NLL "
+                f"{rec['nll']:.3f} (lossless {ref:.3f})")
+    import platform
+
+    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "gamma": 7,
+            "git": rev, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+            "numpy": np.__version__, "weights": os.path.relpath(EAGLE3, ROOT)}
+
+
+def render(res: dict) -> str:
+    lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, {res['date']}; "
+             f"weights {res['weights']}, G = {res['gamma']}; {res['prompts']} prompts per set "
+             f"x {res['new_tokens']} new tokens, T = 0, batch 1, EOS on). Rows marked fly are "
+             "LOSSY. prefix: tokens before the first difference from the target's greedy "
+             "output (mean); agreement: share of its positions with the same token; NLL: the "
+             "target's mean negative log-likelihood of the generated text (nats/token), the "
+             "lossless text's in brackets.", "",
+             "| prompts | system | tau | speedup | identical rows | prefix | agreement | "
+             "NLL (lossless) |", "|" + "---|" * 8]
+    for r in res["runs"]:
+        lines.append(f"| {r['prompts']} | {r['system']} | {r['tau']:.2f} | "
+                     f"{r['speedup']:.2f}x | {r['identical_rows']}/{r['rows']} | "
+                     f"{r['prefix_tokens']:.1f} | {r['token_agreement']:.1%} | "
+                     f"{r['nll']:.3f} ({r['nll_lossless']:.3f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(res: dict, doc: str = DOC) -> None:
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "fly:results", render(res))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--json", default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.render_only:
+        write_doc(json.load(open(args.json)))
+        return 0
+    res = measure(args.prompts, args.new_tokens)
+    with open(args.json + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(args.json + ".tmp", args.json)
+    if os.path.abspath(args.json) == RESULTS:
+        write_doc(res)
+    print(render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
