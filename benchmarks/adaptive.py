@@ -23,6 +23,7 @@ and the `<!-- adaptive:results -->` section of docs/adaptive.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -132,6 +133,11 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                       + f"; auto mean g {a['mean_draft_length']:.2f}; costs "
                       f"{rec['ms_per_step']}", file=sys.stderr, flush=True)
                 del engines, loaded
+                # XLA:CPU maps every compiled program into the process; a full sweep
+                # compiles hundreds and once died of "Cannot allocate memory" (the
+                # mapping limit) near its end: drop them once a setting is done
+                jax.clear_caches()
+                gc.collect()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
             "date": time.strftime("%Y-%m-%d"),
             "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
