@@ -268,22 +268,6 @@ def validate_flags(args) -> None:
         raise SpecjaxError(f"--output and --summary both name {args.output}; pass two files")
 
 
-def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
-    """How close lossy outputs are to the lossless ones, prompt by prompt:
-    {"prefix_tokens": mean tokens before the first difference, "token_agreement": the
-    fraction of the reference's positions where both hold the same token,
-    "identical_rows": rows that are equal}."""
-    prefix, same, total, rows = [], 0, 0, 0
-    for o, r in zip(outputs, reference, strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), min(len(o), len(r)))
-        prefix.append(n)
-        same += sum(a == b for a, b in zip(o, r, strict=False))
-        total += max(len(r), 1)
-        rows += o == r
-    return {"prefix_tokens": sum(prefix) / max(len(prefix), 1),
-            "token_agreement": same / max(total, 1), "identical_rows": rows}
-
-
 def _format_table(summary: dict) -> str:
     rows = [("verification", "fly: LOSSY, the output is not the target's")] if summary.get(
         "lossy") else []
@@ -557,6 +541,8 @@ def run(args) -> int:
         if "ar" in outputs and sampling.greedy:
             summary["ar_identical"] = outputs["ar"] == outputs["main"]
             if args.verify == "fly":  # how far the lossy output is from the target's
+                from specjax.decoding.fly import agreement
+
                 summary["ar_agreement"] = agreement(outputs["main"], outputs["ar"])
 
     records = []

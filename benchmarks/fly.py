@@ -62,17 +62,17 @@ def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
     import jax
     import numpy as np
 
-    import decode
     from benchmarks.kvshot_study2 import held_out_prompts
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.fly import FlyVerify
+    from specjax.decoding.fly import FlyVerify, agreement
     from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.prompts import read_prompts
     from specjax.models.checkpoint import load_tokenizer
 
     tok = load_tokenizer(TARGET)
     target = load_target(TARGET, dtype="float32", tokenizer=tok)
     loaded = load_drafter(EAGLE3, target, gamma=7)
-    bundled = [ids for _, ids in decode.read_prompts(tok, target.cfg.vocab_size)[:n_prompts]]
+    bundled = [ids for _, ids in read_prompts(tok, target.cfg.vocab_size)[:n_prompts]]
     sets = {"bundled": bundled, "held-out": [ids for _, ids in held_out_prompts(
         VAL, n_prompts, 96, eos=target.cfg.eos_token_ids[0])]}
     longest = max(len(p) for ps in sets.values() for p in ps)
@@ -103,7 +103,7 @@ def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
         ref = sum(a for a, _ in ref_nll) / max(sum(n for _, n in ref_nll), 1)
         for label, w, h in SETTINGS:
             st = stats[label]
-            agree = decode.agreement(outs[label], outs["AR"])
+            agree = agreement(outs[label], outs["AR"])
             mine = [nll(target.model, p, o) for p, o in zip(prompts, outs[label], strict=True)]
             rec = {"prompts": set_name, "system": label, "window": w, "threshold": h,
                    "tau": st.tau, "alpha": st.alpha, "tokens_per_s": st.tokens_per_s,

@@ -99,3 +99,19 @@ class FlyVerify:
         tau = jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
         nxt = jnp.take_along_axis(target, tau[:, None], axis=1)[:, 0]
         return Verdict(tau, nxt)
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How close lossy outputs are to the lossless ones, prompt by prompt:
+    {"prefix_tokens": mean tokens before the first difference, "token_agreement": the
+    fraction of the reference's positions where both hold the same token,
+    "identical_rows": rows that are equal}."""
+    prefix, same, total, rows = [], 0, 0, 0
+    for o, r in zip(outputs, reference, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), min(len(o), len(r)))
+        prefix.append(n)
+        same += sum(a == b for a, b in zip(o, r, strict=False))
+        total += max(len(r), 1)
+        rows += o == r
+    return {"prefix_tokens": sum(prefix) / max(len(prefix), 1),
+            "token_agreement": same / max(total, 1), "identical_rows": rows}
