@@ -97,3 +97,24 @@ def replace_doc_section(doc: str, tag: str, body: str, heading: str = "") -> Non
     with open(doc + ".tmp", "w") as f:
         f.write(text)
     os.replace(doc + ".tmp", doc)
+
+
+def git_rev(root: str) -> str:
+    """The short hash of HEAD in the checkout at `root` (the code a benchmark measured),
+    or "" outside a git checkout."""
+    import subprocess
+
+    return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def save_results(path: str, res: dict, committed: str, write_doc) -> None:
+    """Writes the results record `res` to `path` as JSON (atomically); when `path` is the
+    committed results file `committed`, `write_doc(res)` brings the doc's table along."""
+    import json
+
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+    if os.path.abspath(path) == committed:  # the committed figures: the doc follows
+        write_doc(res)

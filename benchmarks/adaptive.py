@@ -32,6 +32,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks._common import git_rev, save_results  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
@@ -47,7 +49,6 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
     import platform
-    import subprocess
 
     import jax
 
@@ -57,8 +58,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
     from specjax.decoding.prompts import read_prompts
     from specjax.decoding.sampling import SamplingParams
 
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
+    rev = git_rev(ROOT)  # the code measured
     target = load_target(os.path.join(DEMO, "target"))
     base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
     longest = max(len(ids) for ids in base)
@@ -221,11 +221,7 @@ def main(argv=None) -> int:
         res["runs"] = sorted(old + res["runs"], key=lambda r: (
             order.index(r["drafter"]), r["temperature"], r["batch"]))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
-    if os.path.abspath(args.json) == RESULTS:
-        write_doc(res)
+    save_results(args.json, res, RESULTS, write_doc)
     print(render(res))
     return 0
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "draft_window.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
@@ -51,8 +52,7 @@ def measure(drafters, contexts, windows, n_prompts: int, new_tokens: int, log=pr
     target = load_target(TARGET, dtype="float32")
     ids = _text_ids(os.path.join(ROOT, "checkpoints", "demo", "tokenizer"),
                     n_prompts * max(contexts))
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
+    rev = git_rev(ROOT)  # the code measured
     runs = []
     for L in contexts:
         prompts = [ids[i * L:(i + 1) * L] for i in range(n_prompts)]
@@ -143,11 +143,7 @@ def main(argv=None) -> int:
         args.prompts, args.new_tokens = 1, 16
     windows = [None if w == "all" else int(w) for w in args.windows]
     res = measure(args.drafters, args.contexts, windows, args.prompts, args.new_tokens)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
-    if os.path.abspath(args.json) == RESULTS:
-        write_doc(res)
+    save_results(args.json, res, RESULTS, write_doc)
     print(render(res))
     return 0
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "fly.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
@@ -88,8 +89,7 @@ def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
     for e in [ar, *engines.values()]:
         e.compile()
         e.run([bundled[0]], new_tokens, jax.random.key(1))  # warm-up
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
+    rev = git_rev(ROOT)  # the code measured
     runs = []
     for set_name, prompts in sets.items():
         stats = {k: Stats() for k in ["AR", *engines]}
@@ -161,11 +161,7 @@ def main(argv=None) -> int:
         write_doc(json.load(open(args.json)))
         return 0
     res = measure(args.prompts, args.new_tokens)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
-    if os.path.abspath(args.json) == RESULTS:
-        write_doc(res)
+    save_results(args.json, res, RESULTS, write_doc)
     print(render(res))
     return 0
 

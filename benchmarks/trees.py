@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import kernels as kb  # noqa: E402
+from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees.json")
 DOC = os.path.join(ROOT, "docs", "trees.md")
@@ -155,8 +156,6 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     """Runs every (setting, batch, prompt set, system); returns the results record.
     warmup: untimed passes of every engine over the first batch before any timed run (the
     first calls of a compiled loop are several times slower on this CPU)."""
-    import subprocess
-
     import jax
     import numpy as np
 
@@ -165,8 +164,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     from specjax.decoding.sampling import SamplingParams
     from specjax.models.checkpoint import load_tokenizer
 
-    rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()  # the code measured
+    rev = git_rev(ROOT)  # the code measured
     tokenizer = load_tokenizer(TARGET)
     target = load_target(TARGET, tokenizer=tokenizer)
     sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
@@ -325,11 +323,7 @@ def main(argv=None) -> int:
                   args.only, timing=not args.no_step_timing, warmup=args.warmup)
     if args.merge and os.path.exists(args.json):
         res = merge(json.load(open(args.json)), res)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
-    if os.path.abspath(args.json) == RESULTS:  # the committed figures: the doc follows
-        write_doc(res)
+    save_results(args.json, res, RESULTS, write_doc)
     print(render(res))
     return 0
 

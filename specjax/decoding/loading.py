@@ -204,13 +204,13 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     if draft_stop and not learned:
         raise SpecjaxError(f"--draft-stop: only learned eagle3, hybrid and medc drafters "
                            f"stop early, not --drafter {name}")
+    no_window = (f"--draft-window: only learned drafters (eagle3, medc, hybrid, kv, block, "
+                 f"external heads) read a context window, not --drafter {name}")
     if draft_window is not None:
         if draft_window < 1:
             raise SpecjaxError(f"--draft-window={draft_window} must be >= 1")
         if name in ("none", "ngram", "logitspec"):
-            raise SpecjaxError(f"--draft-window: only learned drafters (eagle3, medc, "
-                               f"hybrid, kv, block, external heads) read a context window, "
-                               f"not --drafter {name}")
+            raise SpecjaxError(no_window)
 
     def windowed(drafter):
         if draft_window is None:
@@ -218,9 +218,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         import dataclasses
 
         if not any(f.name == "window" for f in dataclasses.fields(drafter)):
-            raise SpecjaxError(f"--draft-window: only learned drafters (eagle3, medc, "
-                               f"hybrid, kv, block, external heads) read a context window, "
-                               f"not the draft LM {name}")
+            raise SpecjaxError(no_window)  # a draft LM
         return dataclasses.replace(drafter, window=draft_window)
     if name == "none":
         return LoadedDrafter(None, None, name, None)

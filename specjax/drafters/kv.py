@@ -157,7 +157,7 @@ class KVDrafter(LearnedDrafter):
         B = view.lengths.shape[0]
         i32 = jnp.int32
         S = 1 + (G - 1) * K  # own entries: slot 0 the pending token, then K per depth
-        mem_mask = windowed(jnp.broadcast_to((view.lengths - 2)[:, None], (B, K)), self.window)
+        anchor = jnp.broadcast_to((view.lengths - 2)[:, None], (B, K))  # last committed
         slot = jnp.arange(S, dtype=i32)
 
         def forward(own_k, own_v, toks, pos, first: int, mine):
@@ -166,7 +166,7 @@ class KVDrafter(LearnedDrafter):
             T = toks.shape[1]
             cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
             x = jnp.take(params["embed"], toks, axis=0)
-            mem = Limit(mem_mask.pos[:, :T], None if mem_mask.lo is None else mem_mask.lo[:, :T])
+            mem = windowed(anchor[:, :T], self.window)
             for i in range(c.num_layers):
                 q, kk, vv = layer_qkv(net, i, x, cos, sin)
                 own_k = own_k.at[i, :, :, first:first + T].set(
