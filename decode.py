@@ -58,11 +58,11 @@ def _gamma_arg(text: str):
 
 def resolve_gamma(args) -> None:
     """The --gamma default: auto for a drafter that proposes one chain, else fixed (draft
-    trees, --num-drafts, logitspec and --drafter none take the drafter's own G). Sets
-    args.gamma to an int, "auto" or None (None: the drafter's G)."""
+    trees, --num-drafts, logitspec, --partial-verify and --drafter none take the drafter's
+    own G). Sets args.gamma to an int, "auto" or None (None: the drafter's G)."""
     if args.gamma is None:
         tree = (args.num_drafts > 1 or args.tree_topk is not None
-                or args.drafter == "logitspec")
+                or args.drafter == "logitspec" or getattr(args, "partial_verify", False))
         args.gamma = None if tree or args.drafter == "none" else "auto"
     elif args.gamma == "fixed":
         args.gamma = None
@@ -117,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fly-entropy", type=float, default=None, metavar="NATS",
                     help="--verify fly (LOSSY): never accept a mismatch where the target's "
                          "top-3 entropy is below this (default 0.3; inf = greedy)")
+    ap.add_argument("--partial-verify", action="store_true",
+                    help="LOSSY SpecPV partial verification for long contexts: past a "
+                         "context threshold most verify forwards attend only to a partial "
+                         "KV cache (sink blocks, the blocks that score highest against the "
+                         "last full pass's queries, a recent window), with a full "
+                         "verification every 20 accepted tokens (the output is NOT the "
+                         "target's; docs/long_context.md)")
+    ap.add_argument("--partial-budget", type=int, default=None, metavar="TOKENS",
+                    help="--partial-verify (LOSSY): KV slots per row and head in the "
+                         "partial cache, sink + retrieval + window (default 4096); partial "
+                         "steps start once every prompt is longer than this plus 20")
     ap.add_argument("--num-drafts", type=int, default=1, metavar="K",
                     help="drafts per step, verified as one draft tree of 1 + K*G nodes (at "
                          "temperature 0 the drafter's top-K first tokens, each continued "
@@ -255,6 +266,24 @@ def validate_flags(args) -> None:
             raise SpecjaxError(f"--fly-window={args.fly_window} must be >= 1")
         if args.fly_entropy is not None and not args.fly_entropy >= 0:
             raise SpecjaxError(f"--fly-entropy={args.fly_entropy} must be >= 0 (nats)")
+    if args.partial_budget is not None and not args.partial_verify:
+        raise SpecjaxError("--partial-budget goes with --partial-verify")
+    if args.partial_verify:
+        if args.num_drafts > 1 or args.tree_topk is not None or args.drafter == "logitspec":
+            raise SpecjaxError("--partial-verify (lossy) verifies one chain: no "
+                               "--num-drafts, --tree-topk or logitspec")
+        if args.drafter == "none":
+            raise SpecjaxError("--partial-verify needs a drafter (--drafter none decodes "
+                               "autoregressively)")
+        if args.gamma == "auto":
+            raise SpecjaxError("--partial-verify drafts a fixed length: no --gamma auto")
+        if args.partial_budget is not None:
+            from specjax.decoding.partial import PartialVerify
+
+            try:
+                PartialVerify(budget=args.partial_budget)
+            except ValueError as e:
+                raise SpecjaxError(f"--partial-budget: {e}") from None
     if args.num_drafts > 1 and args.drafter == "none":
         raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
                            "autoregressively)")
@@ -269,8 +298,16 @@ def validate_flags(args) -> None:
 
 
 def _format_table(summary: dict) -> str:
-    rows = [("verification", "fly: LOSSY, the output is not the target's")] if summary.get(
-        "lossy") else []
+    rows = []
+    if summary.get("verify") == "fly":
+        rows.append(("verification", "fly: LOSSY, the output is not the target's"))
+    pv = summary.get("partial_verify")
+    if pv:
+        rows.append(("verification", "partial (SpecPV): LOSSY, the output is not the "
+                                     "target's"))
+        rows.append(("steps full / partial", f"{pv['full_steps']} / {pv['partial_steps']} "
+                                             f"(budget {pv['budget']}, from "
+                                             f"{pv['threshold']} tokens)"))
     rows += [("new tokens", f"{summary['new_tokens']}"),
             ("wall (s, no compile)", f"{summary['wall_s']:.2f}"),
             ("compile (s)", f"{summary['compile_s']:.2f}"),
@@ -445,6 +482,12 @@ def run(args) -> int:
         from specjax.data.chat import end_of_turn_ids
 
         eos = eos + tuple(i for i in end_of_turn_ids(tokenizer) if i not in eos)
+    partial = None
+    if args.partial_verify:
+        from specjax.decoding.partial import PartialVerify
+
+        partial = PartialVerify(budget=4096 if args.partial_budget is None
+                                else args.partial_budget)
     verify = args.verify
     if verify == "fly":
         from specjax.decoding.fly import FlyVerify
@@ -465,7 +508,7 @@ def run(args) -> int:
             costs = adaptive.read_table(table, schedule.choices)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
-                              schedule=schedule, costs=costs, **common)}
+                              schedule=schedule, costs=costs, partial=partial, **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
 
@@ -514,9 +557,16 @@ def run(args) -> int:
                "drafter": drafter_arg, "gamma": loaded.gamma if drafter is not None else 0,
                "verify": (args.verify if args.verify == "fly"
                           else "greedy" if sampling.greedy else args.verify),
-               "lossy": args.verify == "fly",
+               "lossy": args.verify == "fly" or partial is not None,
                "fly": ({"window": verify.window, "entropy_threshold": verify.threshold}
                        if args.verify == "fly" else None),
+               "partial_verify": None if partial is None else {
+                   "budget": partial.budget, "block": partial.block,
+                   "sink_blocks": partial.sink_blocks, "window": partial.window,
+                   "buffer": partial.buffer,
+                   "threshold": partial.threshold_for(loaded.gamma),
+                   "full_steps": int(st.verified[0]) if st.verified is not None else 0,
+                   "partial_steps": int(st.verified[1]) if st.verified is not None else 0},
                "kernels": engines["main"].cfg.kernels,
                "num_drafts": engines["main"].cfg.num_drafts,
                "nodes_per_step": (engines["main"].cfg.tree_nodes(loaded.gamma, drafter)
@@ -540,7 +590,7 @@ def run(args) -> int:
         summary["speedup"] = st.tokens_per_s / ar.tokens_per_s
         if "ar" in outputs and sampling.greedy:
             summary["ar_identical"] = outputs["ar"] == outputs["main"]
-            if args.verify == "fly":  # how far the lossy output is from the target's
+            if summary["lossy"]:  # how far the lossy output is from the target's
                 from specjax.decoding.fly import agreement
 
                 summary["ar_agreement"] = agreement(outputs["main"], outputs["ar"])

@@ -45,10 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--process-id", type=int, metavar="I",
                     help="--distributed: this process's index in [0, N) (with "
                          "--coordinator)")
-    ap.add_argument("--kernels", choices=("auto", "pallas", "reference"),
+    ap.add_argument("--kernels", choices=("auto", "pallas", "reference", "chunked"),
                     help="attention of the training forwards (overrides train.kernels): "
-                         "pallas_kernels.attention.packed_attention (pallas) or jnp "
-                         "(reference); auto (default): pallas on TPU/GPU, reference on CPU")
+                         "pallas_kernels.attention.packed_attention (pallas), jnp "
+                         "(reference), or jnp one query chunk at a time with "
+                         "recomputation (chunked: long rows on CPU); auto (default): "
+                         "pallas on TPU/GPU, reference on CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 

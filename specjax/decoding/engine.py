@@ -44,7 +44,8 @@ class BatchOutput:
     row (i32[B]); accepted: i32[B,G] accepted drafts per draft position; wall_s: run
     time without compilation (seconds); reached: i32[B,G] steps that drafted position k
     with drafts < k accepted (None: every step drafted G); chosen: i32[n] steps at each
-    draft length of an adaptive schedule (None without one)."""
+    draft length of an adaptive schedule (None without one); verified: i32[2] steps
+    verified in full and partially under partial verification (None without it)."""
 
     outputs: list[list[int]]
     steps: np.ndarray
@@ -52,6 +53,7 @@ class BatchOutput:
     wall_s: float
     reached: np.ndarray | None = None
     chosen: np.ndarray | None = None
+    verified: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -65,6 +67,7 @@ class Stats:
     accepted: np.ndarray | None = None  # i64[G]
     reached: np.ndarray | None = None  # i64[G]
     chosen: np.ndarray | None = None  # i64[n] steps per draft length (adaptive schedule)
+    verified: np.ndarray | None = None  # i64[2] full / partial steps (partial verification)
 
     def add(self, batch: BatchOutput):
         self.new_tokens += sum(len(o) for o in batch.outputs)
@@ -78,6 +81,9 @@ class Stats:
         if batch.chosen is not None:
             c = np.asarray(batch.chosen, np.int64)
             self.chosen = c if self.chosen is None else self.chosen + c
+        if batch.verified is not None:
+            v = np.asarray(batch.verified, np.int64)
+            self.verified = v if self.verified is None else self.verified + v
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,6 +146,9 @@ class Engine:
         over its rows; the schedule's prior before the first run), so a long job of many
         short batches does not relearn its drafter's acceptance every batch;
         `reset_schedule()` returns to the prior.
+      partial: None, or a `specjax.decoding.partial.PartialVerify`: SpecPV partial
+        verification, LOSSY (a drafter with one chain of fixed length; ignored without a
+        drafter).
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
     divide.
@@ -151,7 +160,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
                  prefill_min_chunk: int | None = None, num_drafts: int = 1,
-                 schedule=None, costs=None):
+                 schedule=None, costs=None, partial=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         self.graphdef, self.params = nnx.split(target)
@@ -182,7 +191,8 @@ class Engine:
                               verify=verify, kernels=resolve_kernels(kernels),
                               cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
                               prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
-                              schedule=schedule if drafter is not None else None)
+                              schedule=schedule if drafter is not None else None,
+                              partial=partial if drafter is not None else None)
         self.costs = None if costs is None else np.asarray(costs, np.float32)
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
         self.batch_size = batch_size
@@ -328,8 +338,9 @@ class Engine:
         chosen = res.chosen if self.cfg.schedule is not None else None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
             self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
+        verified = res.verified if self.cfg.partial is not None else None
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
-                           reached=res.reached[:n, :G], chosen=chosen)
+                           reached=res.reached[:n, :G], chosen=chosen, verified=verified)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:

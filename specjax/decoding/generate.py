@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.decoding import kernel_policy
+from specjax.decoding import partial as partial_lib
 from specjax.decoding.sampling import SamplingParams, filtered_probs, sample_logits
 from specjax.decoding.tree import DraftTree, ancestor_mask, path_tokens, tree_from_drafts
 from specjax.decoding.verify import VERIFIERS, Verdict
@@ -87,6 +88,10 @@ class LoopConfig:
     schedule: None (every step drafts G), or a `specjax.decoding.adaptive.GammaSchedule`:
       each step picks its draft length from `schedule.choices` (chains only; the
       speculative loop then takes a cost table, see `speculative_loop`).
+    partial: None, or a `specjax.decoding.partial.PartialVerify`: SpecPV partial
+      verification, LOSSY (chains with a fixed draft length only; ValueError otherwise):
+      past a context threshold most verify forwards attend to a partial KV cache, with a
+      full verification whenever its buffer fills (`specjax.decoding.partial`).
     """
 
     max_length: int
@@ -102,6 +107,7 @@ class LoopConfig:
     cache_sharding: Any = None
     num_drafts: int = 1
     schedule: Any = None
+    partial: Any = None
 
     def __post_init__(self):
         if self.num_drafts < 1:
@@ -116,6 +122,9 @@ class LoopConfig:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
         if getattr(self.verify, "lossy", False) and not self.sampling.greedy:
             raise ValueError("a lossy verification rule (FLy) runs at temperature 0 only")
+        if self.partial is not None and (self.num_drafts > 1 or self.schedule is not None):
+            raise ValueError("partial verification verifies one chain of a fixed draft "
+                             "length: num_drafts must be 1 and schedule None")
 
     def prefill_sizes(self) -> tuple[int, ...]:
         """The prefill's static piece sizes, largest first (`specjax.models.prefill.prefill_pieces`)."""
@@ -227,6 +236,7 @@ class LoopState:
     accepted: jax.Array  # i32[B,G] accepted draft tokens per draft position
     reached: jax.Array  # i32[B,G] steps that drafted position k with drafts < k accepted
     adapt: Any = None  # specjax.decoding.adaptive.AdaptState under a schedule
+    partial: Any = None  # specjax.decoding.partial.PartialState under partial verification
 
 
 @struct.dataclass
@@ -235,7 +245,8 @@ class LoopResult:
     reached i32[B,G] (alpha_k = accepted[k] / reached[k]); chosen i32[n]: steps at each
     draft length of an adaptive schedule (i32[0] without one); alpha f32[B,G]: the
     schedule's acceptance estimates at the end (f32[0, 0] without one; the next run can
-    start from them, `speculative_loop`'s alpha0)."""
+    start from them, `speculative_loop`'s alpha0); verified i32[2]: the steps verified
+    in full and partially under partial verification (zeros without it)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -245,6 +256,7 @@ class LoopResult:
     reached: jax.Array
     chosen: jax.Array
     alpha: jax.Array
+    verified: jax.Array
 
 
 def _is_eos(tokens, eos_ids):
@@ -333,8 +345,10 @@ def _chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
 def _result(s: LoopState) -> LoopResult:
     chosen = jnp.zeros((0,), jnp.int32) if s.adapt is None else s.adapt.chosen
     alpha = jnp.zeros((0, 0), jnp.float32) if s.adapt is None else s.adapt.alpha
+    verified = (jnp.zeros((2,), jnp.int32) if s.partial is None
+                else jnp.stack([s.partial.full, s.partial.partial]))
     return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted, s.reached,
-                      chosen, alpha)
+                      chosen, alpha, verified)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
@@ -476,6 +490,8 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     own_tree = hasattr(drafter, "propose_tree")  # a TreeDrafter (e.g. LogitSpec)
     wants_logits = getattr(drafter, "reads_logits", False)
     tree_mode = cfg.num_drafts > 1 or own_tree
+    if tree_mode and cfg.partial is not None:
+        raise ValueError("partial verification verifies one chain, not a draft tree")
     if tree_mode:
         tree_verify = cfg.tree_verifier(G, drafter)
         update_after_tree = getattr(drafter, "update_after_tree", drafter.update)
@@ -487,7 +503,12 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
         key, k_init = jax.random.split(state.key)
         with jax.named_scope("drafter_init"):
             dstate = drafter.init(drafter_params, view, k_init)
-        return state.replace(drafter_state=dstate, key=key)
+        pstate = None
+        if cfg.partial is not None:
+            c = model.cfg
+            pstate = partial_lib.init_state(cfg.partial, c.num_layers, prompts.shape[0],
+                                            c.num_kv_heads)
+        return state.replace(drafter_state=dstate, key=key, partial=pstate)
 
     def keys(s: LoopState):
         return jax.random.split(s.key, 3)  # next loop key, drafting, verification
@@ -512,24 +533,31 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
         draft, q, dstate = proposal
         pos = s.lengths[:, None] - 1 + offsets[None, :]  # [B,G+1]
         pending = jnp.take_along_axis(s.tokens, pos[:, :1], axis=1)
+        chain = jnp.concatenate([pending, draft], axis=1)
+        pstate = s.partial
         with jax.named_scope("target_verify_forward"):
-            out = model(jnp.concatenate([pending, draft], axis=1), pos, s.cache,
-                        capture=drafter.capture, attention=attention)
+            if cfg.partial is None:
+                out = model(chain, pos, s.cache, capture=drafter.capture, attention=attention)
+                logits, hidden, cache = out.logits, out.hidden, out.cache
+            else:  # SpecPV (lossy): plain, full or partial, chosen per step
+                logits, hidden, cache, pstate = partial_lib.verify_forward(
+                    model, cfg.partial, s.partial, s.tokens, s.lengths, s.cache, chain,
+                    ~s.done, drafter.capture, attention)
         with jax.named_scope("verify_rule"):
             if fused is not None:
-                tau, nxt = fused(out.logits, draft, q, k_verify)
+                tau, nxt = fused(logits, draft, q, k_verify)
             else:
-                p = (verify.probs(out.logits) if hasattr(verify, "probs")
-                     else filtered_probs(out.logits, cfg.sampling))
+                p = (verify.probs(logits) if hasattr(verify, "probs")
+                     else filtered_probs(logits, cfg.sampling))
                 tau, nxt = verify(draft, q, p, k_verify)
         tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
-        cache = out.cache.rewind(lengths - 1)
-        after = LoopView(tokens, lengths, cache, out.hidden, pos,
-                         logits=_at_index(out.logits, tau) if wants_logits else None)
+        cache = cache.rewind(lengths - 1)
+        after = LoopView(tokens, lengths, cache, hidden, pos,
+                         logits=_at_index(logits, tau) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau,
-                        drafted=draft.shape[1])
+                        drafted=draft.shape[1]).replace(partial=pstate)
 
     def finish_tree(params, drafter_params, s: LoopState, tree: DraftTree) -> LoopState:
         model = nnx.merge(graphdef, params)

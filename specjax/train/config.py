@@ -176,8 +176,10 @@ class TrainLoopConfig:
         the run dir already holds a checkpoint (that one is resumed).
       kernels: the attention of every training forward (`specjax/train/kernels.py`):
         "pallas" (`pallas_kernels.attention.packed_attention`, forward and backward
-        kernels; interpret mode on CPU, slow), "reference" (jnp), or "auto" (pallas on
-        TPU and GPU, reference on CPU). `train.py --kernels` sets it.
+        kernels; interpret mode on CPU, slow), "reference" (jnp), "chunked" (jnp, one
+        chunk of queries at a time with recomputation: rows of many thousand tokens on
+        CPU), or "auto" (pallas on TPU and GPU, reference on CPU). `train.py --kernels`
+        sets it.
     """
 
     steps: int = 1000
@@ -195,9 +197,9 @@ class TrainLoopConfig:
     kernels: str = "auto"
 
     def __post_init__(self):
-        if self.kernels not in ("auto", "pallas", "reference"):
+        if self.kernels not in ("auto", "pallas", "reference", "chunked"):
             raise SpecjaxError(f"train.kernels={self.kernels!r}; use one of auto, pallas, "
-                               "reference")
+                               "reference, chunked")
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches",
                      "keep_checkpoints"):
             _check_positive(f"train.{name}", getattr(self, name))

@@ -80,6 +80,8 @@ class DrafterTrainer(Trainer):
         forward and the drafter's attention).
     """
 
+    causal_self_attention = False  # the kernel also serves the drafters' other limits
+
     def __init__(self, dcfg, target, objective: str, opts, dtype, tx, schedule, mesh, *,
                  seed: int, grad_accum: int, micro_batch: int, eval_batch: int, seq_len: int,
                  kernels: str = "auto"):

@@ -84,9 +84,13 @@ class Trainer:
       mesh: the (data, fsdp, model) mesh.
       seed: parameter initialisation and the step RNG.
       grad_accum: A, micro-steps per optimizer step.
-      kernels: "auto", "pallas" or "reference": the attention of the training forward
-        (`specjax.train.kernels`).
+      kernels: "auto", "pallas", "reference" or "chunked": the attention of the training
+        forward (`specjax.train.kernels`).
     """
+
+    # The lm objective's only attention is the target's causal forward over its own row,
+    # so "chunked" may skip the key blocks after each query chunk.
+    causal_self_attention = True
 
     def __init__(self, model_cfg, dtype, tx, schedule, mesh, *, seed: int, grad_accum: int,
                  micro_batch: int, eval_batch: int, seq_len: int, kernels: str = "auto"):
@@ -115,8 +119,8 @@ class Trainer:
         from specjax.train import kernels as kernels_lib
 
         self.kernels = kernels_lib.resolve(kernels)
-        self.attention = (kernels_lib.packed_attention_fn(mesh) if self.kernels == "pallas"
-                          else None)
+        self.attention = kernels_lib.attention_fn(self.kernels, mesh,
+                                                  causal=self.causal_self_attention)
 
     # ------------------------------------------------------------------ state
 

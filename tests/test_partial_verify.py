@@ -1,0 +1,207 @@
+"""SpecPV partial verification (`--partial-verify`, specjax.decoding.partial; LOSSY,
+opt-in): the block selection against a numpy loop over the paper code's rule, the mode
+switch at the buffer's edge, partial attention equal to full attention when the retrieval
+covers every block (logits, and greedy output in the loop), and a small budget that
+really verifies partially."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.decoding import partial as pv
+from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+
+
+def _select_by_loops(cfg, q, k, win_lo):
+    """TanZhendong/SpecPV `refresh_retrieval`, one row, KV head and block at a time in
+    float64: score = max(q.k_max, q.k_min), mean over queries, mean over the group's
+    query heads; top blocks among sink_blocks <= j, (j + 1) * block <= win_lo, in order."""
+    B, Q, N, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    R, n = N // K, S // cfg.block
+    out = np.full((B, K, cfg.retrieval_blocks), -1)
+    for b in range(B):
+        for kh in range(K):
+            scores = {}
+            for j in range(cfg.sink_blocks, n):
+                if (j + 1) * cfg.block > win_lo[b]:
+                    continue
+                blk = k[b, kh, j * cfg.block:(j + 1) * cfg.block].astype(np.float64)
+                kmax, kmin = blk.max(0), blk.min(0)
+                per_head = []
+                for r in range(R):
+                    qs = q[b, :, kh * R + r].astype(np.float64)
+                    per_head.append(np.mean([max(x @ kmax, x @ kmin) for x in qs]))
+                scores[j] = np.mean(per_head)
+            best = sorted(scores, key=lambda j: -scores[j])[:cfg.retrieval_blocks]
+            out[b, kh, :len(best)] = sorted(best)
+    return out
+
+
+@pytest.mark.parametrize("win_lo", [[40, 64], [9, 64], [0, 20]])
+def test_block_selection_matches_the_rule(win_lo):
+    cfg = pv.PartialVerify(budget=4 * 3 + 8 + 4 * 3, block=4, sink_blocks=3, window=8,
+                           buffer=4)  # 3 retrieval blocks
+    rng = np.random.default_rng(sum(win_lo))
+    B, Q, N, K, S, H = 2, 5, 4, 2, 70, 8
+    q = rng.normal(size=(B, Q, N, H)).astype(np.float32)
+    k = rng.normal(size=(B, K, S, H)).astype(np.float32)
+    got = np.asarray(pv.select_blocks(cfg, jnp.asarray(q), jnp.asarray(k),
+                                      jnp.asarray(win_lo, jnp.int32)))
+    np.testing.assert_array_equal(got, _select_by_loops(cfg, q, k, np.asarray(win_lo)))
+
+
+def test_mode_switches_exactly_when_the_buffer_overflows():
+    cfg = pv.PartialVerify(budget=64, block=4, sink_blocks=1, window=8, buffer=4)
+    G = 3
+    th = cfg.threshold_for(G)
+    assert th == 64 + 4 and cfg.min_threshold(G) == 8 + 8 + 4 + 4
+
+    def mode(base, verified, active=(True, True)):
+        st = pv.init_state(cfg, 1, 2, 1).replace(verified=jnp.asarray(verified, jnp.int32))
+        return int(pv.choose_mode(cfg, st, jnp.asarray(base, jnp.int32),
+                                  jnp.asarray(active), G))
+
+    assert mode([th - 1, 500], [0, 0]) == pv.PLAIN  # a row below the threshold
+    assert mode([th - 1, 500], [0, 497], active=(False, True)) == pv.PARTIAL
+    assert mode([th, th], [-(2 ** 30)] * 2) == pv.FULL  # no selection yet
+    assert mode([th + cfg.buffer, th], [th, th]) == pv.PARTIAL  # buffer exactly full
+    assert mode([th + cfg.buffer + 1, th], [th, th]) == pv.FULL  # one token over
+    assert mode([th, th], [0, 0], active=(False, False)) == pv.PLAIN
+    with pytest.raises(ValueError, match="no retrieval block"):
+        pv.PartialVerify(budget=4 + 8, block=4, sink_blocks=1, window=8)
+
+
+def _long_prompts(lengths, V, seed=0):
+    rs = np.random.RandomState(seed)
+    width = max(lengths)
+    base = rs.randint(2, V, size=(len(lengths), 7))
+    toks = np.tile(base, (1, -(-width // 7)))[:, :width]  # repetitive: drafts get accepted
+    noise = rs.rand(*toks.shape) < 0.2
+    toks = np.where(noise, rs.randint(2, V, size=toks.shape), toks).astype(np.int32)
+    return jnp.asarray(toks), jnp.asarray(lengths, jnp.int32)
+
+
+# block 4, one sink block, window 8, buffer 4: min threshold 24 at G = 3
+COVER_ALL = pv.PartialVerify(budget=4 + 8 + 4 * 40, block=4, sink_blocks=1, window=8,
+                             buffer=4, threshold=24)  # 40 retrieval blocks: every block
+SMALL = pv.PartialVerify(budget=4 + 8 + 4 * 2, block=4, sink_blocks=1, window=8, buffer=4,
+                         threshold=24)  # 2 retrieval blocks
+
+
+def _run(partial, budgets=(40, 40, 25)):
+    from tests.test_speculative_greedy import V, make_drafter, models
+
+    target, _ = models()
+    g, p = nnx.split(target)
+    drafter, dparams = make_drafter("draft_lm", 3)
+    toks, lens = _long_prompts([48, 33, 41], V)
+    cfg = LoopConfig(max_length=48 + 40, prompt_width=48, partial=partial)
+    b = jnp.asarray(budgets, jnp.int32)
+    spec = speculative_loop(g, p, drafter, dparams, cfg, toks, lens, b, jax.random.key(0))
+    ar = autoregressive_loop(g, p, LoopConfig(max_length=48 + 40, prompt_width=48), toks,
+                             lens, b, jax.random.key(0))
+    return spec, ar
+
+
+def _rows(res):
+    t, n = np.asarray(res.tokens), np.asarray(res.lengths)
+    return [t[b, :n[b]].tolist() for b in range(t.shape[0])]
+
+
+def test_partial_covering_every_block_is_exact_in_the_loop():
+    spec, ar = _run(COVER_ALL)
+    full, partial = (int(x) for x in spec.verified)
+    assert full >= 2 and partial >= 2, spec.verified  # both modes really ran
+    assert _rows(spec) == _rows(ar)
+
+
+def test_small_budget_verifies_partially_and_counts_steps():
+    spec, _ = _run(SMALL)
+    full, partial = (int(x) for x in spec.verified)
+    assert full >= 1 and partial >= 1
+    # every step is plain, full or partial: the counts never exceed the loop's steps
+    assert full + partial <= int(np.asarray(spec.steps).max())
+    assert all(len(r) > 0 for r in _rows(spec))
+
+
+def test_partial_logits_equal_full_logits_when_everything_is_covered():
+    """One verify forward from the same cache: the partial step's logits (selection made
+    by a full step) equal the plain forward's, to f32 rounding."""
+    from tests.test_speculative_greedy import V, models
+
+    target, _ = models()
+    B, T0, G = 2, 44, 3
+    toks, _ = _long_prompts([T0, T0], V, seed=3)
+    cache = target.init_cache(B, T0 + 2 * (G + 1) + 8)
+    pos = jnp.broadcast_to(jnp.arange(T0, dtype=jnp.int32), (B, T0))
+    cache = target(toks, pos, cache).cache.rewind(jnp.full((B,), T0 - 1, jnp.int32))
+    lengths = jnp.full((B,), T0, jnp.int32)  # pending token at slot T0 - 1
+    chain = jnp.concatenate([toks[:, -1:], toks[:, 3:3 + G]], axis=1)
+    active = jnp.ones((B,), bool)
+    st = pv.init_state(COVER_ALL, target.cfg.num_layers, B, target.cfg.num_kv_heads)
+    lf, _, cache_f, st = pv.verify_forward(target, COVER_ALL, st, toks, lengths, cache,
+                                           chain, active, (), None)
+    assert int(st.full) == 1
+    plain = target(chain, (lengths - 1)[:, None] + jnp.arange(G + 1)[None], cache)
+    np.testing.assert_allclose(np.asarray(lf), np.asarray(plain.logits), atol=2e-4)
+    # the next step, from the full step's cache, is partial and still exact
+    lengths2 = lengths + 2
+    toks2 = jnp.concatenate([toks, chain[:, 1:3]], axis=1)
+    cache_f = cache_f.rewind(lengths2 - 1)
+    chain2 = jnp.concatenate([chain[:, 2:3], toks[:, 10:10 + G]], axis=1)
+    lp, _, _, st2 = pv.verify_forward(target, COVER_ALL, st, toks2, lengths2, cache_f,
+                                      chain2, active, (), None)
+    assert int(st2.partial) == 1
+    plain2 = target(chain2, (lengths2 - 1)[:, None] + jnp.arange(G + 1)[None], cache_f)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(plain2.logits), atol=2e-4)
+    # with two retrieval blocks the same step differs (the power check of this test)
+    st_small = pv.init_state(SMALL, target.cfg.num_layers, B, target.cfg.num_kv_heads)
+    _, _, cache_s, st_small = pv.verify_forward(target, SMALL, st_small, toks, lengths,
+                                                cache, chain, active, (), None)
+    ls, _, _, _ = pv.verify_forward(target, SMALL, st_small, toks2, lengths2,
+                                    cache_s.rewind(lengths2 - 1), chain2, active, (), None)
+    assert np.abs(np.asarray(ls) - np.asarray(plain2.logits)).max() > 1e-3
+
+
+def test_partial_is_refused_for_trees_and_schedules():
+    from specjax.decoding.adaptive import GammaSchedule
+
+    with pytest.raises(ValueError, match="one chain"):
+        LoopConfig(max_length=8, prompt_width=4, partial=SMALL, num_drafts=2)
+    with pytest.raises(ValueError, match="one chain"):
+        LoopConfig(max_length=8, prompt_width=4, partial=SMALL,
+                   schedule=GammaSchedule((0, 1, 3)))
+
+
+def test_decode_partial_verify_flags(tiny_demo, tmp_path, capsys):
+    import json
+
+    import decode
+    from specjax.testing.tiny import save_random_drafter
+
+    tgt = str(tiny_demo / "target")
+    learned = save_random_drafter(tgt, str(tmp_path / "eagle3"))
+    summary = tmp_path / "s.json"
+    common = ["--target", tgt, "--prompts", str(tiny_demo / "prompts.jsonl"),
+              "--max-new-tokens", "8", "--show", "0", "--compile-cache", "none"]
+    assert decode.main([*common, "--drafter", learned, "--partial-verify",
+                        "--partial-budget", "200", "--summary", str(summary)]) == 0
+    s = json.loads(summary.read_text())
+    assert s["lossy"] is True and "gamma_schedule" not in s  # a fixed draft length
+    pv_s = s["partial_verify"]
+    assert pv_s["budget"] == 200 and pv_s["threshold"] == 220
+    assert pv_s["full_steps"] == pv_s["partial_steps"] == 0  # the prompts are short
+    assert "ar_agreement" in s and "LOSSY" in capsys.readouterr().out
+    for args, needle in ((["--partial-budget", "300"], "goes with --partial-verify"),
+                         (["--partial-verify", "--num-drafts", "2"], "one chain"),
+                         (["--partial-verify", "--gamma", "auto"], "no --gamma auto"),
+                         (["--partial-verify", "--partial-budget", "100"], "no retrieval")):
+        capsys.readouterr()
+        assert decode.main([*common, "--drafter", learned, *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
