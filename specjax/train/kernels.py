@@ -71,8 +71,7 @@ def chunked_attention(q, k, v, limit, *, chunk: int = CHUNK_Q):
     and in the recomputing backward (T/chunk times less than the reference). T is padded
     to a multiple of `chunk` with queries that see nothing. Raises ValueError on bad
     arguments or chunk < 1."""
-    from pallas_kernels.attention.packed_reference import (check_args,
-                                                           packed_attention_reference)
+    from pallas_kernels.attention.packed_reference import check_args, packed_attention_reference
 
     B, T, N, _, _, _, H = check_args(q, k, v, limit)
     if chunk < 1:
@@ -116,8 +115,7 @@ def causal_chunked_attention(q, k, v, limit, *, chunk: int = CHUNK_Q):
     are a Python loop (each under `jax.checkpoint`). Same arguments and results as
     `chunked_attention`; a limit above t + 1 would be cut at the chunk's end (not
     checked: a traced limit has no static value). Raises ValueError if S != T."""
-    from pallas_kernels.attention.packed_reference import (check_args,
-                                                           packed_attention_reference)
+    from pallas_kernels.attention.packed_reference import check_args, packed_attention_reference
 
     B, T, N, _, _, S, H = check_args(q, k, v, limit)
     if S != T:
