@@ -1,0 +1,279 @@
+"""Long context (issue 33): the long-context demo target's quality by position, and decode
+speed against context length for AR, eagle3, and eagle3 with the LOSSY SpecPV partial
+verification (`--partial-verify`) and the draft window.
+
+    python benchmarks/long_context.py quality      # NLL by position, both targets
+    python benchmarks/long_context.py speed        # decode speed, 1k .. 32k tokens
+    python benchmarks/long_context.py all          # both (about 40 min on 2 cores)
+    python benchmarks/long_context.py --render-only
+
+quality: rows of `--rows` x 32,768 tokens of the held-out stream (the standard library's
+validation split, files concatenated in path order with EOS between them, as training
+reads it: `runs/data/stdlib-bpe8192/tokens/val.npy`), teacher-forced through each target in
+pieces of 1,024 tokens with its KV cache; the mean NLL (nats per token) in position
+buckets. The shipped target (2,048 positions declared, trained on 256-token rows) is
+measured past its range to show what the continued training bought.
+
+speed: for each context L, one prompt of L held-out tokens (from the start of the same
+stream), `--new-tokens` new tokens, greedy, batch 1, EOS off. Every engine runs the
+prompt once with 1 new token (the prefill) and once with all of them; decode tokens/s =
+(N - 1) / (full - prefill), so the prefill (the same work in every engine) is left out,
+and speedup = that over AR's. The runs are interleaved engine by engine (after a warm-up
+each), so a speedup is a ratio on one machine state. Lossy settings record how far their
+output is from AR's (`specjax.decoding.fly.agreement`) and the target's own NLL of their
+text against AR's text (teacher-forced with full attention).
+
+Results: benchmarks/results/long_context.json, and the `<!-- long_context:quality -->`
+and `<!-- long_context:speed -->` sections of docs/long_context.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks._common import git_rev, save_results  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context.json")
+DOC = os.path.join(ROOT, "docs", "long_context.md")
+SHIPPED = os.path.join(ROOT, "checkpoints", "demo", "target")
+LONG = os.path.join(ROOT, "checkpoints", "demo", "target_32k")
+EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
+TOKENS = os.path.join(ROOT, "runs", "data", "stdlib-bpe8192", "tokens")  # as the trainer
+BUCKETS = (0, 256, 2048, 4096, 8192, 16384, 32768)
+PIECE = 1024
+
+
+def val_stream(n: int):
+    """n tokens of the held-out stream (tokenized on first use, as training does)."""
+    import numpy as np
+
+    from specjax.data.corpus import load_tokens, tokenize_corpus
+
+    paths = tokenize_corpus(os.path.join(ROOT, "checkpoints", "demo", "tokenizer"), TOKENS)
+    ids = load_tokens(paths["val"])
+    if len(ids) < n:
+        raise SystemExit(f"the held-out stream has {len(ids)} tokens, fewer than {n}")
+    return np.asarray(ids[:n], np.int32)
+
+
+def token_nll(model, ids):
+    """f32[T-1]: -log p(ids[t+1] | ids[..t]) teacher-forced in pieces of PIECE tokens
+    through the model's KV cache (memory follows the piece, not the row)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    T = len(ids)
+    width = -(-T // PIECE) * PIECE
+    padded = np.zeros(width + 1, np.int32)
+    padded[:T] = ids
+
+    @jax.jit
+    def piece(cache, toks, nxt, start):
+        pos = start + jnp.arange(PIECE, dtype=jnp.int32)[None]
+        out = model(toks[None], pos, cache)
+        logp = jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1)
+        return out.cache, -jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
+
+    cache = model.init_cache(1, width)
+    out = []
+    for s in range(0, width, PIECE):
+        cache, nll = piece(cache, jnp.asarray(padded[s:s + PIECE]),
+                           jnp.asarray(padded[s + 1:s + PIECE + 1]), jnp.int32(s))
+        out.append(np.asarray(nll))
+    return np.concatenate(out)[:T - 1]
+
+
+def quality(rows: int, long_target: str = LONG, log=print) -> dict:
+    import numpy as np
+
+    from specjax.decoding.loading import load_target
+
+    n = BUCKETS[-1]
+    stream = val_stream(rows * n)
+    res = {}
+    for name, path in (("shipped", SHIPPED), ("long", long_target)):
+        model = load_target(path, dtype="float32").model
+        sums = np.zeros(len(BUCKETS) - 1)
+        counts = np.zeros(len(BUCKETS) - 1)
+        for r in range(rows):
+            t0 = time.perf_counter()
+            nll = token_nll(model, stream[r * n:(r + 1) * n])  # position t predicts t + 1
+            for i in range(len(BUCKETS) - 1):
+                part = nll[BUCKETS[i]:BUCKETS[i + 1]]
+                sums[i] += part.sum()
+                counts[i] += len(part)
+            log(f"[quality] {name} row {r}: {time.perf_counter() - t0:.0f} s")
+        res[name] = {"path": os.path.relpath(path, ROOT),
+                     "nll": [float(s / c) for s, c in zip(sums, counts, strict=True)]}
+    return {"rows": rows, "row_tokens": n, "buckets": list(BUCKETS), "targets": res}
+
+
+def nll_of(model, prompt, output) -> float:
+    """Mean NLL (nats per token) of `output` after `prompt` under the model."""
+    import numpy as np
+
+    ids = np.asarray(list(prompt) + list(output), np.int32)
+    return float(token_nll(model, ids)[len(prompt) - 1:].mean())
+
+
+def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, log=print) -> dict:
+    import jax
+
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.fly import agreement
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.partial import PartialVerify
+
+    target = load_target(long_target, dtype="float32")
+    stream = val_stream(max(contexts))
+    runs = []
+    for L in contexts:
+        prompt = stream[:L].tolist()
+        common = dict(max_length=L + new_tokens,
+                      prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
+        engines = {"AR": (Engine(target.model, **common), None)}
+        settings = [("eagle3", None, None)]
+        settings += [("eagle3", b, None) for b in budgets]
+        settings += [("eagle3", budgets[0], 256)]
+        for name, budget, window in settings:
+            d = load_drafter(EAGLE3, target, draft_window=window)
+            pv = None if budget is None else PartialVerify(budget=budget)
+            label = name + ("" if window is None else f" W={window}") + (
+                "" if pv is None else f" partial {budget}")
+            engines[label] = (Engine(target.model, drafter=d.drafter,
+                                     drafter_params=d.params, partial=pv, **common),
+                              (d.gamma, budget, window, pv))
+        for label, (e, _) in engines.items():
+            t0 = time.perf_counter()
+            e.compile()
+            e.run([prompt], new_tokens, jax.random.key(0))  # warm-up
+            log(f"[speed] L={L} {label}: compiled and warmed in "
+                f"{time.perf_counter() - t0:.0f} s")
+        prefill, full, outs, res = {}, {}, {}, {}
+        for label, (e, _) in engines.items():
+            prefill[label] = e.run([prompt], 1, jax.random.key(0)).wall_s
+            out = e.run([prompt], new_tokens, jax.random.key(0))
+            full[label], outs[label], res[label] = out.wall_s, out.outputs[0], out
+        ar_tps = (new_tokens - 1) / max(full["AR"] - prefill["AR"], 1e-9)
+        for label, (e, meta) in engines.items():
+            tps = (new_tokens - 1) / max(full[label] - prefill[label], 1e-9)
+            rec = {"context": L, "system": label, "prefill_s": prefill[label],
+                   "total_s": full[label], "decode_tokens_per_s": tps,
+                   "speedup": tps / ar_tps, "identical": outs[label] == outs["AR"]}
+            if meta is not None:
+                G, budget, window, pv = meta
+                out = res[label]
+                steps = int(out.steps.sum())
+                rec.update(gamma=G, budget=budget, window=window,
+                           tau=(1 + int(out.accepted.sum()) / steps) if steps else None,
+                           lossy=pv is not None)
+                if pv is not None:
+                    rec["threshold"] = pv.threshold_for(G)
+                    rec["full_steps"], rec["partial_steps"] = (int(x) for x in out.verified)
+                    rec.update(agreement([outs[label]], [outs["AR"]]))
+                    rec["nll"] = (None if rec["identical"]
+                                  else nll_of(target.model, prompt, outs[label]))
+            runs.append(rec)
+            log(f"[speed] L={L} {label}: {tps:.1f} tok/s decode, {rec['speedup']:.2f}x, "
+                f"tau {rec.get('tau') or 0:.2f}, identical {rec['identical']}")
+        ar_nll = nll_of(target.model, prompt, outs["AR"])
+        for rec in runs:
+            if rec["context"] == L and rec.get("lossy"):
+                rec["nll_lossless"] = ar_nll
+                if rec["nll"] is None:
+                    rec["nll"] = ar_nll
+        del engines
+    return {"runs": runs, "new_tokens": new_tokens, "contexts": list(contexts),
+            "budgets": list(budgets)}
+
+
+def render_quality(res: dict) -> str:
+    q = res["quality"]
+    b = q["buckets"]
+    heads = [f"{b[i]}-{b[i + 1]}" for i in range(len(b) - 1)]
+    lines = [f"Mean NLL (nats per token) of {q['rows']} held-out row(s) of "
+             f"{q['row_tokens']:,} tokens by position (git {res['git']}, {res['date']}; "
+             "`python benchmarks/long_context.py quality`):", "",
+             "| target | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for name, t in q["targets"].items():
+        cells = " | ".join(f"{x:.3f}" if math.isfinite(x) else "-" for x in t["nll"])
+        lines.append(f"| {name} (`{t['path']}`) | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_speed(res: dict) -> str:
+    s = res["speed"]
+    lines = [f"Decode speed of the long-context target (`checkpoints/demo/target_32k`) with "
+             f"eagle3 (`checkpoints/demo/drafters/eagle3`, fixed G), one prompt of L "
+             f"held-out tokens, {s['new_tokens']} new tokens, T = 0, batch 1, on this CPU "
+             f"({res['cores']} cores, git {res['git']}, {res['date']}; "
+             "`python benchmarks/long_context.py speed`). Prefill excluded (see the "
+             "script). Partial rows are LOSSY: agreement and NLL compare them with AR's "
+             "output.", "",
+             "| L | system | decode tok/s | speedup | tau | full / partial steps | "
+             "identical to AR | tokens before first difference | NLL (AR's) |",
+             "|" + "---|" * 9]
+    for r in s["runs"]:
+        tau = "-" if r.get("tau") is None else f"{r['tau']:.2f}"
+        steps = (f"{r['full_steps']} / {r['partial_steps']}" if "full_steps" in r else "-")
+        pre = f"{r['prefix_tokens']:.0f}" if "prefix_tokens" in r else "-"
+        nll = (f"{r['nll']:.3f} ({r['nll_lossless']:.3f})" if r.get("nll") is not None
+               else "-")
+        lines.append(f"| {r['context']} | {r['system']} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {tau} | {steps} | "
+                     f"{'yes' if r['identical'] else 'NO'} | {pre} | {nll} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(res: dict, doc: str = DOC) -> None:
+    from benchmarks._common import replace_doc_section
+
+    if "quality" in res:
+        replace_doc_section(doc, "long_context:quality", render_quality(res))
+    if "speed" in res:
+        replace_doc_section(doc, "long_context:speed", render_speed(res))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", nargs="?", choices=("quality", "speed", "all"), default="all")
+    ap.add_argument("--rows", type=int, default=2, help="quality: held-out rows of 32k")
+    ap.add_argument("--contexts", type=int, nargs="+",
+                    default=[1024, 4096, 8192, 16384, 32000])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096],
+                    help="partial-verification budgets (tokens)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--long-target", default=LONG, help="the long-context target's HF dir")
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--json", default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.render_only:
+        write_doc(json.load(open(args.json)))
+        return 0
+    import jax
+
+    old = json.load(open(args.json)) if os.path.exists(args.json) else {}
+    res = dict(old)
+    if args.what in ("quality", "all"):
+        res["quality"] = quality(args.rows, args.long_target)
+    if args.what in ("speed", "all"):
+        res["speed"] = speed(args.contexts, args.budgets, args.new_tokens, args.long_target)
+    res.update(git=git_rev(ROOT), date=time.strftime("%Y-%m-%d"), cores=os.cpu_count(),
+               jax=jax.__version__)
+    save_results(args.json, res, RESULTS, write_doc)
+    print(render_quality(res) if "quality" in res else "")
+    print(render_speed(res) if "speed" in res else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
