@@ -23,6 +23,7 @@ and the `<!-- adaptive:results -->` section of docs/adaptive.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -46,7 +47,7 @@ DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
 
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
-            sweep: bool = True, repeats: int = 2) -> dict:
+            sweep: bool = True, repeats: int = 2, stragglers: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
     import platform
 
@@ -86,11 +87,17 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 engines["auto"] = Engine(target.model, drafter=loaded.drafter,
                                          drafter_params=loaded.params, schedule=sched,
                                          **common)
+                if stragglers:  # the rule with the batch's spread, same cost table
+                    engines["auto+stragglers"] = Engine(
+                        target.model, drafter=loaded.drafter, drafter_params=loaded.params,
+                        schedule=dataclasses.replace(sched, stragglers=True), **common)
                 compile_s = {k: e.compile() for k, e in engines.items()}
                 key0 = jax.random.key(0)
                 t0 = time.perf_counter()
                 costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0)
                 calibration_s = time.perf_counter() - t0
+                if stragglers:
+                    engines["auto+stragglers"].costs = engines["auto"].costs
                 for _ in range(2):  # untimed: a compiled loop's first calls are slow
                     for e in engines.values():
                         e.run(prompts[:B], new_tokens, key0)
@@ -116,7 +123,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     sys_rec = {"tokens_per_s": st.tokens_per_s, "speedup": st.tokens_per_s / ar,
                                "tau": st.tau, "alpha": st.alpha,
                                "identical": outs[k] == outs["AR"] if temp == 0 else None}
-                    if k == "auto":
+                    if k.startswith("auto"):
                         steps = [int(c) for c in st.chosen]
                         sys_rec["steps_per_length"] = steps
                         sys_rec["mean_draft_length"] = sum(
@@ -124,7 +131,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                             sum(steps), 1)
                     rec["systems"][k] = sys_rec
                 fixed_best = max((v["speedup"], k) for k, v in rec["systems"].items()
-                                 if k != "auto")
+                                 if not k.startswith("auto"))
                 rec["best_fixed"] = fixed_best[1]
                 runs.append(rec)
                 a = rec["systems"]["auto"]
@@ -193,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
     ap.add_argument("--quick", action="store_true",
                     help="eagle3 and ngram, T=0, B=1, 4 prompts x 32 tokens")
+    ap.add_argument("--stragglers", action="store_true",
+                    help="also run the rule that counts the batch's spread "
+                         "(GammaSchedule.stragglers), on the same cost table")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -208,7 +218,8 @@ def main(argv=None) -> int:
 
     enable_compile_cache(None)
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
-                  args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats)
+                  args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
+                  stragglers=args.stragglers)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]

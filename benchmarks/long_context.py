@@ -164,7 +164,7 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, log=print
             out = e.run([prompt], new_tokens, jax.random.key(0))
             full[label], outs[label], res[label] = out.wall_s, out.outputs[0], out
         ar_tps = (new_tokens - 1) / max(full["AR"] - prefill["AR"], 1e-9)
-        for label, (e, meta) in engines.items():
+        for label, (_, meta) in engines.items():
             tps = (new_tokens - 1) / max(full[label] - prefill[label], 1e-9)
             rec = {"context": L, "system": label, "prefill_s": prefill[label],
                    "total_s": full[label], "decode_tokens_per_s": tps,

@@ -72,6 +72,8 @@ class GammaSchedule:
       shortens where drafts are rejected).
     recover: per step, the share of the way that a position past the step's draft
       length moves toward its drift target (module docstring; 0: never).
+    stragglers: count the spread of each row's step count (`finish_time`): a batch
+      waits for its unluckiest row, and only speculation makes rows unlucky.
     """
 
     choices: tuple[int, ...]
@@ -79,6 +81,7 @@ class GammaSchedule:
     ema: float = 0.1
     prior: float = 0.8
     recover: float = 0.05
+    stragglers: bool = False
 
     def __post_init__(self):
         c = self.choices
@@ -133,11 +136,41 @@ def expected_tokens(alpha, choices: tuple[int, ...]) -> jax.Array:
     return 1.0 + csum[:, jnp.asarray(choices)]
 
 
-def finish_time(alpha, choices: tuple[int, ...], costs, active, remaining) -> jax.Array:
+def token_variance(alpha, choices: tuple[int, ...]) -> jax.Array:
+    """f32[B,n]: the variance of the tokens one step emits at each draft length g: with
+    A the accepted drafts, P(A >= k) = prod_{j<k} alpha[b, j] for k = 1..g, so
+    E[A] = sum_k P(A >= k) and E[A^2] = sum_k (2k - 1) P(A >= k)."""
+    reach = jnp.cumprod(alpha, axis=1)  # [B,G]: P(A >= k + 1)
+    k = jnp.arange(1, alpha.shape[1] + 1, dtype=jnp.float32)
+    zero = jnp.zeros_like(reach[:, :1])
+    m1 = jnp.concatenate([zero, jnp.cumsum(reach, axis=1)], axis=1)
+    m2 = jnp.concatenate([zero, jnp.cumsum((2 * k - 1) * reach, axis=1)], axis=1)
+    idx = jnp.asarray(choices)
+    return jnp.maximum(m2[:, idx] - m1[:, idx] ** 2, 0.0)
+
+
+def expected_max_normal(n) -> jax.Array:
+    """f32[]: about E[max of n i.i.d. standard normals] (Blom's plotting position
+    Phi^-1((n - 0.375) / (n + 0.25))); 0 for n <= 1."""
+    n = jnp.maximum(jnp.asarray(n, jnp.float32), 1.0)
+    return jnp.maximum(jax.scipy.special.ndtri((n - 0.375) / (n + 0.25)), 0.0)
+
+
+def finish_time(alpha, choices: tuple[int, ...], costs, active, remaining,
+                stragglers: bool = False) -> jax.Array:
     """f32[n]: the expected time to finish the batch at each draft length, kept fixed:
-    costs[i] * max over active rows of remaining[b] / E_b(choices[i]) (costs f32[n] ms per
-    step, active bool[B], remaining i32[B] tokens left)."""
-    steps = remaining[:, None].astype(jnp.float32) / expected_tokens(alpha, choices)  # [B,n]
+    costs[i] * max over active rows of steps_b(choices[i]) (costs f32[n] ms per step,
+    active bool[B], remaining i32[B] tokens left), where steps_b(g) = remaining[b] /
+    E_b(g), plus with `stragglers` z_n * sqrt(remaining[b] * Var_b(g) / E_b(g)^3): the
+    renewal-theory spread of the steps a row needs (`token_variance`), scaled by the
+    expected largest of n standard normals for n active rows (`expected_max_normal`),
+    since the batch runs until its last row is done."""
+    r = remaining[:, None].astype(jnp.float32)
+    mu = expected_tokens(alpha, choices)  # [B,n]
+    steps = r / mu
+    if stragglers:
+        z = expected_max_normal(jnp.sum(active))
+        steps = steps + z * jnp.sqrt(r * token_variance(alpha, choices) / mu ** 3)
     steps = jnp.where(active[:, None], steps, 0.0)
     return costs * jnp.max(steps, axis=0)
 
@@ -150,7 +183,8 @@ def choose(schedule: GammaSchedule, state: AdaptState, costs, active, remaining,
     n = len(schedule.choices)
     if schedule.policy == "random":
         return jax.random.randint(key, (), 0, n, dtype=jnp.int32)
-    t = finish_time(state.alpha, schedule.choices, costs, active, jnp.maximum(remaining, 1))
+    t = finish_time(state.alpha, schedule.choices, costs, active, jnp.maximum(remaining, 1),
+                    schedule.stragglers)
     return jnp.argmin(t).astype(jnp.int32)
 
 
