@@ -271,16 +271,17 @@ def verify_forward(model, cfg: PartialVerify, state: PartialState, tokens, lengt
     F = cfg.buffer  # committed tokens fed again by a full step
     layers = tuple(range(L))
 
-    def plain(_):
-        out = model(chain, pos, cache, capture=capture, attention=attention)
-        return out.logits, out.hidden, out.cache, state
+    def plain(c):
+        out = model(chain, pos, c[2], capture=capture, attention=attention)
+        return out.logits, out.hidden, out.cache, c[3]
 
-    def partial(_):
-        out = model(chain, pos, cache, capture=capture,
-                    attention=partial_attention(cfg, state))
-        return out.logits, out.hidden, out.cache, state.replace(partial=state.partial + 1)
+    def partial(c):
+        st = c[3]
+        out = model(chain, pos, c[2], capture=capture, attention=partial_attention(cfg, st))
+        return out.logits, out.hidden, out.cache, st.replace(partial=st.partial + 1)
 
-    def full(_):
+    def full(c):
+        cache, state = c[2], c[3]
         back = base[:, None] - F + jnp.arange(F, dtype=jnp.int32)[None, :]  # >= 0 here
         refed = jnp.take_along_axis(tokens, jnp.maximum(back, 0), axis=1)
         all_pos = jnp.concatenate([back, pos], axis=1)  # [B,F+T]
@@ -296,4 +297,15 @@ def verify_forward(model, cfg: PartialVerify, state: PartialState, tokens, lengt
         new = state.replace(sel=sel, verified=base, win_lo=win_lo, full=state.full + 1)
         return out.logits, hidden, out.cache, new
 
-    return jax.lax.switch(mode, (plain, full, partial), None)
+    # Not `lax.switch`: XLA copies the KV cache in and out of a conditional's branches on
+    # every step; a while loop that runs once or not at all updates its carry in place
+    # (as the adaptive schedule's branches do, specjax.decoding.generate).
+    shapes = jax.eval_shape(plain, (None, None, cache, state))
+    carry = (jnp.zeros(shapes[0].shape, shapes[0].dtype),
+             None if shapes[1] is None else jnp.zeros(shapes[1].shape, shapes[1].dtype),
+             cache, state)
+    for i, branch in ((PLAIN, plain), (FULL, full), (PARTIAL, partial)):
+        carry, mode = jax.lax.while_loop(lambda c, i=i: c[1] == i,
+                                         lambda c, b=branch: (b(c[0]), jnp.int32(-1)),
+                                         (carry, mode))
+    return carry
