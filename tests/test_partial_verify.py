@@ -205,3 +205,35 @@ def test_decode_partial_verify_flags(tiny_demo, tmp_path, capsys):
         assert decode.main([*common, "--drafter", learned, *args]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_long_context_benchmark_render_and_committed_doc():
+    """benchmarks/long_context.py's tables say LOSSY where they must; docs/long_context.md
+    holds what `--render-only` makes of the committed JSON, when there is one."""
+    import json
+    import os
+
+    from benchmarks import long_context as lc
+
+    res = {"git": "abc", "date": "d", "cores": 2,
+           "quality": {"rows": 1, "row_tokens": 32768, "buckets": [0, 256, 32768],
+                       "targets": {"long": {"path": "p", "nll": [1.5, 1.25]}}},
+           "speed": {"new_tokens": 8, "runs": [
+               {"context": 4096, "system": "AR", "decode_tokens_per_s": 10.0,
+                "speedup": 1.0, "identical": True},
+               {"context": 4096, "system": "eagle3 partial 1024", "decode_tokens_per_s": 30.0,
+                "speedup": 3.0, "identical": False, "tau": 4.5, "full_steps": 2,
+                "partial_steps": 5, "prefix_tokens": 6.0, "nll": 0.5,
+                "nll_lossless": 0.75}]}}
+    q = lc.render_quality(res)
+    assert "| long (`p`) | 1.500 | 1.250 |" in q
+    s = lc.render_speed(res)
+    assert "LOSSY" in s
+    assert "| 4096 | eagle3 partial 1024 | 30.0 | 3.00x | 4.50 | 2 / 5 | NO | 6 | 0.500 (0.750) |" in s
+    if os.path.exists(lc.RESULTS):
+        committed = json.load(open(lc.RESULTS))
+        doc = open(lc.DOC).read()
+        if "quality" in committed:
+            assert lc.render_quality(committed) in doc
+        if "speed" in committed:
+            assert lc.render_speed(committed) in doc
