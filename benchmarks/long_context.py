@@ -3,7 +3,7 @@ speed against context length for AR, eagle3, and eagle3 with the LOSSY SpecPV pa
 verification (`--partial-verify`) and the draft window.
 
     python benchmarks/long_context.py quality      # NLL by position, both targets
-    python benchmarks/long_context.py speed        # decode speed, 1k .. 32k tokens
+    python benchmarks/long_context.py speed        # decode speed, 2k .. 32k tokens
     python benchmarks/long_context.py all          # both (about 40 min on 2 cores)
     python benchmarks/long_context.py --render-only
 
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("what", nargs="?", choices=("quality", "speed", "all"), default="all")
     ap.add_argument("--rows", type=int, default=2, help="quality: held-out rows of 32k")
     ap.add_argument("--contexts", type=int, nargs="+",
-                    default=[1024, 4096, 8192, 16384, 32000])
+                    default=[2048, 8192, 16384, 32000])
     ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096],
                     help="partial-verification budgets (tokens)")
     ap.add_argument("--new-tokens", type=int, default=64)
