@@ -463,3 +463,22 @@ def test_init_from_errors_are_one_line(runs, setup, tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
         assert needle in err, err
         assert not (tmp_path / f"r{i}" / "drafter").exists()
+
+
+def test_init_from_other_target_when_asked(runs, setup, tmp_path):
+    """train.init_from_other_target re-fits a drafter to other target weights of the same
+    shapes (a target trained on further); without it the same start is refused."""
+    from specjax.models.checkpoint import load_model, save_model
+
+    src = runs("eagle3", (1, 1, 1)).export_dir
+    other = str(tmp_path / "other_target")
+    model = load_model(setup["target"])
+    model.embed.set_value(model.embed[...] * 1.01)  # the same shapes, other weights
+    save_model(model, other)
+    base = tiny_args(setup, "eagle3", (1, 1, 1), f"target={other}",
+                     f"train.init_from={src}", "train.steps=2")
+    with pytest.raises(SpecjaxError, match="not against target"):
+        train(load_config(TINY, base, run_dir=str(tmp_path / "refused")), progress=False)
+    res = train(load_config(TINY, base + ["train.init_from_other_target=true"],
+                            run_dir=str(tmp_path / "refit")), progress=False)
+    assert np.isfinite(res.losses[2])

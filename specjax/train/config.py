@@ -174,6 +174,10 @@ class TrainLoopConfig:
         the same target; tensors of the same name and shape are loaded, the rest keep
         their random init (a hybrid from a trained eagle3, as KVShot did). Ignored when
         the run dir already holds a checkpoint (that one is resumed).
+      init_from_other_target: drafter objectives: allow an init_from drafter that was
+        trained against other target weights of the same shapes (re-fitting a drafter to
+        a target trained on further, such as the long-context demo target). Off: such a
+        drafter is refused.
       kernels: the attention of every training forward (`specjax/train/kernels.py`):
         "pallas" (`pallas_kernels.attention.packed_attention`, forward and backward
         kernels; interpret mode on CPU, slow), "reference" (jnp), "chunked" (jnp, one
@@ -194,6 +198,7 @@ class TrainLoopConfig:
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
     init_from: str | None = None
+    init_from_other_target: bool = False
     kernels: str = "auto"
 
     def __post_init__(self):

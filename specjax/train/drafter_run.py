@@ -111,7 +111,8 @@ class DrafterRun:
         init_from = self.cfg.train.init_from
         if not init_from:
             return self.trainer.init_state()
-        params, loaded, kept = self.trainer.load_init_params(init_from, self.cfg.target_dir)
+        params, loaded, kept = self.trainer.load_init_params(
+            init_from, None if self.cfg.train.init_from_other_target else self.cfg.target_dir)
         if jax.process_index() == 0:
             print(f"[train] init_from {init_from}: {len(loaded)} tensors loaded, "
                   f"{len(kept)} kept random ({', '.join(kept) or 'none'})", file=sys.stderr,
