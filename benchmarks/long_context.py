@@ -45,7 +45,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
 SHIPPED = os.path.join(ROOT, "checkpoints", "demo", "target")
 LONG = os.path.join(ROOT, "checkpoints", "demo", "target_32k")
-EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3_32k")  # re-fitted
+EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters_32k", "eagle3")  # re-fitted
 TOKENS = os.path.join(ROOT, "runs", "data", "stdlib-bpe8192", "tokens")  # as the trainer
 BUCKETS = (0, 256, 2048, 4096, 8192, 16384, 32768)
 PIECE = 1024
@@ -115,6 +115,32 @@ def quality(rows: int, long_target: str = LONG, log=print) -> dict:
         res[name] = {"path": os.path.relpath(path, ROOT),
                      "nll": [float(s / c) for s, c in zip(sums, counts, strict=True)]}
     return {"rows": rows, "row_tokens": n, "buckets": list(BUCKETS), "targets": res}
+
+
+def windowed_control(rows: int, long_target: str = LONG, lo: int = 16384, ctx: int = 4096,
+                     log=print) -> dict:
+    """The same tokens as the last bucket (positions lo..32k of each row), each window of
+    `ctx` tokens read after only its `ctx` preceding tokens (positions below 2 * ctx, the
+    range of the long target's training rows): the NLL the text has at short positions,
+    to separate the content of the last bucket from its distance. -> {target: nll}."""
+
+    from specjax.decoding.loading import load_target
+
+    n = BUCKETS[-1]
+    stream = val_stream(rows * n)
+    out = {}
+    for name, path in (("shipped", SHIPPED), ("long", long_target)):
+        model = load_target(path, dtype="float32").model
+        total, count = 0.0, 0
+        for r in range(rows):
+            row = stream[r * n:(r + 1) * n]
+            for s in range(lo, n, ctx):
+                nll = token_nll(model, row[s - ctx:s + ctx])  # predicts s - ctx + 1 ..
+                part = nll[ctx - 1:2 * ctx - 1]  # the tokens s .. s + ctx - 1
+                total, count = total + float(part.sum()), count + len(part)
+        out[name] = total / count
+        log(f"[quality] control {name}: {out[name]:.3f}")
+    return {"from": lo, "context": ctx, "nll": out}
 
 
 def nll_of(model, prompt, output) -> float:
@@ -209,13 +235,20 @@ def render_quality(res: dict) -> str:
     for name, t in q["targets"].items():
         cells = " | ".join(f"{x:.3f}" if math.isfinite(x) else "-" for x in t["nll"])
         lines.append(f"| {name} (`{t['path']}`) | {cells} |")
+    c = q.get("control")
+    if c:
+        lines += ["", f"Control: the tokens of the last bucket read in windows of "
+                  f"{c['context']:,}, each after only its {c['context']:,} preceding tokens "
+                  f"(positions below {2 * c['context']:,}; `python benchmarks/long_context.py "
+                  f"control`, git {c['git']}): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in c["nll"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
 def render_speed(res: dict) -> str:
     s = res["speed"]
     lines = [f"Decode speed of the long-context target (`checkpoints/demo/target_32k`) with "
-             f"eagle3 re-fitted to it (`checkpoints/demo/drafters/eagle3_32k`, fixed G), one "
+             f"eagle3 re-fitted to it (`checkpoints/demo/drafters_32k/eagle3`, fixed G), one "
              f"prompt of L held-out tokens, {s['new_tokens']} new tokens, T = 0, batch 1, on "
              f"this CPU ({res['cores']} cores, git {s.get('git', res['git'])}, "
              f"{s.get('date', res['date'])}; "
@@ -248,7 +281,8 @@ def write_doc(res: dict, doc: str = DOC) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", choices=("quality", "speed", "all"), default="all")
+    ap.add_argument("what", nargs="?", choices=("quality", "control", "speed", "all"),
+                    default="all")
     ap.add_argument("--rows", type=int, default=2, help="quality: held-out rows of 32k")
     ap.add_argument("--contexts", type=int, nargs="+",
                     default=[2048, 8192, 16384, 32000])
@@ -273,6 +307,9 @@ def main(argv=None) -> int:
         res["quality"] = {**quality(args.rows, args.long_target), **stamp}
         res.update(stamp)
         save_results(args.json, res, RESULTS, write_doc)  # each part as soon as it is done
+    if args.what in ("control", "quality", "all"):
+        res["quality"]["control"] = {**windowed_control(args.rows, args.long_target), **stamp}
+        save_results(args.json, res, RESULTS, write_doc)
     if args.what in ("speed", "all"):
         res["speed"] = {**speed(args.contexts, args.budgets, args.new_tokens,
                                 args.long_target, args.drafter), **stamp}

@@ -35,20 +35,27 @@ def test_defaults_are_the_bundled_demo(tmp_path, capsys):
     assert "speedup over AR" in out and "=== prompt" in out
 
 
-_DRAFTERS = os.path.join(DEMO, "drafters")
-SHIPPED = sorted(d for d in os.listdir(_DRAFTERS) if os.path.isdir(
-    os.path.join(_DRAFTERS, d))) if os.path.isdir(_DRAFTERS) else []
+def _shipped(sub: str, target: str) -> list[tuple[str, str]]:
+    root = os.path.join(DEMO, sub)
+    names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
+                   ) if os.path.isdir(root) else []
+    return [(os.path.join(sub, d), target) for d in names]
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_drafter_is_lossless_and_accepts(name, tmp_path, capsys):
-    """Each drafter under checkpoints/demo/drafters loads against the bundled target (its
-    recorded fingerprint matches), decodes greedily to exactly the autoregressive output,
-    and accepts drafts (tau > 1: a drafter that never matches the target would give 1)."""
+# drafters/ serve the bundled target; drafters_32k/ the long-context target_32k
+SHIPPED = _shipped("drafters", "target") + _shipped("drafters_32k", "target_32k")
+
+
+@pytest.mark.parametrize("name,target", SHIPPED)
+def test_shipped_drafter_is_lossless_and_accepts(name, target, tmp_path, capsys):
+    """Each shipped drafter loads against its target (its recorded fingerprint matches),
+    decodes greedily to exactly the autoregressive output, and accepts drafts (tau > 1:
+    a drafter that never matches the target would give 1)."""
     prompts = tmp_path / "p.jsonl"
     with open(os.path.join(DEMO, "prompts.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:2]))
-    code = decode.main(["--drafter", os.path.join(DEMO, "drafters", name), "--prompts",
+    code = decode.main(["--drafter", os.path.join(DEMO, name), "--target",
+                        os.path.join(DEMO, target), "--prompts",
                         str(prompts), "--max-new-tokens", "32", "--show", "0",
                         "--summary", str(tmp_path / "s.json")])
     _, err = capsys.readouterr()
