@@ -84,14 +84,17 @@ def test_drafter_kernel_on_a_mesh_equals_one_device(setup, tmp_path, spy):  # no
     assert spy
 
 
+def _lm_losses(corpus, tmp_path, kernels):  # noqa: F811
+    """The per-step losses of a short lm run with train.kernels=kernels."""
+    cfg = lm_cfg(corpus, tmp_path / kernels, (1, 1, 1), f"train.steps={STEPS}",
+                 f"train.kernels={kernels}", "export.enabled=false")
+    res = train(cfg, progress=False)
+    return np.array([res.losses[s] for s in sorted(res.losses)])
+
+
 def test_lm_objective_with_kernel_equals_reference(corpus, tmp_path, spy):  # noqa: F811
-    runs = {}
-    for kernels in ("reference", "pallas"):
-        cfg = lm_cfg(corpus, tmp_path / kernels, (1, 1, 1), f"train.steps={STEPS}",
-                     f"train.kernels={kernels}", "export.enabled=false")
-        runs[kernels] = train(cfg, progress=False)
-    a = np.array([runs["reference"].losses[s] for s in sorted(runs["reference"].losses)])
-    b = np.array([runs["pallas"].losses[s] for s in sorted(runs["pallas"].losses)])
+    a = _lm_losses(corpus, tmp_path, "reference")
+    b = _lm_losses(corpus, tmp_path, "pallas")
     np.testing.assert_allclose(b, a, rtol=2e-4)
     assert spy
 
@@ -133,13 +136,8 @@ def test_chunked_attention_equals_the_reference(chunk):
 
 
 def test_lm_objective_with_chunked_attention_equals_reference(corpus, tmp_path):  # noqa: F811
-    runs = {}
-    for kernels in ("reference", "chunked"):
-        cfg = lm_cfg(corpus, tmp_path / kernels, (1, 1, 1), f"train.steps={STEPS}",
-                     f"train.kernels={kernels}", "export.enabled=false")
-        runs[kernels] = train(cfg, progress=False)
-    a = np.array([runs["reference"].losses[s] for s in sorted(runs["reference"].losses)])
-    b = np.array([runs["chunked"].losses[s] for s in sorted(runs["chunked"].losses)])
+    a = _lm_losses(corpus, tmp_path, "reference")
+    b = _lm_losses(corpus, tmp_path, "chunked")
     np.testing.assert_allclose(b, a, rtol=2e-4)
 
 
