@@ -32,6 +32,7 @@ and `<!-- long_context:speed -->` sections of docs/long_context.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -66,17 +67,12 @@ def val_stream(n: int):
     return np.asarray(ids[:n], np.int32)
 
 
-def token_nll(model, ids):
-    """f32[T-1]: -log p(ids[t+1] | ids[..t]) teacher-forced in pieces of PIECE tokens
-    through the model's KV cache (memory follows the piece, not the row)."""
+@functools.lru_cache(maxsize=4)
+def _piece_fn(model):
+    """The jitted forward of one PIECE of `token_nll` for this model, built once per model
+    (not once per call, which traced it again for every row and every output)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-
-    T = len(ids)
-    width = -(-T // PIECE) * PIECE
-    padded = np.zeros(width + 1, np.int32)
-    padded[:T] = ids
 
     @jax.jit
     def piece(cache, toks, nxt, start):
@@ -85,6 +81,20 @@ def token_nll(model, ids):
         logp = jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1)
         return out.cache, -jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
 
+    return piece
+
+
+def token_nll(model, ids):
+    """f32[T-1]: -log p(ids[t+1] | ids[..t]) teacher-forced in pieces of PIECE tokens
+    through the model's KV cache (memory follows the piece, not the row)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    T = len(ids)
+    width = -(-T // PIECE) * PIECE
+    padded = np.zeros(width + 1, np.int32)
+    padded[:T] = ids
+    piece = _piece_fn(model)
     cache = model.init_cache(1, width)
     out = []
     for s in range(0, width, PIECE):
