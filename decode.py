@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "target's hidden states or K/V when drafting (long contexts: the "
                          "drafter's attention stops growing with the context). Output "
                          "unchanged: the target verifies every draft (default: all)")
+    ap.add_argument("--draft-reuse", action="store_true",
+                    help="medc drafters (Make Every Draft Count, docs/medc.md): start each "
+                         "step's draft chain from the previous step's drafted hidden states "
+                         "where they cover the new positions, skipping those draft forwards. "
+                         "Output unchanged: the target verifies every draft")
     ap.add_argument("--kernels", choices=("auto", "off", "reference", "pallas"),
                     default="auto",
                     help="verification: pallas = the fused Pallas kernel from the target's "
@@ -356,7 +361,7 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
         target=cfg, dtype=dtype, drafter=loaded.name, drafter_gamma=loaded.gamma,
         drafter_dtype=args.drafter_dtype, matmul_dtype=args.matmul_dtype,
         draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
-        draft_window=args.draft_window, batch=args.batch_size,
+        draft_window=args.draft_window, draft_reuse=args.draft_reuse, batch=args.batch_size,
         max_length=max_length, prompt_width=prompt_width,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
@@ -465,7 +470,7 @@ def run(args) -> int:
                           sampling=sampling,
                           dtype=dtype, matmul_dtype=args.drafter_dtype,
                           draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
-                          draft_window=args.draft_window,
+                          draft_window=args.draft_window, draft_reuse=args.draft_reuse,
                           verify=args.verify, num_drafts=args.num_drafts,
                           tree_nodes=args.tree_nodes if args.tree_topk is None else None)
     drafter, dparams, drafter_arg = loaded.drafter, loaded.params, loaded.name
@@ -573,7 +578,11 @@ def run(args) -> int:
                                   if drafter is not None else 1),
                "batch_size": args.batch_size, "prompts": len(prompts), "chat": chat,
                "mesh": dict(mesh.shape) if mesh is not None else None,
-               "draft_window": args.draft_window}
+               "draft_window": args.draft_window,
+               "draft_reuse": None if st.reused is None else {
+                   "states_reused": int(st.reused[0]), "states_drafted": int(st.reused[1]),
+                   "fraction": float(st.reused[0] / max(st.reused[1], 1)),
+                   "forwards_skipped": int(st.reused[2]), "forwards": int(st.reused[3])}}
     if timing is not None:
         summary.update(timing)
     if schedule is not None:

@@ -202,17 +202,22 @@ def _drafter(name: str, sp: SamplingParams, hot: tuple[int, ...] | None = None):
         else:
             assert "draft_ids" not in params
         return drafter, params
+    reuse = name.endswith("-reuse")  # medc --draft-reuse, at G = 3 so that a forward
+    if reuse:  # can be reused (in a step after a rejection of the first draft)
+        name = name[:-len("-reuse")]
     stop = 0.0
     if name.endswith("-stop"):  # --draft-stop 1: every round stops after its first
-        name, stop = name[:-len("-stop")], 1.0  # draft; fillers (one-hot q) follow
+        # draft, fillers (one-hot q) follow; with reuse 0.5, so that some rounds go on
+        name, stop = name[:-len("-stop")], 0.5 if reuse else 1.0
     kind, context = LEARNED[name]
     dcfg = DrafterConfig.for_target(CFG2, kind, gamma=GAMMA, context=context,
                                     mask_token_id=PAD if kind == "block" else None)
     if dcfg.uses_kv:  # merge both target layers' K/V (for_target picks one here)
         dcfg = dataclasses.replace(dcfg, kv_layers=(0, 1))
     net = _opinionated(build_network(dcfg, rngs=nnx.Rngs(7)))
-    return make_drafter(dcfg, net, target, gamma=GAMMA, sampling=sp, draft_vocab=hot,
-                        stop_below=stop)
+    drafter, params = make_drafter(dcfg, net, target, gamma=3 if reuse else GAMMA,
+                                   sampling=sp, draft_vocab=hot, stop_below=stop)
+    return (dataclasses.replace(drafter, reuse=True) if reuse else drafter), params
 
 
 # ----------------------------------------------------------------------------- loop
@@ -298,7 +303,11 @@ def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=N
     if stale:
         drafter = StaleQDrafter(drafter)
     g, params = nnx.split(_target())
-    sched = GammaSchedule((0, 1, GAMMA), policy="random") if schedule else None
+    G = drafter.gamma
+    reuse = getattr(drafter, "reuse", False)
+    # under reuse the short choice drafts 2, so that a step can reuse the one before
+    sched = (GammaSchedule((0, 2 if reuse else 1, G), policy="random") if schedule
+             else None)
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=sp,
                     verify=VERIFY[verify], kernels=kernels, num_drafts=num_drafts,
                     schedule=sched)
@@ -313,8 +322,14 @@ def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=N
     assert (lengths == Tp + N_NEW).all(), "every row must emit exactly its budget"
     assert (tokens[:, :Tp] == PROMPT).all()
     steps = np.asarray(res.steps)
-    # A round emits at most G + 1 tokens: the last N_NEW - 1 need two rounds or more.
-    assert (steps >= -(-(N_NEW - 1) // (GAMMA + 1))).all() and steps.min() >= 2
+    # A round emits at most G + 1 tokens: the last N_NEW - 1 need two rounds or more at
+    # G = 2 (at G = 4 a row may finish in one; the reuse check below needs later rounds).
+    assert (steps >= -(-(N_NEW - 1) // (G + 1))).all()
+    assert steps.min() >= 2 or G + 1 >= N_NEW - 1
+    if reuse and not schedule:  # the reuse path really ran (a random schedule may
+        # never draft twice in a row; tests/test_medc_reuse.py covers reuse under one)
+        reused, drafted = (int(x) for x in res.reused[:2])
+        assert 0 < reused < drafted, (reused, drafted)
     if schedule:  # one schedule for the whole batch: at least two lengths in it
         assert (np.asarray(res.chosen) > 0).sum() >= 2, np.asarray(res.chosen)
     return tokens[:, Tp:Tp + N_NEW], steps, np.asarray(res.accepted)
@@ -342,7 +357,8 @@ def _halves(verify, batch):
 
 def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1,
            schedule=False):
-    """-> {rule: (statistic, threshold, worst view, acceptance of draft 1, of draft G)}.
+    """-> {rule: (statistic, threshold, worst view, acceptance of draft 1, of draft G
+    (of draft 2 under reuse))}.
     Each case draws with its own seed (cases that share a drafter would otherwise
     share most of their randomness)."""
     tag = f" K={num_drafts}" if num_drafts > 1 else ""
@@ -359,7 +375,8 @@ def _check(name, verify, sp, hot=None, kernels="off", stale=False, num_drafts=1,
         stat, thresh, worst = du.projection_test(seqs, exact, _null(sp, len(seqs)))
         n_steps = steps[rows].sum()
         acc = accepted[rows].sum(axis=0) / n_steps  # per draft position, per round
-        out[rule] = (stat, thresh, worst, acc[0], acc[-1])
+        # with reuse (G = 3) the reused hidden states draft position 2, not G
+        out[rule] = (stat, thresh, worst, acc[0], acc[1] if name.endswith("-reuse") else acc[-1])
         print(f"\n[{name}{tag} {rule} {_id(sp)} hot={hot is not None} kernels={kernels}"
               f"{' stale' if stale else ''}] z={stat:.2f} thresh={thresh:.2f} worst {worst}; "
               f"accepted per round {acc.round(3)} rounds/row {steps[rows].mean():.2f}")
@@ -395,11 +412,14 @@ FAST = [
     ("ngram", "token", PLAIN, None, "reference"),
     ("dflash", "token", PLAIN, None, "reference"),
     ("medc", "both", TOP_P, None, "off"),
+    ("medc-reuse", "both", TOP_K, None, "off"),
 ]
 SLOW = [
     ("medc", "both", PLAIN, HOT, "off"),
     ("medc", "token", PLAIN, None, "reference"),
     ("medc-stop", "both", TOP_K, None, "off"),
+    ("medc-reuse", "token", PLAIN, HOT, "reference"),
+    ("medc-stop-reuse", "both", TOP_P, None, "off"),
     ("draft-lm", "both", TOP_K, None, "off"),
     ("draft-lm", "both", TOP_P, None, "off"),
     ("ngram", "both", TOP_P, None, "off"),
@@ -478,7 +498,7 @@ SCHEDULE_SLOW = [("block-kv", "both", TOP_K), ("kv", "both", PLAIN), ("hybrid", 
                  ("block-hidden", "both", PLAIN), ("block-both", "both", PLAIN),
                  ("ngram", "both", PLAIN), ("dflash", "both", PLAIN),
                  ("eagle3-hf", "token", PLAIN), ("eagle3", "token", PLAIN),
-                 ("medc", "both", PLAIN)]
+                 ("medc", "both", PLAIN), ("medc-reuse", "both", TOP_K)]
 SCHEDULE_CASES = SCHEDULE_FAST + [pytest.param(*c, marks=pytest.mark.slow)
                                   for c in SCHEDULE_SLOW]
 

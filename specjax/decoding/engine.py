@@ -45,7 +45,10 @@ class BatchOutput:
     time without compilation (seconds); reached: i32[B,G] steps that drafted position k
     with drafts < k accepted (None: every step drafted G); chosen: i32[n] steps at each
     draft length of an adaptive schedule (None without one); verified: i32[2] steps
-    verified in full and partially under partial verification (None without it)."""
+    verified in full and partially under partial verification (None without it);
+    reused: i32[4] drafted hidden states reused from the previous step's chain and
+    drafted in all (over rows), draft forwards skipped and in all (None unless the
+    drafter reuses, medc `--draft-reuse`; `specjax.drafters.eagle3.DraftChain`)."""
 
     outputs: list[list[int]]
     steps: np.ndarray
@@ -54,6 +57,7 @@ class BatchOutput:
     reached: np.ndarray | None = None
     chosen: np.ndarray | None = None
     verified: np.ndarray | None = None
+    reused: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -68,6 +72,7 @@ class Stats:
     reached: np.ndarray | None = None  # i64[G]
     chosen: np.ndarray | None = None  # i64[n] steps per draft length (adaptive schedule)
     verified: np.ndarray | None = None  # i64[2] full / partial steps (partial verification)
+    reused: np.ndarray | None = None  # i64[4] as BatchOutput.reused (medc reuse)
 
     def add(self, batch: BatchOutput):
         self.new_tokens += sum(len(o) for o in batch.outputs)
@@ -84,6 +89,9 @@ class Stats:
         if batch.verified is not None:
             v = np.asarray(batch.verified, np.int64)
             self.verified = v if self.verified is None else self.verified + v
+        if batch.reused is not None:
+            u = np.asarray(batch.reused, np.int64)
+            self.reused = u if self.reused is None else self.reused + u
 
     @property
     def tokens_per_s(self) -> float:
@@ -339,8 +347,10 @@ class Engine:
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
             self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
         verified = res.verified if self.cfg.partial is not None else None
+        reused = res.reused if getattr(self.drafter, "reuse", False) else None
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
-                           reached=res.reached[:n, :G], chosen=chosen, verified=verified)
+                           reached=res.reached[:n, :G], chosen=chosen, verified=verified,
+                           reused=reused)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:

@@ -246,7 +246,11 @@ class LoopResult:
     draft length of an adaptive schedule (i32[0] without one); alpha f32[B,G]: the
     schedule's acceptance estimates at the end (f32[0, 0] without one; the next run can
     start from them, `speculative_loop`'s alpha0); verified i32[2]: the steps verified
-    in full and partially under partial verification (zeros without it)."""
+    in full and partially under partial verification (zeros without it); reused i32[4]:
+    under a drafter that reuses its drafted hidden states (medc `--draft-reuse`,
+    `specjax.drafters.eagle3.DraftChain.counts`; zeros otherwise) the drafted hidden
+    states taken from the previous step's chain and drafted in all, summed over the rows
+    that drafted, then the draft forwards the batch skipped and ran in all."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -257,6 +261,7 @@ class LoopResult:
     chosen: jax.Array
     alpha: jax.Array
     verified: jax.Array
+    reused: jax.Array
 
 
 def _is_eos(tokens, eos_ids):
@@ -347,8 +352,10 @@ def _result(s: LoopState) -> LoopResult:
     alpha = jnp.zeros((0, 0), jnp.float32) if s.adapt is None else s.adapt.alpha
     verified = (jnp.zeros((2,), jnp.int32) if s.partial is None
                 else jnp.stack([s.partial.full, s.partial.partial]))
+    chain = getattr(s.drafter_state, "chain", None)  # eagle3.DraftChain (medc reuse)
+    reused = jnp.zeros((4,), jnp.int32) if chain is None else chain.counts
     return LoopResult(s.tokens, s.lengths, s.prompt_lengths, s.steps, s.accepted, s.reached,
-                      chosen, alpha, verified)
+                      chosen, alpha, verified, reused)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))

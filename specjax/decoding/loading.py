@@ -159,7 +159,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
                  sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
                  draft_stop: float = 0.0, verify: str | None = None,
                  num_drafts: int = 1, tree_nodes: int | None = None,
-                 draft_window: int | None = None) -> LoadedDrafter:
+                 draft_window: int | None = None, draft_reuse: bool = False) -> LoadedDrafter:
     """The drafter `spec` names, for `target`, as decode.py's --drafter takes it.
 
     Args:
@@ -185,12 +185,15 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
       tree_nodes: "logitspec"'s node budget N (None: its default).
       draft_window: a learned or external drafter reads only the last `draft_window`
         context positions at decoding (`LearnedDrafter.window`; None: all of them).
+      draft_reuse: a medc drafter starts each step's chain from the previous step's
+        drafted hidden states where they cover the new positions
+        (`specjax.drafters.eagle3.Eagle3Drafter.propose`, docs/medc.md); output unchanged.
     Returns: LoadedDrafter(drafter, params, name, gamma); the arguments are not changed.
     Raises: SpecjaxError (one line) for a directory that cannot be loaded or does not fit
       the target, a draft_stop given to a drafter that cannot stop early, a draft_window
       below 1 or given to a drafter without a context window (none, ngram, logitspec, a
-      draft LM), or "logitspec" with verify "block" at temperature > 0 or
-      num_drafts > 1.
+      draft LM), draft_reuse for a drafter other than medc, or "logitspec" with verify
+      "block" at temperature > 0 or num_drafts > 1.
     """
     from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
@@ -220,6 +223,10 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         if not any(f.name == "window" for f in dataclasses.fields(drafter)):
             raise SpecjaxError(no_window)  # a draft LM
         return dataclasses.replace(drafter, window=draft_window)
+    no_reuse = (f"--draft-reuse: only medc drafters (whose hidden-state chain reads no "
+                f"token) reuse their drafted hidden states, not --drafter {name}")
+    if draft_reuse and not learned:
+        raise SpecjaxError(no_reuse)
     if name == "none":
         return LoadedDrafter(None, None, name, None)
     if name == "ngram":
@@ -247,6 +254,12 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         drafter, dparams = load_learned_drafter(
             name, target.model, target.path, gamma, sampling, dtype, matmul_dtype=mm,
             draft_vocab=draft_vocab, stop_below=draft_stop)
+        if draft_reuse:
+            import dataclasses
+
+            if drafter.cfg.kind != "medc":
+                raise SpecjaxError(f"{no_reuse} (a {drafter.cfg.kind} drafter)")
+            drafter = dataclasses.replace(drafter, reuse=True)
         return LoadedDrafter(windowed(drafter), dparams, name, drafter.gamma)
     from specjax.drafters.external import detect_layout, load_external
 

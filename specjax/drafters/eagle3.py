@@ -156,16 +156,38 @@ class Eagle3(nnx.Module):
 
 
 @struct.dataclass
+class DraftChain:
+    """The last draft step's hidden-state chain, kept for reuse (`Eagle3Drafter.reuse`,
+    medc only): out [B,n,D] the outputs of its forwards (slot j at RoPE position
+    base + j), k, v [B,K,n,H] their draft-buffer keys and values, base i32[B], valid
+    i32[] (slots 0..valid-1 were computed), counts i32[4] summed over the steps: drafted
+    hidden states reused and drafted in all (over the rows that drafted), draft forwards
+    the batch skipped and draft forwards in all (n = the drafter's G - 1, at least 1)."""
+
+    out: jax.Array
+    k: jax.Array
+    v: jax.Array
+    base: jax.Array
+    valid: jax.Array
+    counts: jax.Array
+
+
+@struct.dataclass
 class Eagle3State:
     cache: KVCache  # k, v [1,B,K,S,H]; positions 0..lengths-2 valid after update
     h_last: jax.Array  # [B,D] output at position lengths-2
     memory: KVCache | None  # hybrid: merged target K/V [1,B,K,S,H]; None for eagle3
+    chain: DraftChain | None = None  # medc with reuse; None otherwise
 
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter(LearnedDrafter):
-    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3 and Hybrid networks;
-    fields and params as learned.LearnedDrafter."""
+    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3, Medc and Hybrid networks;
+    fields and params as learned.LearnedDrafter, plus `reuse` (medc only,
+    `--draft-reuse`): the next step starts its chain from this step's drafted hidden
+    states where they cover the new positions (`propose`)."""
+
+    reuse: bool = False
 
     # ------------------------------------------------------------------ pieces
 
@@ -217,8 +239,19 @@ class Eagle3Drafter(LearnedDrafter):
         if T <= sizes[0]:
             out, cache = self._entries(net, params, cache, memory, view.hidden,
                                        view.positions, nxt)
-            return Eagle3State(cache, _entry_at_clipped(out, view.lengths - 2), memory)
-        return self._chunked_init(net, params, cache, memory, view, nxt, sizes)
+            return Eagle3State(cache, _entry_at_clipped(out, view.lengths - 2), memory,
+                               self._empty_chain(view, net.dtype))
+        state = self._chunked_init(net, params, cache, memory, view, nxt, sizes)
+        return state.replace(chain=self._empty_chain(view, net.dtype))
+
+    def _empty_chain(self, view, dtype) -> DraftChain | None:
+        """No chain yet (valid 0): nothing to reuse at the first step."""
+        if not self.reuse:
+            return None
+        c, B, n = self.cfg, view.lengths.shape[0], max(self.gamma - 1, 1)
+        kv = jnp.zeros((B, c.num_kv_heads, n, c.head_dim), dtype)
+        return DraftChain(jnp.zeros((B, n, c.hidden_size), dtype), kv, kv,
+                          jnp.zeros((B,), jnp.int32), jnp.int32(0), jnp.zeros((4,), jnp.int32))
 
     def _chunked_init(self, net, params, cache, memory, view, nxt, sizes):
         _, B, T, D = view.hidden.shape
@@ -253,6 +286,17 @@ class Eagle3Drafter(LearnedDrafter):
         it, or after G-1 forwards. The positions left over get the first draft token as a
         filler with q one-hot at it: a deterministic proposal, so token and block
         verification stay exact (the filler is simply rejected unless the target agrees).
+
+        With `reuse` (medc, whose chain reads no token; docs/medc.md): forward j computes
+        the entry at position lengths-1+j. The previous step's forward at the same
+        position (slot j + shift, shift = lengths-1 - its base) computed that entry from
+        no token either, so the first r forwards are taken from the previous chain
+        instead of run, r = min over rows of (previous valid - shift), clipped to
+        0..G-1 (the batch skips a forward only if every row has it): their outputs get
+        this step's tokens through the readout, and their keys and values fill the draft
+        buffer's first r slots. The first draft, from h_last (the target's features),
+        is never reused. The proposal is still a distribution the rule verifies, so the
+        output stays the target's.
         """
         net = self.net(params)
         keys = jax.random.split(key, self.gamma)
@@ -265,8 +309,21 @@ class Eagle3Drafter(LearnedDrafter):
         committed = windowed(anchor, self.window)
         c = self.cfg
         empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
+        buffers = (empty, empty)  # the draft entries' keys and values, [B,K,max(n,1),H]
+        chain = state.chain if self.reuse else None
+        if chain is not None:
+            shift = pos0[:, 0] - chain.base  # [B] 0 for a finished row (no new tokens)
+            active = shift > 0
+            mine = jnp.clip(chain.valid - shift, 0, n)  # [B] previous entries per row
+            r = jnp.min(jnp.where(active, mine, n))  # forwards the whole batch skips
+            slots = jnp.clip(shift[:, None] + jnp.arange(max(n, 1))[None, :], 0,
+                             chain.out.shape[1] - 1)  # [B,max(n,1)] previous slots
+            old_out = _at_positions(chain.out, slots)  # [B,max(n,1),D]
+            buffers = tuple(jnp.take_along_axis(a, slots[:, None, :, None], axis=2)
+                            .astype(empty.dtype) for a in (chain.k, chain.v))
 
-        def forward(dk, dv, h, tok, k, j):
+        def layer(dk, dv, h, tok, j):
+            """Draft forward j: (dk, dv with slot j written, out [B,D], emb [B,1,D])."""
             pos = pos0 + j
             emb = jnp.take(params["embed"], tok[:, None], axis=0)
             cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
@@ -281,40 +338,88 @@ class Eagle3Drafter(LearnedDrafter):
             out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
                                     self.attention, window=self.window)
-            lg = self.logits(net, net.readout(out, emb)[:, 0], params)
+            return dk, dv, out[:, 0], emb
+
+        def read(out, emb, k):
+            """The draft token after out [B,D]: (token i32[B], q f32[B,V], logits)."""
+            lg = self.logits(net, net.readout(out[:, None], emb)[:, 0], params)
             nxt, probs = sample_logits(k, lg, self.sampling)
-            return dk, dv, out[:, 0], nxt, probs, lg
+            return nxt, probs, lg
+
+        def forward(dk, dv, h, tok, k, j):
+            dk, dv, out, emb = layer(dk, dv, h, tok, j)
+            return dk, dv, out, *read(out, emb, k)
+
+        if chain is not None:
+            def forward(dk, dv, h, tok, k, j):  # noqa: F811 (reuse or run forward j)
+                """Row b takes the previous chain's entry while j < mine[b]; the layer
+                runs (once or never: a conditional would copy its operands every
+                forward) only if some row needs it, j >= r."""
+                old = jax.lax.dynamic_index_in_dim(old_out, j, axis=1, keepdims=False)
+                emb = jnp.take(params["embed"], tok[:, None], axis=0)
+                _, dk_new, dv_new, new = jax.lax.while_loop(
+                    lambda cr: cr[0], lambda cr: (False, *layer(dk, dv, h, tok, j)[:3]),
+                    (j >= r, dk, dv, old))
+                take = j < mine  # [B]
+                out = jnp.where(take[:, None], old, new)
+                dk = jnp.where(take[:, None, None, None], dk, dk_new)  # slot j differs
+                dv = jnp.where(take[:, None, None, None], dv, dv_new)
+                return dk, dv, out, *read(out, emb, k)
+
+        def kept(outs, valid, dk, dv):
+            """The state with this step's chain (reuse) or as it was (no reuse, or no
+            draft forward in this step: the previous chain stays usable)."""
+            if chain is None or n == 0:
+                return state
+            pad = chain.out.shape[1] - outs.shape[1]
+            out = jnp.pad(outs, ((0, 0), (0, pad), (0, 0))).astype(chain.out.dtype)
+            kk, vv = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(chain.k.dtype)
+                      for a in (dk[..., :outs.shape[1], :], dv[..., :outs.shape[1], :]))
+            rows = jnp.sum(active)
+            counts = chain.counts + jnp.stack([
+                jnp.sum(jnp.where(active, jnp.minimum(mine, valid), 0)), rows * valid,
+                jnp.minimum(r, valid), valid]).astype(jnp.int32)
+            return state.replace(chain=DraftChain(out, kk, vv, pos0[:, 0], valid, counts))
 
         if self.stop_below <= 0 or n == 0:
             def step(carry, xs):
                 dk, dv, h, nxt, probs, _ = forward(*carry, *xs)
-                return (dk, dv, h, nxt), (nxt, probs)
+                return (dk, dv, h, nxt), (nxt, probs, h)
 
-            _, (xs, qs) = jax.lax.scan(step, (empty, empty, state.h_last, x),
-                                       (keys[1:], jnp.arange(n, dtype=jnp.int32)))
+            (dk, dv, _, _), (xs, qs, hs) = jax.lax.scan(
+                step, (*buffers, state.h_last, x),
+                (keys[1:], jnp.arange(n, dtype=jnp.int32)))
             draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
             q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
-            return draft, q_all, state
+            return draft, q_all, kept(jnp.moveaxis(hs, 0, 1), jnp.int32(n), dk, dv)
 
         def cond(carry):
             j, conf = carry[0], carry[5]
             return (j < n) & jnp.any(conf >= self.stop_below)
 
         def body(carry):
-            j, dk, dv, h, tok, conf, toks, qs = carry
+            j, dk, dv, h, tok, conf, toks, qs, hs = carry
             dk, dv, h, nxt, probs, lg = forward(dk, dv, h, tok, keys[1:][j], j)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], j, axis=1)
             qs = jax.lax.dynamic_update_slice_in_dim(qs, probs[:, None], j, axis=1)
-            return j + 1, dk, dv, h, nxt, conf * _top1(lg, probs, self.sampling), toks, qs
+            if hs is not None:
+                hs = jax.lax.dynamic_update_slice_in_dim(hs, h[:, None].astype(hs.dtype), j,
+                                                         axis=1)
+            return (j + 1, dk, dv, h, nxt, conf * _top1(lg, probs, self.sampling), toks, qs,
+                    hs)
 
         V = q.shape[-1]
-        init = (jnp.int32(0), empty, empty, state.h_last, x, _top1(lg0, q, self.sampling),
+        dk0, dv0 = buffers
+        hs0 = None if chain is None else jnp.zeros((B, n, state.h_last.shape[-1]),
+                                                   state.h_last.dtype)
+        init = (jnp.int32(0), dk0, dv0, state.h_last, x, _top1(lg0, q, self.sampling),
                 jnp.broadcast_to(x[:, None], (B, n)),
-                jnp.broadcast_to(jax.nn.one_hot(x, V, dtype=q.dtype)[:, None], (B, n, V)))
-        *_, toks, qs = jax.lax.while_loop(cond, body, init)
+                jnp.broadcast_to(jax.nn.one_hot(x, V, dtype=q.dtype)[:, None], (B, n, V)),
+                hs0)
+        j, dk, dv, *_, toks, qs, hs = jax.lax.while_loop(cond, body, init)
         draft = jnp.concatenate([x[:, None], toks], axis=1)  # [B,G]
         q_all = jnp.concatenate([q[:, None], qs], axis=1)  # [B,G,V]
-        return draft, q_all, state
+        return draft, q_all, kept(hs, j, dk, dv)
 
     def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
         """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858; `topK_genrate`
@@ -419,7 +524,7 @@ class Eagle3Drafter(LearnedDrafter):
                                   axis=1)
         out, cache = self._entries(net, params, state.cache, memory, view.hidden, pos, nxt)
         last = jnp.clip(view.lengths - 2 - pos[:, 0], 0, pos.shape[1] - 1)
-        return Eagle3State(cache, _entry_at(out, last), memory)
+        return state.replace(cache=cache, h_last=_entry_at(out, last), memory=memory)
 
 
 def _first_readout(net, h_last, params, view):
