@@ -608,8 +608,10 @@ def paired(results: dict, a: str, b: str, stat: str, seeds=SEEDS, stat_b: str | 
 
 
 def _same_prompts(ra: dict, rb: dict) -> bool:
+    """Same held-out prompts and (where both have one) simulated sequences."""
+    sim = [r.get("simulated", {}).get("sequence_ids") for r in (ra, rb)]
     return (ra.get("prompt_ids") == rb.get("prompt_ids")
-            and ra["simulated"]["sequence_ids"] == rb["simulated"]["sequence_ids"])
+            and (None in sim or sim[0] == sim[1]))
 
 
 def alpha_point(results: dict, name: str, src: str, seeds=SEEDS) -> list | None:

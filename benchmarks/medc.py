@@ -1,7 +1,8 @@
 """medc against eagle3 on equal terms (issue 32, part 2; docs/medc.md).
 
     python benchmarks/medc.py measure [--force]   # both runs -> benchmarks/results/medc/
-    python benchmarks/medc.py report              # the docs/medc.md section from them
+    python benchmarks/medc.py reuse               # medc with and without --draft-reuse
+    python benchmarks/medc.py report              # the docs/medc.md sections from them
 
 The two runs share data, budget, seed, target and held-out stream: runs/medc/medc-s0
 (configs/medc/medc.yaml) and the KVShot study's CPU run runs/study2/eagle3-s0
@@ -15,6 +16,14 @@ drafter, the drafters alternating; redone on every `measure`): draft ms, verify 
 draft ms per accepted token (draft ms / in-loop tau at T = 0). `report` renders the comparison
 with paired bootstrap intervals over prompts (one seed each, so seed-to-seed variation is
 not covered).
+
+`reuse` decodes the same held-out prompts with medc (runs/medc/medc-s0) three ways per
+prompt, interleaved in one process: without reuse, with `--draft-reuse`, and
+autoregressively (one AR run shared by both), at T = 0 and T = 1 (block verification).
+Both drafter runs are ratios to the same AR run, so their difference is paired by
+prompt and machine state. It writes benchmarks/results/medc/medc_noreuse-s0.json and
+medc_reuse-s0.json (the same record layout as `measure`'s decode part, plus the reuse
+counts per prompt).
 """
 
 from __future__ import annotations
@@ -100,6 +109,117 @@ def measure(force: bool = False) -> None:
         k2._write_json(path, rec)
 
 
+def reuse_decode(settings=("t0", "t1_block")) -> dict:
+    """{label: record} for labels medc_noreuse and medc_reuse (module docstring)."""
+    import time
+
+    import jax
+
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from specjax.decoding.sampling import SamplingParams
+
+    runs_root, config_dir = RUNS["medc"]
+    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
+    sizes = dict(k2.SIZES)
+    dtype = resolve_dtype("auto")
+    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
+    eos = target.cfg.eos_token_ids
+    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, sizes["prompts"],
+                                  sizes["prompt_tokens"], eos=eos[0] if eos else 0)
+    new = sizes["new_tokens"]
+    longest = max(len(ids) for _, ids in prompts)
+    common = dict(max_length=longest + new,
+                  prompt_width=prompt_width_for(longest, longest + new), batch_size=1,
+                  eos_token_ids=tuple(eos), kernels="auto")
+    base = jax.random.key(k2.DECODE_SEED)
+    labels = {"medc_noreuse": False, "medc_reuse": True}
+    recs = {label: {"run": f"{label}-s{SEED}", "name": label, "seed": SEED,
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "code": k2.git_state(), "machine": k2.machine(), "sizes": sizes,
+                    "prompt_ids": [p for p, _ in prompts],
+                    "weights": {"drafter": "runs/medc/medc-s0/drafter",
+                                "target": os.path.relpath(cfg.target_dir, ROOT)},
+                    "draft_reuse": reuse, "decode": {}}
+            for label, reuse in labels.items()}
+    for setting in settings:
+        temp, verify = k2.SETTINGS[setting]
+        sampling = SamplingParams(temp, 0, 1.0)
+        engines = {}
+        for label, reuse in labels.items():
+            loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
+                                  matmul_dtype="auto", draft_vocab="auto", draft_reuse=reuse)
+            engines[label] = Engine(target.model, drafter=loaded.drafter,
+                                    drafter_params=loaded.params, sampling=sampling,
+                                    verify=verify, **common)
+        ar = Engine(target.model, sampling=sampling, verify=verify, **common)
+        compile_s = sum(e.compile() for e in engines.values()) + ar.compile()
+        got = {label: {k: [] for k in ("new_tokens", "steps", "wall_s", "ar_new_tokens",
+                                       "ar_wall_s", "accepted", "identical", "reused")}
+               for label in labels}
+        k2.log(f"reuse {setting}: {len(prompts)} prompts, medc / medc+reuse / AR each")
+        for i, (_, ids) in enumerate(prompts):
+            key = jax.random.fold_in(base, i)
+            outs = {label: eng.run([ids], new, key) for label, eng in engines.items()}
+            a = ar.run([ids], new, key)
+            for label, m in outs.items():
+                g = got[label]
+                g["new_tokens"].append(len(m.outputs[0]))
+                g["steps"].append(int(m.steps[0]))
+                g["accepted"].append([int(x) for x in m.accepted[0]])
+                g["wall_s"].append(m.wall_s)
+                g["ar_new_tokens"].append(len(a.outputs[0]))
+                g["ar_wall_s"].append(a.wall_s)
+                g["identical"].append(m.outputs[0] == a.outputs[0] if temp == 0 else None)
+                g["reused"].append(None if m.reused is None else [int(x) for x in m.reused])
+        for label in labels:
+            got[label]["compile_s"] = compile_s
+            got[label]["gamma"] = engines[label].gamma
+            recs[label]["decode"][setting] = got[label]
+    return recs
+
+
+def reuse(settings=("t0", "t1_block")) -> None:
+    for label, rec in reuse_decode(settings).items():
+        k2._write_json(k2.result_path(label, SEED, RESULTS_DIR), rec)
+        k2.log(f"wrote {k2.result_path(label, SEED, RESULTS_DIR)}")
+
+
+def render_reuse(results: dict) -> str:
+    """The markdown between the `medc:reuse` markers."""
+    seeds = (SEED,)
+    a, b = "medc_noreuse", "medc_reuse"
+    if (a, SEED) not in results or (b, SEED) not in results:
+        return "Not measured yet: `python benchmarks/medc.py reuse`.\n"
+    lines = ["| measure | medc | medc --draft-reuse | reuse - none |", "|---|---|---|---|"]
+    for label, stat in (("in-loop tau, T = 0", "tau_t0"), ("speedup, T = 0", "speedup_t0"),
+                        ("in-loop tau, T = 1 block", "tau_t1_block"),
+                        ("speedup, T = 1 block", "speedup_t1_block")):
+        lines.append(f"| {label} | {k2._ci(k2.interval(results, a, stat, seeds))} "
+                     f"| {k2._ci(k2.interval(results, b, stat, seeds))} "
+                     f"| {k2._ci(k2.paired(results, b, a, stat, seeds), '+.2f')} |")
+    for setting, tag in (("t0", "T = 0"), ("t1_block", "T = 1 block")):
+        d = results[b, SEED]["decode"].get(setting)
+        if not d:
+            continue
+        tot = [sum(r[k] for r in d["reused"] if r) for k in range(4)]
+        ms = [1e3 * sum(results[n, SEED]["decode"][setting]["wall_s"])
+              / max(sum(results[n, SEED]["decode"][setting]["steps"]), 1) for n in (a, b)]
+        lines.append(f"| ms per step in the loop, {tag} | {ms[0]:.2f} | {ms[1]:.2f} | |")
+        lines.append(f"| drafted hidden states reused, {tag} | 0 | "
+                     f"{tot[0]:,} of {tot[1]:,} ({tot[0] / max(tot[1], 1):.1%}) | |")
+    same = [all(results[n, SEED]["decode"]["t0"]["identical"]) for n in (a, b)]
+    lines.append(f"| T = 0 output identical to autoregressive | {same[0]} | {same[1]} | |")
+    meta = results[b, SEED]
+    return (f"Measured on {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
+            f"{meta['machine']['backend']}), code {meta['code']['rev']}, weights "
+            f"runs/medc/medc-s0 (not shipped); {len(meta['prompt_ids'])} held-out prompts x "
+            f"{meta['sizes']['new_tokens']} new tokens, batch 1, G = "
+            f"{meta['decode']['t0']['gamma']}. Per prompt: medc, medc with reuse, then one "
+            "autoregressive run that both speedups divide by. 95% intervals: paired "
+            "bootstrap over prompts.\n\n" + "\n".join(lines) + "\n")
+
+
 def render(results: dict) -> str:
     """The markdown between the `medc:results` markers."""
     seeds = (SEED,)
@@ -148,7 +268,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="measure both runs (skips measured ones)")
     m.add_argument("--force", action="store_true")
-    sub.add_parser("report", help="render the docs/medc.md section")
+    sub.add_parser("reuse", help="medc with and without --draft-reuse, interleaved")
+    sub.add_parser("report", help="render the docs/medc.md sections")
     args = ap.parse_args(argv)
     os.chdir(ROOT)
     if args.cmd == "measure":
@@ -157,10 +278,17 @@ def main(argv=None) -> int:
         enable_compile_cache(None)
         measure(args.force)
         return 0
+    if args.cmd == "reuse":
+        from specjax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(None)
+        reuse()
+        return 0
     from benchmarks._common import replace_doc_section
 
     results = k2.load_results(RESULTS_DIR)
     replace_doc_section(DOC, "medc:results", render(results), "# medc\n\n")
+    replace_doc_section(DOC, "medc:reuse", render_reuse(results), "# medc\n\n")
     k2.log(f"{len(results)} runs with results; wrote {DOC}")
     return 0
 
