@@ -101,11 +101,20 @@ def replace_doc_section(doc: str, tag: str, body: str, heading: str = "") -> Non
 
 def git_rev(root: str) -> str:
     """The short hash of HEAD in the checkout at `root` (the code a benchmark measured),
-    or "" outside a git checkout."""
+    with "+dirty" when tracked files under specjax/, decode.py or benchmarks/ differ from
+    HEAD (the code measured is then HEAD plus uncommitted changes), or "" outside a git
+    checkout."""
     import subprocess
 
-    return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True,
+                              text=True).stdout.strip()
+
+    rev = git("rev-parse", "--short", "HEAD")
+    if rev and git("status", "--porcelain", "--untracked-files=no", "--", "specjax",
+                   "decode.py", "benchmarks"):
+        rev += "+dirty"
+    return rev
 
 
 def save_results(path: str, res: dict, committed: str, write_doc) -> None:

@@ -7,6 +7,7 @@ same prompts, in one process, so speedups are ratios on the same machine state).
     python benchmarks/adaptive.py --drafters eagle3 ngram --batch-sizes 1 4
     python benchmarks/adaptive.py --quick               # eagle3 + ngram, B=1, T=0, 4 x 32
     python benchmarks/adaptive.py --render-only         # docs/adaptive.md from the JSON
+    python benchmarks/adaptive.py --ar-branch           # the autoregressive branch's cost
 
 Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (fixed),
 `--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not
@@ -18,6 +19,12 @@ of a compiled loop cost far more than the next ones on this CPU), then all promp
 prompts are the bundled demo prompts, repeated to fill the largest batch; EOS on;
 temperature 1 verifies with block verification. Results: benchmarks/results/adaptive.json
 and the `<!-- adaptive:results -->` section of docs/adaptive.md.
+
+`--ar-branch` measures what the schedule's autoregressive branch costs against the AR
+engine: per (drafter, batch), at T = 0, the schedule forced to draft length 0 (choices
+(0,)) with the drafter's update deferred (the default, `GammaSchedule.defer_update`) and
+with one update per step, interleaved with AR as above. Results:
+benchmarks/results/adaptive_ar_branch.json and `<!-- adaptive:ar_branch -->`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
+AR_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_ar_branch.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
 DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
@@ -153,6 +161,91 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                          "prior": adaptive.GammaSchedule.prior}}
 
 
+def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int = 2) -> dict:
+    """The autoregressive branch against the AR engine (module docstring)."""
+    import platform
+
+    import jax
+
+    from specjax.decoding import adaptive
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.prompts import read_prompts
+
+    rev = git_rev(ROOT)
+    target = load_target(os.path.join(DEMO, "target"))
+    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
+    longest = max(len(ids) for ids in base)
+    max_length = longest + new_tokens
+    runs = []
+    for B in batches:
+        n = max(n_prompts, B)
+        prompts = [base[i % len(base)] for i in range(n)]
+        common = dict(max_length=max_length, batch_size=B,
+                      prompt_width=prompt_width_for(longest, max_length),
+                      eos_token_ids=target.cfg.eos_token_ids)
+        for name in drafters:
+            loaded = load_drafter(DRAFTERS[name], target)
+            engines = {"AR": Engine(target.model, **common)}
+            for label, defer in (("deferred", True), ("every step", False)):
+                sched = adaptive.GammaSchedule((0,), defer_update=defer)
+                engines[label] = Engine(target.model, drafter=loaded.drafter,
+                                        drafter_params=loaded.params, schedule=sched,
+                                        costs=[1.0], **common)
+            for e in engines.values():
+                e.compile()
+            key0 = jax.random.key(0)
+            for _ in range(2):  # untimed warm-up calls
+                for e in engines.values():
+                    e.run(prompts[:B], new_tokens, key0)
+            stats = {k: Stats() for k in engines}
+            same = {k: True for k in engines}
+            for _ in range(repeats):
+                for i in range(0, n, B):
+                    key = jax.random.fold_in(key0, i)
+                    got = {k: e.run(prompts[i:i + B], new_tokens, key) for k, e in engines.items()}
+                    for k, out in got.items():
+                        stats[k].add(out)
+                        same[k] &= out.outputs == got["AR"].outputs
+            ar = stats["AR"].tokens_per_s
+            rec = {"drafter": name, "batch": B, "prompts": n, "ar_tokens_per_s": ar,
+                   "ratio": {k: st.tokens_per_s / ar for k, st in stats.items() if k != "AR"},
+                   "identical": {k: v for k, v in same.items() if k != "AR"}}
+            runs.append(rec)
+            print(f"[adaptive] AR branch, {name} B={B}: AR {ar:.1f} tok/s; "
+                  + ", ".join(f"{k} {v:.3f}x" for k, v in rec["ratio"].items()),
+                  file=sys.stderr, flush=True)
+            del engines, loaded
+            jax.clear_caches()
+            gc.collect()
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+
+
+def render_ar_branch(res: dict) -> str:
+    lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
+             f"{res['git']}, {res['date']}; the bundled demo prompts repeated to fill each "
+             f"batch, {res['new_tokens']} new tokens, T = 0, EOS on, {res['repeats']} timed "
+             "passes interleaved with AR). Ratio = tokens/s of the schedule forced to "
+             "draft length 0 over the AR engine's, in the same run.", "",
+             "| drafter | B | AR tok/s | deferred update (default) | update every step "
+             "| identical |", "|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        same = "yes" if all(r["identical"].values()) else "NO"
+        lines.append(f"| {r['drafter']} | {r['batch']} | {r['ar_tokens_per_s']:.1f} | "
+                     f"{r['ratio']['deferred']:.3f}x | {r['ratio']['every step']:.3f}x | "
+                     f"{same} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_ar_doc(res: dict, doc: str = DOC) -> None:
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "adaptive:ar_branch", render_ar_branch(res))
+
+
 def render(res: dict) -> str:
     """The markdown table of a results record."""
     lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
@@ -203,13 +296,20 @@ def main(argv=None) -> int:
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
+    ap.add_argument("--ar-branch", action="store_true",
+                    help="measure the autoregressive branch (draft length 0) with and "
+                         "without the deferred drafter update against AR (T = 0)")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
-    ap.add_argument("--json", default=RESULTS)
+    ap.add_argument("--json", default=RESULTS,
+                    help=f"results file (default {os.path.relpath(RESULTS, ROOT)}; with "
+                         f"--ar-branch {os.path.relpath(AR_RESULTS, ROOT)})")
     args = ap.parse_args(argv)
     if args.render_only:
         write_doc(json.load(open(args.json)))
+        if os.path.exists(AR_RESULTS):
+            write_ar_doc(json.load(open(AR_RESULTS)))
         return 0
     if args.quick:
         args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
@@ -217,6 +317,13 @@ def main(argv=None) -> int:
     from specjax.compile_cache import enable_compile_cache
 
     enable_compile_cache(None)
+    if args.ar_branch:
+        res = ar_branch(args.drafters, args.batch_sizes, args.prompts, args.new_tokens,
+                        args.repeats)
+        save_results(AR_RESULTS if args.json == RESULTS else args.json, res, AR_RESULTS,
+                     write_ar_doc)
+        print(render_ar_branch(res))
+        return 0
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
                   stragglers=args.stragglers)

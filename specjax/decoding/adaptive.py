@@ -47,6 +47,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,11 @@ class GammaSchedule:
       length moves toward its drift target (module docstring; 0: never).
     stragglers: count the spread of each row's step count (`finish_time`): a batch
       waits for its unluckiest row, and only speculation makes rows unlucky.
+    defer_update: autoregressive steps buffer the drafter's update and the drafter
+      catches up in one update per G + 1 such steps, or before the next speculative step
+      (`specjax.decoding.generate.Deferred`); False: one update per autoregressive step
+      (as before the buffer; kept for A/B measurements, benchmarks/adaptive.py
+      --ar-branch).
     """
 
     choices: tuple[int, ...]
@@ -82,6 +88,7 @@ class GammaSchedule:
     prior: float = 0.8
     recover: float = 0.05
     stragglers: bool = False
+    defer_update: bool = True
 
     def __post_init__(self):
         c = self.choices
@@ -111,10 +118,13 @@ def default_choices(gamma: int) -> tuple[int, ...]:
 @struct.dataclass
 class AdaptState:
     """alpha f32[B,G]: per-row EMA of per-position acceptance; chosen i32[n]: steps taken
-    at each choice (batch-level)."""
+    at each choice (batch-level); deferred: the drafter update that autoregressive steps
+    put off (`specjax.decoding.generate.Deferred`; None where the loop updates every
+    step)."""
 
     alpha: jax.Array
     chosen: jax.Array
+    deferred: Any = None
 
 
 def init_state(schedule: GammaSchedule, batch: int, alpha0=None) -> AdaptState:
@@ -207,7 +217,7 @@ def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int
         target = jnp.maximum(target, alpha[:, drafted - 1:drafted])
     drift = alpha + schedule.recover * (target - alpha)
     alpha = jnp.where((j >= drafted) & active[:, None], drift, alpha)
-    return AdaptState(alpha=alpha, chosen=state.chosen.at[index].add(1))
+    return state.replace(alpha=alpha, chosen=state.chosen.at[index].add(1))
 
 
 # ------------------------------------------------------------------------ the cost table

@@ -593,6 +593,18 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     return start, propose, finish_tree if tree_mode else finish_chain
 
 
+@struct.dataclass
+class Deferred:
+    """The drafter update that autoregressive steps under an adaptive schedule put off
+    (`_adaptive_phases`): hidden [C,B,M,D] the target features those steps captured
+    (None for a drafter that captures none), slot i at position start[b] + i (i32[B]),
+    count i32[] slots filled, M = G + 1."""
+
+    hidden: jax.Array | None
+    start: jax.Array
+    count: jax.Array
+
+
 def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     """The loop's phases under an adaptive schedule (`cfg.schedule`,
     specjax.decoding.adaptive):
@@ -604,6 +616,16 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
         is an autoregressive step that still feeds the drafter its hidden states);
       step(params, drafter_params, s, costs) -> LoopState: `branch` at the index the
         schedule chooses from costs f32[n] (ms per step at each choice).
+
+    An autoregressive step does not feed the drafter at once: it keeps the captured
+    target features in a buffer (`Deferred`, M = G + 1 steps), and the drafter's update
+    runs once over the whole buffer, as after a speculative step that accepted M - 1
+    drafts, when the buffer is full or before the next speculative step. A run of
+    autoregressive steps then costs the drafter one update per M steps instead of one
+    per step. The drafter's state after the catch-up is what the per-step updates
+    would have left (its entries depend on each position's features and the committed
+    tokens only). Not for a drafter that reads the target's logits in `update`: it is
+    updated every step.
     """
     from specjax.decoding import adaptive
 
@@ -619,10 +641,43 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
     wants_logits = getattr(drafter, "reads_logits", False)
     full = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
 
+    M = drafter.gamma + 1  # the deferred updates' window, as a speculative step's
+    defer = sched.defer_update and not wants_logits
+
     def start(params, drafter_params, prompts, prompt_lengths, budgets, key,
               alpha0=None) -> LoopState:
         s = start_full(params, drafter_params, prompts, prompt_lengths, budgets, key)
-        return s.replace(adapt=adaptive.init_state(sched, prompts.shape[0], alpha0))
+        adapt = adaptive.init_state(sched, prompts.shape[0], alpha0)
+        if defer:
+            model = nnx.merge(graphdef, params)
+            pos = (s.lengths - 1)[:, None]
+            one = jax.eval_shape(lambda: model(pos, pos, s.cache, capture=drafter.capture,
+                                               attention=attention).hidden)
+            hidden = None if one is None else jnp.zeros(
+                one.shape[:2] + (M,) + one.shape[3:], one.dtype)
+            adapt = adapt.replace(deferred=Deferred(hidden, jnp.zeros_like(s.lengths),
+                                                    jnp.int32(0)))
+        return s.replace(adapt=adapt)
+
+    def catch_up(drafter_params, s: LoopState) -> LoopState:
+        """The deferred update, if any slot is filled (once or never: a conditional would
+        copy the loop state in and out)."""
+        if not defer:
+            return s
+
+        def run(c):
+            s = c[0]
+            d = s.adapt.deferred
+            pos = d.start[:, None] + jnp.arange(M, dtype=jnp.int32)[None, :]
+            view = LoopView(s.tokens, s.lengths, s.cache, d.hidden, pos)
+            with jax.named_scope("drafter_update"):
+                dstate = full.update(drafter_params, s.drafter_state, view,
+                                     jnp.full_like(s.lengths, d.count - 1))
+            adapt = s.adapt.replace(deferred=d.replace(count=jnp.int32(0)))
+            return s.replace(drafter_state=dstate, adapt=adapt), False
+
+        return jax.lax.while_loop(lambda c: c[1], run,
+                                  (s, s.adapt.deferred.count > 0))[0]
 
     def autoregressive(params, drafter_params, s: LoopState) -> LoopState:
         model = nnx.merge(graphdef, params)
@@ -636,6 +691,19 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
         tokens, lengths, done, act = _emit(s, cfg, jnp.zeros((len(nxt), 0), jnp.int32), tau,
                                            nxt)
         cache = out.cache.rewind(lengths - 1)
+        if defer:  # keep the features; the drafter catches up when the buffer is full
+            d = s.adapt.deferred
+            hidden = d.hidden
+            if hidden is not None:
+                hidden = jax.lax.dynamic_update_slice_in_dim(
+                    hidden, out.hidden.astype(hidden.dtype), d.count, axis=2)
+            d = Deferred(hidden, jnp.where(d.count == 0, pos[:, 0], d.start), d.count + 1)
+            new = _advance(s, tokens, lengths, done, act, cache, s.drafter_state, key, tau,
+                           drafted=0)
+            new = new.replace(adapt=new.adapt.replace(deferred=d))
+            return jax.lax.while_loop(  # catch up once the buffer is full
+                lambda c: c[1], lambda c: (catch_up(drafter_params, c[0]), False),
+                (new, d.count == M))[0]
         after = LoopView(tokens, lengths, cache, out.hidden, pos,
                          logits=out.logits[:, 0] if wants_logits else None)
         with jax.named_scope("drafter_update"):
@@ -650,12 +718,14 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
                 graphdef, adaptive.with_gamma(drafter, g), fixed)
 
             def run(params, drafter_params, s):
+                s = catch_up(drafter_params, s)  # what autoregressive steps put off
                 return finish(params, drafter_params, s, propose(params, drafter_params, s))
 
         def branch(params, drafter_params, s: LoopState) -> LoopState:
             new = run(params, drafter_params, s)
             tau = jnp.sum(new.accepted - s.accepted, axis=1)
-            return new.replace(adapt=adaptive.observe(sched, s.adapt, index, g, tau, ~s.done))
+            # new.adapt: alpha as before the step, the deferred buffer as after it
+            return new.replace(adapt=adaptive.observe(sched, new.adapt, index, g, tau, ~s.done))
         return branch
 
     branches = [make_branch(i, g) for i, g in enumerate(sched.choices)]
