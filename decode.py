@@ -292,6 +292,10 @@ def validate_flags(args) -> None:
     if args.num_drafts > 1 and args.drafter == "none":
         raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
                            "autoregressively)")
+    if args.draft_reuse and (args.num_drafts > 1 or args.tree_topk is not None):
+        raise SpecjaxError("--draft-reuse reuses a chain's drafted hidden states: no "
+                           "--num-drafts or --tree-topk (medc's trees share one chain "
+                           "without it)")
     from specjax.fileio import check_output_file
 
     for flag, path in (("--output", args.output), ("--summary", args.summary)):

@@ -2,6 +2,7 @@
 
     python benchmarks/medc.py measure [--force]   # both runs -> benchmarks/results/medc/
     python benchmarks/medc.py reuse               # medc with and without --draft-reuse
+    python benchmarks/medc.py tree                # medc's trees: shared chain or per node
     python benchmarks/medc.py report              # the docs/medc.md sections from them
 
 The two runs share data, budget, seed, target and held-out stream: runs/medc/medc-s0
@@ -24,6 +25,14 @@ Both drafter runs are ratios to the same AR run, so their difference is paired b
 prompt and machine state. It writes benchmarks/results/medc/medc_noreuse-s0.json and
 medc_reuse-s0.json (the same record layout as `measure`'s decode part, plus the reuse
 counts per prompt).
+
+`tree` times medc's dynamic draft trees (`--tree-topk K --tree-nodes N`, T = 0, batch 1)
+built two ways that give the same tree: from one shared hidden-state chain (the default
+for medc, `Eagle3Drafter.share_tree_chain`) and with one drafter forward per frontier
+node (eagle3's way). Per (K, N): the draft and step milliseconds of `Engine.step_timing`
+(median of 7 calls, the two alternating) and the loop's tokens per second on the
+held-out prompts (both ways and AR interleaved per prompt). Output:
+benchmarks/results/medc/tree.json and the `medc:tree` section of docs/medc.md.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from benchmarks import kvshot_study2 as k2  # noqa: E402
 from specjax import cli  # noqa: E402
 
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "medc")
+TREE_RESULTS = os.path.join(RESULTS_DIR, "tree.json")
 DOC = os.path.join(ROOT, "docs", "medc.md")
 RUNS = {"eagle3": (os.path.join(ROOT, "runs", "study2"), os.path.join(ROOT, "configs", "study2")),
         "medc": (os.path.join(ROOT, "runs", "medc"), os.path.join(ROOT, "configs", "medc"))}
@@ -185,6 +195,99 @@ def reuse(settings=("t0", "t1_block")) -> None:
         k2.log(f"wrote {k2.result_path(label, SEED, RESULTS_DIR)}")
 
 
+TREE_SETTINGS = ((4, 32), (8, 64))  # (K, N)
+TREE_PROMPTS = 16
+
+
+def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7) -> dict:
+    """medc's trees, shared chain against per-node forwards (module docstring)."""
+    import dataclasses
+    import time
+
+    import jax
+    import numpy as np
+
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from specjax.decoding.sampling import SamplingParams
+    from specjax.drafters.dynamic_tree import DynamicTree
+
+    runs_root, config_dir = RUNS["medc"]
+    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
+    dtype = resolve_dtype("auto")
+    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
+    eos = target.cfg.eos_token_ids
+    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
+                                  k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
+    new = k2.SIZES["new_tokens"]
+    longest = max(len(ids) for _, ids in prompts)
+    sampling = SamplingParams(0.0, 0, 1.0)
+    loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
+                          matmul_dtype="auto", draft_vocab="auto")
+    rec = {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "code": k2.git_state(), "machine": k2.machine(), "weights": "runs/medc/medc-s0",
+           "prompts": len(prompts), "new_tokens": new, "gamma": loaded.gamma, "rows": []}
+    for K, N in settings:
+        common = dict(sampling=sampling, verify="token", max_length=longest + new,
+                      prompt_width=prompt_width_for(longest, longest + new), batch_size=1,
+                      eos_token_ids=tuple(eos), kernels="auto")
+        ways = {"shared": loaded.drafter,
+                "per_node": dataclasses.replace(loaded.drafter, share_tree_chain=False)}
+        engines = {w: Engine(target.model, drafter=DynamicTree(d, K, N),
+                             drafter_params=loaded.params, **common)
+                   for w, d in ways.items()}
+        engines["AR"] = Engine(target.model, **{**common, "verify": "block"})
+        for e in engines.values():
+            e.compile()
+        k2.log(f"tree K={K} N={N}: step timing, then {len(prompts)} prompts")
+        ids0 = prompts[0][1]
+        timing = {w: [] for w in ways}
+        for _ in range(rounds):
+            for w in ways:
+                timing[w].append(engines[w].step_timing([ids0], new, jax.random.key(0)))
+        stats = {w: Stats() for w in engines}
+        same = True
+        for i, (_, ids) in enumerate(prompts):
+            key = jax.random.fold_in(jax.random.key(k2.DECODE_SEED), i)
+            outs = {w: e.run([ids], new, key) for w, e in engines.items()}
+            for w, o in outs.items():
+                stats[w].add(o)
+            same &= outs["shared"].outputs == outs["per_node"].outputs == outs["AR"].outputs
+        ar = stats["AR"].tokens_per_s
+        rec["rows"].append({
+            "topk": K, "nodes": N, "identical": bool(same), "ar_tokens_per_s": ar,
+            **{w: {**{k: float(np.median([t[k] for t in timing[w]])) for k in timing[w][0]},
+                   "tokens_per_s": stats[w].tokens_per_s,
+                   "speedup": stats[w].tokens_per_s / ar, "tau": stats[w].tau}
+               for w in ways}})
+        del engines
+        jax.clear_caches()
+    return rec
+
+
+def render_tree(rec: dict | None) -> str:
+    """The markdown between the `medc:tree` markers."""
+    if rec is None:
+        return "Not measured yet: `python benchmarks/medc.py tree`.\n"
+    lines = ["| K | N | tau | draft ms, per node | draft ms, shared | step ms, per node "
+             "| step ms, shared | speedup, per node | speedup, shared | same output |",
+             "|" + "---|" * 10]
+    for r in rec["rows"]:
+        a, b = r["per_node"], r["shared"]
+        lines.append(f"| {r['topk']} | {r['nodes']} | {b['tau']:.2f} | {a['draft_ms']:.2f} | "
+                     f"{b['draft_ms']:.2f} | {a['step_ms']:.2f} | {b['step_ms']:.2f} | "
+                     f"{a['speedup']:.2f}x | {b['speedup']:.2f}x | "
+                     f"{'yes' if r['identical'] else 'NO'} |")
+    m = rec["machine"]
+    return (f"Measured on {m['cpu']} ({m['cores']} cores, {m['backend']}), code "
+            f"{rec['code']['rev']}{' + uncommitted changes' if rec['code']['dirty'] else ''}"
+            f", weights {rec['weights']} (not shipped); T = 0, token verification, batch 1, "
+            f"G = {rec['gamma']}; draft and step ms: median of 7 `Engine.step_timing` calls "
+            f"(the two ways alternating); speedup: {rec['prompts']} held-out prompts x "
+            f"{rec['new_tokens']} new tokens, both ways and AR interleaved per prompt.\n\n"
+            + "\n".join(lines) + "\n")
+
+
 def render_reuse(results: dict) -> str:
     """The markdown between the `medc:reuse` markers."""
     seeds = (SEED,)
@@ -269,6 +372,10 @@ def main(argv=None) -> int:
     m = sub.add_parser("measure", help="measure both runs (skips measured ones)")
     m.add_argument("--force", action="store_true")
     sub.add_parser("reuse", help="medc with and without --draft-reuse, interleaved")
+    t = sub.add_parser("tree", help="medc's trees: one shared chain against per-node forwards")
+    t.add_argument("--settings", nargs="+", default=[f"{k}:{n}" for k, n in TREE_SETTINGS],
+                   metavar="K:N", help="tree top-K and nodes N (default: %(default)s)")
+    t.add_argument("--prompts", type=int, default=TREE_PROMPTS)
     sub.add_parser("report", help="render the docs/medc.md sections")
     args = ap.parse_args(argv)
     os.chdir(ROOT)
@@ -284,11 +391,25 @@ def main(argv=None) -> int:
         enable_compile_cache(None)
         reuse()
         return 0
+    if args.cmd == "tree":
+        from specjax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(None)
+        try:
+            settings = tuple(tuple(int(x) for x in kn.split(":")) for kn in args.settings)
+            assert all(len(kn) == 2 for kn in settings)
+        except (ValueError, AssertionError):
+            ap.error(f"--settings {' '.join(args.settings)}: expected K:N pairs, e.g. 4:32")
+        k2._write_json(TREE_RESULTS, tree(settings, args.prompts))
+        k2.log(f"wrote {TREE_RESULTS}")
+        return 0
     from benchmarks._common import replace_doc_section
 
     results = k2.load_results(RESULTS_DIR)
     replace_doc_section(DOC, "medc:results", render(results), "# medc\n\n")
     replace_doc_section(DOC, "medc:reuse", render_reuse(results), "# medc\n\n")
+    tree_rec = json.load(open(TREE_RESULTS)) if os.path.isfile(TREE_RESULTS) else None
+    replace_doc_section(DOC, "medc:tree", render_tree(tree_rec), "# medc\n\n")
     k2.log(f"{len(results)} runs with results; wrote {DOC}")
     return 0
 

@@ -168,6 +168,7 @@ def _check_structure(tree, G, N):
     ("eagle3", 4, 3, 12, None),
     ("eagle3", 3, 4, 33, (0, 2, 3)),
     pytest.param("hybrid", 3, 2, 7, None, marks=pytest.mark.slow),
+    ("medc", 4, 3, 12, None),  # the shared hidden chain (Medc.chain_reads_token False)
 ])
 def test_tree_equals_numpy_reference(kind, G, K, N, hot):
     """(1)+(2): the tree of propose_tree_topk equals the reference's, and is a closed,
@@ -192,6 +193,26 @@ def test_tree_equals_numpy_reference(kind, G, K, N, hot):
     if hot is not None:
         tok, val = np.asarray(tree.tokens)[:, 1:], np.asarray(tree.valid)[:, 1:]
         assert np.isin(tok[val], hot).all() and not val.all()  # 3 ids < K: unused nodes
+
+
+def test_medc_shared_chain_tree_equals_per_node_forwards():
+    """medc's chain reads no token, so its tree runs one chain and reads every node out
+    of its depth's state; one forward per frontier node (eagle3's path,
+    share_tree_chain False) gives the same tree."""
+    import dataclasses
+
+    G, K, N = 4, 3, 16
+    drafter, dparams, _ = _drafter("medc", G)
+    dstate, view = _first_state(drafter, dparams, G)
+    shared, _ = jax.jit(DynamicTree(drafter, K, N).propose_tree)(dparams, dstate, view,
+                                                                  jax.random.key(0))
+    per_node, _ = jax.jit(DynamicTree(dataclasses.replace(drafter, share_tree_chain=False),
+                                      K, N).propose_tree)(dparams, dstate, view,
+                                                          jax.random.key(0))
+    for name in ("tokens", "parents", "depths", "valid"):
+        np.testing.assert_array_equal(np.asarray(getattr(shared, name)),
+                                      np.asarray(getattr(per_node, name)), err_msg=name)
+    assert np.asarray(shared.depths).max() == G
 
 
 def test_chain_when_topk_is_one():

@@ -150,9 +150,14 @@ def test_decode_draft_reuse(tiny_demo, tmp_path, capsys):
     r = s["draft_reuse"]
     assert s["ar_identical"] is True and r["states_drafted"] > 0, s
     assert 0 <= r["states_reused"] <= r["states_drafted"] and 0 <= r["fraction"] <= 1, r
-    for args in (["--drafter", "ngram"], ["--drafter", eagle3],
-                 ["--drafter", str(tiny_demo / "draft")]):
+    for args, needle in ((["--drafter", "ngram"], "only medc"),
+                         (["--drafter", eagle3], "only medc"),
+                         (["--drafter", str(tiny_demo / "draft")], "only medc"),
+                         (["--drafter", medc, "--tree-topk", "2", "--tree-nodes", "5"],
+                          "no --num-drafts or --tree-topk"),
+                         (["--drafter", medc, "--num-drafts", "2"],
+                          "no --num-drafts or --tree-topk")):
         capsys.readouterr()
         assert decode.main([*common, *args, "--draft-reuse"]) == 2
         err = capsys.readouterr().err
-        assert "only medc" in err and len(err.strip().splitlines()) == 1, err
+        assert needle in err and len(err.strip().splitlines()) == 1, err

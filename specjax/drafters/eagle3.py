@@ -49,6 +49,10 @@ class Eagle3(nnx.Module):
     # EAGLE-3 reads the token in the layer's input, so its readout is the identity.
     token_readout = False
     input_width = 2  # the layer's q/k/v read input_width * D features ([emb; h])
+    # False for networks whose hidden-state chain reads no token (medc.py): then every
+    # node of one draft-tree depth has the same layer output, and
+    # `Eagle3Drafter.propose_tree_topk` runs one chain instead of one forward per node.
+    chain_reads_token = True
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D, C = cfg.hidden_size, len(cfg.capture)
@@ -188,6 +192,10 @@ class Eagle3Drafter(LearnedDrafter):
     states where they cover the new positions (`propose`)."""
 
     reuse: bool = False
+    # A dynamic tree of a network whose chain reads no token (medc) runs one chain and
+    # reads every node out of its depth's state; False: one forward per frontier node,
+    # as for eagle3 (the same tree; for A/B measurements, benchmarks/medc.py tree).
+    share_tree_chain: bool = True
 
     # ------------------------------------------------------------------ pieces
 
@@ -272,6 +280,49 @@ class Eagle3Drafter(LearnedDrafter):
             forward, (cache, jnp.zeros((B, D), net.dtype)), T, sizes, last)
         return Eagle3State(cache, h_last, memory)
 
+    def _chain_forward(self, net, params, state, dk, dv, h, tok, pos, anchor, committed, j):
+        """One chain forward at positions pos i32[B,1] (draft entry j): h [B,D] and the
+        token tok i32[B] in, its keys and values written to slot j of the draft buffer
+        dk, dv [B,K,n,H] (the query sees slots <= j and the committed slots); returns
+        (dk, dv, out [B,D], the token's embedding [B,1,D])."""
+        B = h.shape[0]
+        emb = jnp.take(params["embed"], tok[:, None], axis=0)
+        cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
+        qh, kh, vh = net.project(emb, h[:, None], cos, sin)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype), j,
+                                                 axis=2)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, vh.swapaxes(1, 2).astype(dv.dtype), j,
+                                                 axis=2)
+        drafts = jnp.broadcast_to(jnp.arange(dk.shape[2]) <= j, (B, 1, dk.shape[2]))
+        attn = attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
+                           (dk, dv, drafts)], kernel=self.attention)
+        out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
+                                _first_memory(state.memory), params["inv_freq"],
+                                self.attention, window=self.window)
+        return dk, dv, out[:, 0], emb
+
+    def _hidden_chain(self, net, params, state, view, n: int):
+        """Outputs [n,B,D] of the n chain forwards after h_last, for a network whose
+        chain reads no token (medc): what every node of a draft tree's depth j+1 gets
+        from its forward, whatever the tokens on its path."""
+        B = view.lengths.shape[0]
+        c = self.cfg
+        pos0 = (view.lengths - 1)[:, None]
+        anchor = pos0 - 1
+        committed = windowed(anchor, self.window)
+        empty = jnp.zeros((B, c.num_kv_heads, max(n, 1), c.head_dim), state.cache.k.dtype)
+        tok = jnp.zeros((B,), jnp.int32)  # not read by the chain
+
+        def step(carry, j):
+            dk, dv, h = carry
+            dk, dv, out, _ = self._chain_forward(net, params, state, dk, dv, h, tok,
+                                                 pos0 + j, anchor, committed, j)
+            return (dk, dv, out.astype(h.dtype)), out
+
+        _, outs = jax.lax.scan(step, (empty, empty, state.h_last),
+                               jnp.arange(n, dtype=jnp.int32))
+        return outs
+
     def propose(self, params, state, view, key, first_rank=None):
         """G draft tokens: the first from h_last (or the first_rank-th choice, see
         `specjax.decoding.sampling.ranked_choice`), then G-1 one-token forwards. The draft
@@ -324,21 +375,8 @@ class Eagle3Drafter(LearnedDrafter):
 
         def layer(dk, dv, h, tok, j):
             """Draft forward j: (dk, dv with slot j written, out [B,D], emb [B,1,D])."""
-            pos = pos0 + j
-            emb = jnp.take(params["embed"], tok[:, None], axis=0)
-            cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
-            qh, kh, vh = net.project(emb, h[:, None], cos, sin)
-            dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype),
-                                                     j, axis=2)
-            dv = jax.lax.dynamic_update_slice_in_dim(dv, vh.swapaxes(1, 2).astype(dv.dtype),
-                                                     j, axis=2)
-            drafts = jnp.broadcast_to(jnp.arange(dk.shape[2]) <= j, (B, 1, dk.shape[2]))
-            attn = attend(qh, [(state.cache.k[0], state.cache.v[0], committed),
-                               (dk, dv, drafts)], kernel=self.attention)
-            out, _ = net.mix_memory(net.finish(h[:, None], attn), pos, anchor,
-                                    _first_memory(state.memory), params["inv_freq"],
-                                    self.attention, window=self.window)
-            return dk, dv, out[:, 0], emb
+            return self._chain_forward(net, params, state, dk, dv, h, tok, pos0 + j, anchor,
+                                       committed, j)
 
         def read(out, emb, k):
             """The draft token after out [B,D]: (token i32[B], q f32[B,V], logits)."""
@@ -357,9 +395,12 @@ class Eagle3Drafter(LearnedDrafter):
                 forward) only if some row needs it, j >= r."""
                 old = jax.lax.dynamic_index_in_dim(old_out, j, axis=1, keepdims=False)
                 emb = jnp.take(params["embed"], tok[:, None], axis=0)
-                _, dk_new, dv_new, new = jax.lax.while_loop(
-                    lambda cr: cr[0], lambda cr: (False, *layer(dk, dv, h, tok, j)[:3]),
-                    (j >= r, dk, dv, old))
+                def run(cr):
+                    dk_new, dv_new, out, _ = layer(dk, dv, h, tok, j)
+                    return False, dk_new, dv_new, out.astype(old.dtype)
+
+                _, dk_new, dv_new, new = jax.lax.while_loop(lambda cr: cr[0], run,
+                                                            (j >= r, dk, dv, old))
                 take = j < mine  # [B]
                 out = jnp.where(take[:, None], old, new)
                 dk = jnp.where(take[:, None, None, None], dk, dk_new)  # slot j differs
@@ -471,11 +512,17 @@ class Eagle3Drafter(LearnedDrafter):
         committed = windowed(anchor, self.window)
         slot = jnp.arange(S, dtype=i32)
         own = jnp.arange(K, dtype=i32)
+        chain = None
+        if self.share_tree_chain and not net.chain_reads_token:  # medc: one state per depth
+            chain = self._hidden_chain(net, params, state, view, n)  # [n,B,D]
 
         def forward(carry, j):
             dk, dv, amask, h, fs, ft, fg = carry  # frontier: scores, tokens, cand. index
             pos = anchor + 1 + j  # the frontier's position (depth j+1)
             emb = jnp.take(params["embed"], ft, axis=0)  # [B,K,D]
+            if chain is not None:  # one forward per depth, shared; per-node readouts
+                out = jnp.broadcast_to(chain[j][:, None], h.shape).astype(h.dtype)
+                return expand(carry, j, out, emb)
             cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
             qh, kh, vh = net.project(emb, h, cos, sin)
             dk = jax.lax.dynamic_update_slice_in_dim(dk, kh.swapaxes(1, 2).astype(dk.dtype),
@@ -488,6 +535,12 @@ class Eagle3Drafter(LearnedDrafter):
             out, _ = net.mix_memory(net.finish(h, attn), pos, anchor,
                                     _first_memory(state.memory), params["inv_freq"],
                                     self.attention, window=self.window)
+            return expand((dk, dv, mine, h, fs, ft, fg), j, out, emb)
+
+        def expand(carry, j, out, emb):
+            """The frontier's children from its outputs out [B,K,D] (the mask the
+            forward used in carry[2])."""
+            dk, dv, mine, _, fs, _, fg = carry
             logp = jax.nn.log_softmax(self.logits(net, net.readout(out, emb), params),
                                       axis=-1)  # [B,K,V]
             cs, ct = jax.lax.top_k(logp, K)  # [B,K,K] each frontier node's children

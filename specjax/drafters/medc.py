@@ -45,6 +45,7 @@ class Medc(Eagle3):
 
     token_readout = True
     input_width = 1  # h alone
+    chain_reads_token = False  # a draft tree's nodes of one depth share one chain state
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, rngs=rngs)  # fc, norms, the layer (D inputs)
