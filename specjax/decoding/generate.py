@@ -659,9 +659,9 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
                                                     jnp.int32(0)))
         return s.replace(adapt=adapt)
 
-    def catch_up(drafter_params, s: LoopState) -> LoopState:
-        """The deferred update, if any slot is filled (once or never: a conditional would
-        copy the loop state in and out)."""
+    def catch_up(drafter_params, s: LoopState, need: int = 1) -> LoopState:
+        """The deferred update, if at least `need` slots are filled (once or never: a
+        conditional would copy the loop state in and out)."""
         if not defer:
             return s
 
@@ -677,7 +677,7 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
             return s.replace(drafter_state=dstate, adapt=adapt), False
 
         return jax.lax.while_loop(lambda c: c[1], run,
-                                  (s, s.adapt.deferred.count > 0))[0]
+                                  (s, s.adapt.deferred.count >= need))[0]
 
     def autoregressive(params, drafter_params, s: LoopState) -> LoopState:
         model = nnx.merge(graphdef, params)
@@ -701,9 +701,7 @@ def _adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
             new = _advance(s, tokens, lengths, done, act, cache, s.drafter_state, key, tau,
                            drafted=0)
             new = new.replace(adapt=new.adapt.replace(deferred=d))
-            return jax.lax.while_loop(  # catch up once the buffer is full
-                lambda c: c[1], lambda c: (catch_up(drafter_params, c[0]), False),
-                (new, d.count == M))[0]
+            return catch_up(drafter_params, new, need=M)  # once the buffer is full
         after = LoopView(tokens, lengths, cache, out.hidden, pos,
                          logits=out.logits[:, 0] if wants_logits else None)
         with jax.named_scope("drafter_update"):
