@@ -119,29 +119,39 @@ def measure(force: bool = False) -> None:
         k2._write_json(path, rec)
 
 
+def medc_setup(n_prompts: int):
+    """(run config, dtype, target, held-out prompts, Engine settings at batch 1) for run
+    medc-s0: decode.py's loading defaults, k2.SIZES' prompt and new-token lengths."""
+    from specjax.decoding.engine import prompt_width_for
+    from specjax.decoding.loading import load_target, resolve_dtype
+
+    runs_root, config_dir = RUNS["medc"]
+    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
+    dtype = resolve_dtype("auto")
+    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
+    eos = target.cfg.eos_token_ids
+    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
+                                  k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
+    longest = max(len(ids) for _, ids in prompts)
+    max_length = longest + k2.SIZES["new_tokens"]
+    common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
+                  batch_size=1, eos_token_ids=tuple(eos), kernels="auto")
+    return cfg, dtype, target, prompts, common
+
+
 def reuse_decode(settings=("t0", "t1_block")) -> dict:
     """{label: record} for labels medc_noreuse and medc_reuse (module docstring)."""
     import time
 
     import jax
 
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from specjax.decoding.engine import Engine
+    from specjax.decoding.loading import load_drafter
     from specjax.decoding.sampling import SamplingParams
 
-    runs_root, config_dir = RUNS["medc"]
-    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
     sizes = dict(k2.SIZES)
-    dtype = resolve_dtype("auto")
-    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
-    eos = target.cfg.eos_token_ids
-    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, sizes["prompts"],
-                                  sizes["prompt_tokens"], eos=eos[0] if eos else 0)
+    cfg, dtype, target, prompts, common = medc_setup(sizes["prompts"])
     new = sizes["new_tokens"]
-    longest = max(len(ids) for _, ids in prompts)
-    common = dict(max_length=longest + new,
-                  prompt_width=prompt_width_for(longest, longest + new), batch_size=1,
-                  eos_token_ids=tuple(eos), kernels="auto")
     base = jax.random.key(k2.DECODE_SEED)
     labels = {"medc_noreuse": False, "medc_reuse": True}
     recs = {label: {"run": f"{label}-s{SEED}", "name": label, "seed": SEED,
@@ -207,20 +217,13 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
     import jax
     import numpy as np
 
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from specjax.decoding.engine import Engine, Stats
+    from specjax.decoding.loading import load_drafter
     from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.dynamic_tree import DynamicTree
 
-    runs_root, config_dir = RUNS["medc"]
-    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
-    dtype = resolve_dtype("auto")
-    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
-    eos = target.cfg.eos_token_ids
-    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
-                                  k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
+    cfg, dtype, target, prompts, base = medc_setup(n_prompts)
     new = k2.SIZES["new_tokens"]
-    longest = max(len(ids) for _, ids in prompts)
     sampling = SamplingParams(0.0, 0, 1.0)
     loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
                           matmul_dtype="auto", draft_vocab="auto")
@@ -228,9 +231,7 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
            "code": k2.git_state(), "machine": k2.machine(), "weights": "runs/medc/medc-s0",
            "prompts": len(prompts), "new_tokens": new, "gamma": loaded.gamma, "rows": []}
     for K, N in settings:
-        common = dict(sampling=sampling, verify="token", max_length=longest + new,
-                      prompt_width=prompt_width_for(longest, longest + new), batch_size=1,
-                      eos_token_ids=tuple(eos), kernels="auto")
+        common = dict(base, sampling=sampling, verify="token")
         ways = {"shared": loaded.drafter,
                 "per_node": dataclasses.replace(loaded.drafter, share_tree_chain=False)}
         engines = {w: Engine(target.model, drafter=DynamicTree(d, K, N),
