@@ -22,6 +22,7 @@ stderr, and writes no output file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -328,6 +329,10 @@ def _format_table(summary: dict) -> str:
             mix = ", ".join(f"{g}: {n}" for g, n in zip(sched["choices"], sched["steps"],
                                                          strict=True) if n)
             rows.append(("draft length: steps", f"{mix} (mean {sched['mean_draft_length']:.2f})"))
+            if sched.get("autoregressive_batches"):
+                rows.append(("autoregressive batches",
+                             f"{sched['autoregressive_batches']} of {sched['batches']} "
+                             "(speculation would not pay at this batch size)"))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
@@ -369,7 +374,7 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
         max_length=max_length, prompt_width=prompt_width,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
-        backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+        table_version=2, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
         jax=jax.__version__)
     # inside the compile cache: jax reads only its own *-cache files there
     return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
@@ -506,7 +511,7 @@ def run(args) -> int:
     common = dict(sampling=sampling, verify=verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
-    schedule, costs, table = None, None, None
+    schedule, costs, table, baseline = None, None, None, None
     if auto and drafter is not None:
         from specjax.decoding import adaptive
 
@@ -515,9 +520,11 @@ def run(args) -> int:
                                                        max_length, prompt_width)
         if table is not None and os.path.isfile(table):
             costs = adaptive.read_table(table, schedule.choices)
+            baseline = adaptive.read_baseline(table)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
-                              schedule=schedule, costs=costs, partial=partial, **common)}
+                              schedule=schedule, costs=costs, baseline=baseline,
+                              partial=partial, **common)}
     if args.compare_ar and drafter is not None:
         engines["ar"] = Engine(target, **common)
 
@@ -539,7 +546,8 @@ def run(args) -> int:
             try:
                 adaptive.write_table(table, schedule.choices, costs, {
                     "measured_on": jax.devices()[0].device_kind,
-                    "batch_size": args.batch_size, "drafter": drafter_arg})
+                    "batch_size": args.batch_size, "drafter": drafter_arg},
+                    baseline=engines["main"].baseline)
             except OSError as e:
                 if args.cost_table is not None:
                     raise SpecjaxError(f"--cost-table {table} cannot be written "
@@ -596,6 +604,9 @@ def run(args) -> int:
             "mean_draft_length": (sum(g * c for g, c in zip(schedule.choices, steps,
                                                             strict=True)) / max(sum(steps), 1)),
             "ms_per_step": [round(float(c), 3) for c in engines["main"].costs],
+            "baseline": (None if engines["main"].baseline is None
+                         else dataclasses.asdict(engines["main"].baseline)),
+            "autoregressive_batches": st.fallback_batches, "batches": st.batches,
             "cost_table": table, "calibration_s": calibrated_s}
     if args.compare_ar:
         ar = stats.get("ar", st)

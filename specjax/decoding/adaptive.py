@@ -220,6 +220,72 @@ def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int
     return state.replace(alpha=alpha, chosen=state.chosen.at[index].add(1))
 
 
+# ------------------------------------------------------- speculation or not, per batch
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """What a batch costs outside the speculative loop's per-step choice, measured by
+    `Engine.calibrate` at the engine's batch size (ms, wall clock):
+
+    prefill_ms: the speculative program's prefill (the target's and the drafter's, no
+      loop step).
+    ar_prefill_ms, ar_ms_per_step: the autoregressive program's prefill and one of its
+      steps (the target alone: no drafter state, no per-step branch).
+
+    The per-step rule cannot see these: the drafter's prefill is paid before the first
+    step, and the loop's autoregressive branch (choice 0) carries the drafter's state and
+    the branch, so it costs more than the autoregressive program's step (1.2x at batch 32
+    for eagle3 on the demo target here). Where speculation cannot win back the
+    difference, `speculation_pays` sends the whole batch to the autoregressive program."""
+
+    prefill_ms: float
+    ar_prefill_ms: float
+    ar_ms_per_step: float
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"Baseline.{f.name}={v!r} must be a number >= 0")
+
+
+def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, budget: int,
+                 rows: int) -> tuple[float, float]:
+    """(speculative, autoregressive): the predicted wall time (ms) of a batch of `rows`
+    rows generating `budget` tokens each, in float64 numpy (host side, before the run):
+
+        speculative = prefill_ms + min_g cost(g) * (budget / E(g)
+                                                    + z_rows * sqrt(budget Var(g) / E(g)^3))
+        autoregressive = ar_prefill_ms + ar_ms_per_step * budget
+
+    alpha f32[G] (the estimates the engine carries between runs, `Engine.alpha0`, or the
+    schedule's prior); costs f32[n] ms per loop step at each choice; E and Var as in
+    `expected_tokens` and `token_variance`; z_rows the expected largest of `rows`
+    standard normals (the batch runs until its unluckiest row is done: `finish_time`
+    with stragglers, whose estimates are within 6% of a simulation in
+    tests/test_adaptive.py). The straggler term errs toward the autoregressive program,
+    the direction in which a wrong call costs least. EOS is not modelled: both programs
+    stop at the same rows' ends."""
+    import numpy as np
+
+    a = np.asarray(alpha, np.float64).reshape(1, -1)
+    mu = np.asarray(expected_tokens(a, choices), np.float64)[0]
+    var = np.asarray(token_variance(a, choices), np.float64)[0]
+    z = float(expected_max_normal(rows))
+    steps = budget / mu + z * np.sqrt(budget * var / mu ** 3)
+    spec = baseline.prefill_ms + float(np.min(np.asarray(costs, np.float64) * steps))
+    ar = baseline.ar_prefill_ms + baseline.ar_ms_per_step * budget
+    return spec, ar
+
+
+def speculation_pays(alpha, choices: tuple[int, ...], costs, baseline: Baseline,
+                     budget: int, rows: int) -> bool:
+    """True when the speculative program is predicted to finish the batch sooner than
+    the autoregressive one (`predicted_ms`); ties go to the autoregressive program."""
+    spec, ar = predicted_ms(alpha, choices, costs, baseline, budget, rows)
+    return spec < ar
+
+
 # ------------------------------------------------------------------------ the cost table
 
 def table_key(**parts) -> str:
@@ -254,12 +320,37 @@ def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
     return out
 
 
-def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict) -> None:
-    """Writes a cost table atomically (see `read_table`), with `meta` for the reader."""
+def read_baseline(path: str) -> Baseline | None:
+    """The table's optional "baseline" object ({"prefill_ms", "ar_prefill_ms",
+    "ar_ms_per_step"}, see `Baseline`), or None where the table has none (a table
+    written by hand, or before 2026-11-27): then every batch runs the speculative
+    program. Raises: SpecjaxError (one line) for a baseline that is not three numbers
+    >= 0."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f).get("baseline")
+    except (OSError, ValueError, AttributeError) as e:
+        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
+            from None
+    if raw is None:
+        return None
+    try:
+        return Baseline(**{f.name: raw[f.name] for f in dataclasses.fields(Baseline)})
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecjaxError(f"--cost-table {path}: baseline needs prefill_ms, ar_prefill_ms "
+                           f"and ar_ms_per_step, numbers >= 0 ({type(e).__name__}: {e})") \
+            from None
+
+
+def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict,
+                baseline: Baseline | None = None) -> None:
+    """Writes a cost table atomically (see `read_table`, `read_baseline`), with `meta`
+    for the reader."""
     from specjax.fileio import atomic_write
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     data = {"ms_per_step": {str(g): float(m) for g, m in zip(choices, ms, strict=True)},
+            **({} if baseline is None else {"baseline": dataclasses.asdict(baseline)}),
             **meta}
     atomic_write(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))
 

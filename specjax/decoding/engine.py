@@ -48,7 +48,9 @@ class BatchOutput:
     verified in full and partially under partial verification (None without it);
     reused: i32[4] drafted hidden states reused from the previous step's chain and
     drafted in all (over rows), draft forwards skipped and in all (None unless the
-    drafter reuses, medc `--draft-reuse`; `specjax.drafters.eagle3.DraftChain`)."""
+    drafter reuses, medc `--draft-reuse`; `specjax.drafters.eagle3.DraftChain`);
+    fallback: True where an adaptive engine ran the batch with its autoregressive
+    program (`specjax.decoding.adaptive.speculation_pays` was False)."""
 
     outputs: list[list[int]]
     steps: np.ndarray
@@ -58,6 +60,7 @@ class BatchOutput:
     chosen: np.ndarray | None = None
     verified: np.ndarray | None = None
     reused: np.ndarray | None = None
+    fallback: bool = False
 
 
 @dataclasses.dataclass
@@ -73,8 +76,12 @@ class Stats:
     chosen: np.ndarray | None = None  # i64[n] steps per draft length (adaptive schedule)
     verified: np.ndarray | None = None  # i64[2] full / partial steps (partial verification)
     reused: np.ndarray | None = None  # i64[4] as BatchOutput.reused (medc reuse)
+    batches: int = 0
+    fallback_batches: int = 0  # batches an adaptive engine ran autoregressively
 
     def add(self, batch: BatchOutput):
+        self.batches += 1
+        self.fallback_batches += int(batch.fallback)
         self.new_tokens += sum(len(o) for o in batch.outputs)
         self.wall_s += batch.wall_s
         self.steps += int(batch.steps.sum())
@@ -153,7 +160,12 @@ class Engine:
         `alpha0` f32[G], the acceptance estimates the previous run ended with (averaged
         over its rows; the schedule's prior before the first run), so a long job of many
         short batches does not relearn its drafter's acceptance every batch;
-        `reset_schedule()` returns to the prior.
+        `reset_schedule()` returns to the prior. `baseline`
+        (`specjax.decoding.adaptive.Baseline`; None: measured by `calibrate` with the
+        table, or never where the table is given without one) prices the batch without
+        the drafter: a run whose batch `speculation_pays` says the autoregressive program
+        finishes sooner runs that program instead (compiled on first use;
+        `BatchOutput.fallback`).
       partial: None, or a `specjax.decoding.partial.PartialVerify`: SpecPV partial
         verification, LOSSY (a drafter with one chain of fixed length; ignored without a
         drafter).
@@ -168,9 +180,10 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
                  prefill_min_chunk: int | None = None, num_drafts: int = 1,
-                 schedule=None, costs=None, partial=None):
+                 schedule=None, costs=None, baseline=None, partial=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
+        self._fallback = None
         self.graphdef, self.params = nnx.split(target)
         self.params = decoding_params(self.params, layer_loop)
         self.vocab_size = target.cfg.vocab_size
@@ -202,6 +215,7 @@ class Engine:
                               schedule=schedule if drafter is not None else None,
                               partial=partial if drafter is not None else None)
         self.costs = None if costs is None else np.asarray(costs, np.float32)
+        self.baseline = baseline
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
         self.batch_size = batch_size
         self.compiled = None
@@ -257,13 +271,41 @@ class Engine:
             return jnp.full((max(sched.gamma, 1),), sched.prior, jnp.float32)
         return jnp.asarray(self.alpha0, jnp.float32)
 
+    def fallback_engine(self) -> Engine:
+        """The autoregressive engine an adaptive engine runs a batch with when speculation
+        would not pay: the same target weights (shared, not copied), shapes, sampling and
+        sharding, no drafter; compiled on first use."""
+        if self._fallback is None:
+            import copy
+
+            fb = copy.copy(self)
+            fb.drafter = fb.drafter_params = None
+            fb.cfg = dataclasses.replace(self.cfg, schedule=None, partial=None, num_drafts=1)
+            fb.compiled, fb.compile_s = None, 0.0
+            fb.costs = fb.baseline = fb.alpha0 = fb._fallback = None
+            self._fallback = fb
+        return self._fallback
+
+    def speculates(self, rows: int, max_new_tokens: int) -> bool:
+        """Whether `run` uses the speculative program for a batch of `rows` prompts:
+        always without an adaptive schedule, a baseline (`calibrate`) or under the random
+        policy; else `specjax.decoding.adaptive.speculation_pays` on the estimates this
+        engine carries (`alpha0`, the prior before the first run) and its cost table."""
+        sched = self.cfg.schedule
+        if sched is None or self.baseline is None or self.costs is None or sched.policy != "auto":
+            return True
+        from specjax.decoding import adaptive
+
+        return adaptive.speculation_pays(np.asarray(self._alpha0()), sched.choices,
+                                         self.costs, self.baseline, max_new_tokens, rows)
+
     def reset_schedule(self) -> None:
         """Starts the next run's adaptive schedule from its prior again."""
         self.alpha0 = None
 
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
                   repeats: int = 3, max_tokens: int = 32,
-                  min_steps: int = 6) -> list[float]:
+                  min_steps: int = 6, baseline: bool = True) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
@@ -280,6 +322,9 @@ class Engine:
         one token (no loop iteration). A busy machine still skews the table: measure it
         on a quiet one (decode.py caches it). The table is then made non-decreasing in the draft
         length (a longer draft never costs less; a dip is timing noise).
+        With `baseline`, it then measures `self.baseline` (`_measure_baseline`: the
+        autoregressive program's prefill and step, and the speculative program's prefill)
+        the same way, for `speculates`.
         Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
@@ -313,7 +358,41 @@ class Engine:
         # a longer draft never costs less: a dip is timing noise (it would mislead the rule)
         ms = np.maximum.accumulate(np.asarray(ms)).tolist()
         self.costs = np.asarray(ms, np.float32)
+        if baseline:
+            self.baseline = self._measure_baseline(prompts, max_new_tokens, key, timed,
+                                                   repeats, min(max_new_tokens, max_tokens))
         return ms
+
+    def _measure_baseline(self, prompts, max_new_tokens, key, timed, repeats, budget):
+        """`calibrate`'s `adaptive.Baseline`: the autoregressive program's prefill and step
+        (compiled here), measured as the table is, interleaved with the speculative
+        program's prefill (the same number of runs of each, so neither minimum has more
+        draws)."""
+        from specjax.decoding import adaptive
+
+        fb = self.fallback_engine()
+        fb.compile()
+
+        def timed_ar(b):
+            args = (*fb._arrays(prompts, b), key)
+            t0 = time.perf_counter()
+            res = jax.block_until_ready(fb.compiled(*fb._dynamic(args)))
+            return time.perf_counter() - t0, int(np.asarray(res.steps).max())
+
+        ones = np.ones(len(self.cfg.schedule.choices))
+        timed_ar(budget)  # warm-up
+        for _ in range(3):
+            pre_sp, pre_ar, full = [], [], []
+            for _ in range(repeats):
+                pre_sp.append(timed(ones, 1)[0])
+                pre_ar.append(timed_ar(1)[0])
+                t, iters = timed_ar(budget)
+                full.append(t)
+            diff = min(full) - min(pre_ar)
+            if diff > 0:
+                break
+        return adaptive.Baseline(prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
+                                 ar_ms_per_step=1e3 * max(diff, 1e-6) / max(iters, 1))
 
     def compile(self, key=None) -> float:
         """Compiles the loop for this engine's shapes; returns seconds spent (0 if done)."""
@@ -334,6 +413,8 @@ class Engine:
         self.compile()
         if self.cfg.schedule is not None and self.costs is None:
             self.calibrate(prompts, max_new_tokens, key)
+        if not self.speculates(len(prompts), max_new_tokens):
+            return self._run_fallback(prompts, max_new_tokens, key)
         args = (*self._arrays(prompts, max_new_tokens), key)
         t0 = time.perf_counter()
         res = self.compiled(*self._dynamic(args))
@@ -351,6 +432,20 @@ class Engine:
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
                            reached=res.reached[:n, :G], chosen=chosen, verified=verified,
                            reused=reused)
+
+    def _run_fallback(self, prompts, max_new_tokens, key) -> BatchOutput:
+        """The batch through `fallback_engine()`, reported in this engine's shapes: no
+        drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True. The
+        carried estimates stay as they are (nothing drafted, nothing learned)."""
+        out = self.fallback_engine().run(prompts, max_new_tokens, key)
+        n, G = len(prompts), max(self.gamma, 1)
+        zeros = np.zeros((n, G), np.int32)
+        return dataclasses.replace(
+            out, accepted=zeros, reached=zeros,
+            chosen=np.zeros((len(self.cfg.schedule.choices),), np.int32),
+            verified=None if self.cfg.partial is None else np.zeros((2,), np.int32),
+            reused=None if not getattr(self.drafter, "reuse", False) else np.zeros((4,), np.int32),
+            fallback=True)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:

@@ -1,0 +1,164 @@
+"""`--gamma auto` per batch: an adaptive engine runs a batch with its autoregressive
+program when `adaptive.speculation_pays` predicts that speculation would not finish it
+sooner (the drafter's prefill and the loop's autoregressive branch cost more than the
+autoregressive program; docs/adaptive.md)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.decoding import adaptive
+from specjax.decoding.engine import Engine, Stats
+from specjax.errors import SpecjaxError
+from tests.test_speculative_greedy import TP, models, prompts
+from tests.test_speculative_greedy import make_drafter as simple_drafter
+
+CHOICES = (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("rows,alpha,g", [(1, 0.7, 3), (8, 0.8, 2), (32, 0.6, 1)])
+def test_predicted_ms_against_simulation(rows, alpha, g):
+    """The speculative prediction, with the table making g the only affordable length,
+    against a Monte Carlo simulation in numpy of `rows` rows each needing `budget` tokens
+    (the batch runs until its slowest row): prefill + cost x E[max steps], within 6%; the
+    autoregressive prediction is prefill + step x budget exactly."""
+    budget, trials = 96, 400
+    rng = np.random.default_rng(rows * 10 + g)
+    acc = rng.random((trials, rows, budget, g)) < alpha
+    tokens = 1 + np.argmin(np.concatenate([acc, np.zeros((trials, rows, budget, 1), bool)],
+                                          -1), -1)
+    steps = np.argmax(np.cumsum(tokens, axis=2) >= budget, axis=2) + 1  # [trials, rows]
+    costs = np.full(len(CHOICES), 1e9)
+    costs[CHOICES.index(g)] = 3.0
+    base = adaptive.Baseline(prefill_ms=50.0, ar_prefill_ms=40.0, ar_ms_per_step=2.0)
+    spec, ar = adaptive.predicted_ms([alpha] * 3, CHOICES, costs, base, budget, rows)
+    sim = 50.0 + 3.0 * steps.max(axis=1).mean()
+    assert abs(spec - sim) / sim < 0.06, (spec, sim)
+    assert ar == 40.0 + 2.0 * budget
+
+
+def test_speculation_pays_decides_by_the_prediction():
+    costs = [10.0, 11.0, 12.0, 13.0]
+    sure = [0.95] * 3
+    cheap_ar = adaptive.Baseline(prefill_ms=100.0, ar_prefill_ms=100.0, ar_ms_per_step=2.0)
+    dear_ar = adaptive.Baseline(prefill_ms=100.0, ar_prefill_ms=100.0, ar_ms_per_step=10.0)
+    assert not adaptive.speculation_pays(sure, CHOICES, costs, cheap_ar, 64, 1)
+    assert adaptive.speculation_pays(sure, CHOICES, costs, dear_ar, 64, 1)
+    # nothing accepted: the loop's best is its own AR branch at 10 ms, a tie -> AR program
+    assert not adaptive.speculation_pays([0.0] * 3, CHOICES, costs, dear_ar, 64, 1)
+    # the drafter's prefill alone can tip it
+    dear_prefill = adaptive.Baseline(prefill_ms=10_000.0, ar_prefill_ms=100.0,
+                                     ar_ms_per_step=10.0)
+    assert not adaptive.speculation_pays(sure, CHOICES, costs, dear_prefill, 64, 1)
+
+
+def test_baseline_in_the_table_file(tmp_path):
+    path = tmp_path / "costs.json"
+    adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {})
+    assert adaptive.read_baseline(str(path)) is None  # old and hand-written tables
+    base = adaptive.Baseline(prefill_ms=5.0, ar_prefill_ms=4.0, ar_ms_per_step=1.5)
+    adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {"x": 1}, baseline=base)
+    assert adaptive.read_baseline(str(path)) == base
+    assert adaptive.read_table(str(path), CHOICES) == [1.0, 2.0, 3.0, 4.0]
+    for bad in ({"prefill_ms": 1.0}, {"prefill_ms": 1, "ar_prefill_ms": 1, "ar_ms_per_step": -1},
+                {"prefill_ms": 1, "ar_prefill_ms": True, "ar_ms_per_step": 1}, [1, 2]):
+        path.write_text(json.dumps({"ms_per_step": {"0": 1}, "baseline": bad}))
+        with pytest.raises(SpecjaxError, match="baseline"):
+            adaptive.read_baseline(str(path))
+    with pytest.raises(ValueError):
+        adaptive.Baseline(prefill_ms=float("nan"), ar_prefill_ms=1.0, ar_ms_per_step=1.0)
+
+
+def _engines(temperature=0.0, batch=2):
+    from specjax.decoding.sampling import SamplingParams
+
+    target, _ = models()
+    drafter, dparams = simple_drafter("self", 3)
+    common = dict(max_length=TP + 24, prompt_width=TP, batch_size=batch,
+                  sampling=SamplingParams(temperature=temperature))
+    sched = adaptive.GammaSchedule(CHOICES)
+    auto = Engine(target, drafter=drafter, drafter_params=dparams, schedule=sched,
+                  costs=[1.0, 1.5, 2.0, 2.5], **common)
+    return auto, Engine(target, **common)
+
+
+def _ids():
+    toks, lens = prompts()
+    return [np.asarray(toks)[b, :int(lens[b])].tolist() for b in range(2)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fallback_batches_are_the_autoregressive_program(temperature):
+    """A baseline that makes speculation not pay sends the batch to the autoregressive
+    program: the very output of the AR engine with the same key (greedy and sampled),
+    reported as a fallback with nothing drafted, and the carried estimates untouched; a
+    baseline that makes it pay runs the speculative loop (greedy-identical)."""
+    auto, ar = _engines(temperature)
+    ids, key = _ids(), jax.random.key(3)
+    want = ar.run(ids, 12, key)
+    auto.baseline = adaptive.Baseline(prefill_ms=1e6, ar_prefill_ms=0.0, ar_ms_per_step=0.1)
+    assert not auto.speculates(len(ids), 12)
+    out = auto.run(ids, 12, key)
+    assert out.fallback and out.outputs == want.outputs
+    assert out.accepted.shape == (2, 3) and out.accepted.sum() == 0
+    assert out.chosen.tolist() == [0, 0, 0, 0] and auto.alpha0 is None
+    auto.baseline = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=1e6, ar_ms_per_step=1e3)
+    spec = auto.run(ids, 12, key)
+    assert not spec.fallback and spec.chosen.sum() > 0
+    if temperature == 0:
+        assert spec.outputs == want.outputs
+    st = Stats()
+    st.add(out)
+    st.add(spec)  # batches of both kinds add up in one Stats
+    assert (st.batches, st.fallback_batches) == (2, 1)
+    assert st.accepted.shape == (3,)
+
+
+def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
+    auto, _ = _engines()
+    auto.costs = None
+    auto.calibrate(_ids(), 12, jax.random.key(0), repeats=1)
+    b = auto.baseline
+    assert b.prefill_ms > 0 and b.ar_prefill_ms > 0 and b.ar_ms_per_step > 0
+    fb = auto.fallback_engine()
+    assert fb.drafter is None and fb.cfg.schedule is None and fb.params is auto.params
+    assert fb is auto.fallback_engine()  # compiled once
+    plain, _ = _engines()
+    plain.costs = None
+    plain.calibrate(_ids(), 12, jax.random.key(0), repeats=1, baseline=False)
+    assert plain.baseline is None and plain.speculates(2, 12)
+
+
+def test_decode_reports_autoregressive_batches(tmp_path, capsys):
+    """decode.py --gamma auto with a table whose baseline makes speculation not pay: every
+    batch runs autoregressively, the output is identical to AR, and the summary says so."""
+    import decode
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x\n"})
+                                    + "\n" for i in range(2)))
+    table = tmp_path / "costs.json"
+    adaptive.write_table(str(table), (0, 1, 2, 3, 4), [1.0, 2.0, 3.0, 4.0, 5.0], {},
+                         baseline=adaptive.Baseline(prefill_ms=1e6, ar_prefill_ms=1.0,
+                                                    ar_ms_per_step=1.0))
+    summary = tmp_path / "s.json"
+    assert decode.main(["--drafter", "ngram", "--gamma", "auto", "--prompts",
+                        str(prompts_file), "--max-new-tokens", "8", "--show", "0",
+                        "--compile-cache", "none", "--cost-table", str(table),
+                        "--summary", str(summary)]) == 0
+    s = json.loads(summary.read_text())
+    sched = s["gamma_schedule"]
+    assert s["ar_identical"] is True
+    assert sched["autoregressive_batches"] == sched["batches"] == 2
+    assert sched["baseline"]["prefill_ms"] == 1e6
+    assert "autoregressive batches" in capsys.readouterr().out
+    table.write_text(json.dumps({"ms_per_step": {str(g): 1.0 for g in range(5)},
+                                 "baseline": {"prefill_ms": 1}}))
+    assert decode.main(["--drafter", "ngram", "--gamma", "auto", "--prompts",
+                        str(prompts_file), "--show", "0", "--compile-cache", "none",
+                        "--cost-table", str(table)]) == 2
+    assert "baseline" in capsys.readouterr().err
