@@ -123,6 +123,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 rec = {"drafter": name, "gamma": G, "temperature": temp, "batch": B,
                        "prompts": n, "ar_tokens_per_s": ar, "choices": list(sched.choices),
                        "ms_per_step": [round(float(c), 3) for c in costs],
+                       "baseline": (None if engines["auto"].baseline is None
+                                    else dataclasses.asdict(engines["auto"].baseline)),
                        "calibration_s": calibration_s, "compile_s": compile_s,
                        "systems": {}}
                 for k, st in stats.items():
@@ -132,6 +134,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                                "tau": st.tau, "alpha": st.alpha,
                                "identical": outs[k] == outs["AR"] if temp == 0 else None}
                     if k.startswith("auto"):
+                        sys_rec["autoregressive_batches"] = [st.fallback_batches, st.batches]
                         steps = [int(c) for c in st.chosen]
                         sys_rec["steps_per_length"] = steps
                         sys_rec["mean_draft_length"] = sum(
@@ -253,7 +256,10 @@ def render(res: dict) -> str:
              f"batch, {res['new_tokens']} new tokens, EOS on, T = 1 with block "
              "verification; shipped weights in checkpoints/demo). Speedup = tokens/s over "
              "autoregressive decoding, measured in the same run. auto's cost table was "
-             "measured on the first batch (calibration, not counted).",
+             "measured on the first batch (calibration, not counted). \"AR program k/n\": "
+             "auto ran k of its n timed batches without the drafter "
+             "(`adaptive.speculation_pays`; rows measured before 2026-11-27 had no such "
+             "choice).",
              *[f"Rows of {d} were measured earlier, at git {g} ({day}), and kept by "
                "`--append`." for d, g, day in sorted(
                    {(r["drafter"], r["git"], r["date"]) for r in res["runs"]
@@ -266,10 +272,12 @@ def render(res: dict) -> str:
         fixed, auto = s[f"G={r['gamma']}"], s["auto"]
         best = s[r["best_fixed"]]
         ident = {True: "yes", False: "NO", None: "-"}[auto["identical"]]
+        fb, nb = auto.get("autoregressive_batches", [0, 0])
+        fell = f" (AR program {fb}/{nb})" if fb else ""
         lines.append(
             f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | "
             f"{r['ar_tokens_per_s']:.1f} | {fixed['speedup']:.2f}x (G={r['gamma']}) | "
-            f"**{auto['speedup']:.2f}x** | {auto['mean_draft_length']:.2f} | "
+            f"**{auto['speedup']:.2f}x**{fell} | {auto['mean_draft_length']:.2f} | "
             f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
             f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
     return "\n".join(lines) + "\n"
