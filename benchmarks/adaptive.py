@@ -8,6 +8,8 @@ same prompts, in one process, so speedups are ratios on the same machine state).
     python benchmarks/adaptive.py --quick               # eagle3 + ngram, B=1, T=0, 4 x 32
     python benchmarks/adaptive.py --render-only         # docs/adaptive.md from the JSON
     python benchmarks/adaptive.py --ar-branch           # the autoregressive branch's cost
+    python benchmarks/adaptive.py --forced --drafters eagle3 --temperatures 1 --batch-sizes 32
+                                                        # one batch in every program
 
 Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (fixed),
 `--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not
@@ -25,6 +27,11 @@ engine: per (drafter, batch), at T = 0, the schedule forced to draft length 0 (c
 (0,)) with the drafter's update deferred (the default, `GammaSchedule.defer_update`) and
 with one update per step, interleaved with AR as above. Results:
 benchmarks/results/adaptive_ar_branch.json and `<!-- adaptive:ar_branch -->`.
+
+`--forced` prices one batch (the first B prompts) in each program: the AR engine, and
+the adaptive loop forced to each draft length, each also run with a budget of one token
+(its prefill alone). Results: benchmarks/results/adaptive_forced.json and
+`<!-- adaptive:forced -->`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
 AR_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_ar_branch.json")
+FORCED_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_forced.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
 DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
@@ -227,6 +235,113 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
             "jax": jax.__version__, "device": jax.devices()[0].device_kind}
 
 
+def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
+           repeats: int = 3) -> dict:
+    """What a batch costs in each program (module docstring, `--forced`): per (drafter,
+    T, B), the AR engine and the adaptive loop forced to each choice (a one-hot cost
+    table, as `Engine.calibrate` makes them) on the same batch, each also with a budget
+    of one token (its prefill alone); every wall the fastest of `repeats` interleaved
+    passes after one warm-up pass."""
+    import platform
+
+    import jax
+    import numpy as np
+
+    from specjax.decoding import adaptive
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.prompts import read_prompts
+    from specjax.decoding.sampling import SamplingParams
+
+    rev = git_rev(ROOT)
+    target = load_target(os.path.join(DEMO, "target"))
+    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
+    longest = max(len(ids) for ids in base)
+    max_length = longest + new_tokens
+    runs = []
+    for temp in temps:
+        for B in batches:
+            prompts = [base[i % len(base)] for i in range(B)]
+            common = dict(sampling=SamplingParams(temperature=temp), verify="block",
+                          max_length=max_length, batch_size=B,
+                          prompt_width=prompt_width_for(longest, max_length),
+                          eos_token_ids=target.cfg.eos_token_ids)
+            for name in drafters:
+                loaded = load_drafter(DRAFTERS[name], target, sampling=common["sampling"])
+                sched = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
+                n = len(sched.choices)
+                ar = Engine(target.model, **common)
+                auto = Engine(target.model, drafter=loaded.drafter,
+                              drafter_params=loaded.params, schedule=sched,
+                              costs=np.ones(n), **common)
+                ar.compile()
+                auto.compile()
+                systems = {"AR": (ar, None, new_tokens), "AR prefill": (ar, None, 1),
+                           "prefill": (auto, np.ones(n), 1)}
+                for i, g in enumerate(sched.choices):
+                    table = np.full(n, 1e30)
+                    table[i] = 1.0
+                    systems[f"g={g}"] = (auto, table, new_tokens)
+                key = jax.random.key(0)
+                best = {}
+                for rep in range(repeats + 1):
+                    for k, (e, table, budget) in systems.items():
+                        if table is not None:
+                            e.costs = table
+                        out = e.run(prompts, budget, key)
+                        if rep and (k not in best or out.wall_s < best[k][0]):
+                            best[k] = (out.wall_s, int(np.max(out.steps)),
+                                       sum(len(o) for o in out.outputs))
+                ar_pre, pre = best["AR prefill"][0], best["prefill"][0]
+                rec = {"drafter": name, "temperature": temp, "batch": B,
+                       "prefill_s": pre, "ar_prefill_s": ar_pre, "systems": {}}
+                for k, (wall, steps, toks) in best.items():
+                    if "prefill" in k:
+                        continue
+                    p0 = ar_pre if k == "AR" else pre
+                    rec["systems"][k] = {"wall_s": wall, "steps": steps, "tokens": toks,
+                                         "ms_per_step": 1e3 * (wall - p0) / max(steps, 1),
+                                         "wall_over_ar": wall / best["AR"][0]}
+                runs.append(rec)
+                print(f"[adaptive] forced {name} T={temp:g} B={B}: prefill {pre:.2f} s "
+                      f"(AR {ar_pre:.2f} s); " + ", ".join(
+                          f"{k} {v['wall_s']:.2f} s / {v['ms_per_step']:.1f} ms"
+                          for k, v in rec["systems"].items()), file=sys.stderr, flush=True)
+                del ar, auto, loaded
+                jax.clear_caches()
+                gc.collect()
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+
+
+def render_forced(res: dict) -> str:
+    """The markdown table of a `--forced` record."""
+    lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
+             f"{res['git']}, {res['date']}; one batch of the bundled demo prompts, "
+             f"{res['new_tokens']} new tokens, EOS on; each wall the fastest of "
+             f"{res['repeats']} interleaved passes). ms/step = (wall - that program's "
+             "prefill) / loop steps; g = k is the adaptive loop forced to draft length k "
+             "(g = 0: its autoregressive branch).", "",
+             "| drafter | T | B | prefill s (AR / speculative) | system | wall s | "
+             "x AR's wall | steps | ms/step |", "|" + "---|" * 9]
+    for r in res["runs"]:
+        for i, (k, v) in enumerate(r["systems"].items()):
+            head = (f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | "
+                    f"{r['ar_prefill_s']:.2f} / {r['prefill_s']:.2f} |" if i == 0
+                    else "| | | | |")
+            lines.append(f"{head} {k} | {v['wall_s']:.2f} | {v['wall_over_ar']:.2f} | "
+                         f"{v['steps']} | {v['ms_per_step']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_forced_doc(res: dict, doc: str = DOC) -> None:
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "adaptive:forced", render_forced(res))
+
+
 def render_ar_branch(res: dict) -> str:
     lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
              f"{res['git']}, {res['date']}; the bundled demo prompts repeated to fill each "
@@ -307,6 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ar-branch", action="store_true",
                     help="measure the autoregressive branch (draft length 0) with and "
                          "without the deferred drafter update against AR (T = 0)")
+    ap.add_argument("--forced", action="store_true",
+                    help="wall time of one batch in the AR program and in the adaptive loop "
+                         "forced to each draft length, with each program's prefill")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -318,6 +436,8 @@ def main(argv=None) -> int:
         write_doc(json.load(open(args.json)))
         if os.path.exists(AR_RESULTS):
             write_ar_doc(json.load(open(AR_RESULTS)))
+        if os.path.exists(FORCED_RESULTS):
+            write_forced_doc(json.load(open(FORCED_RESULTS)))
         return 0
     if args.quick:
         args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
@@ -325,6 +445,13 @@ def main(argv=None) -> int:
     from specjax.compile_cache import enable_compile_cache
 
     enable_compile_cache(None)
+    if args.forced:
+        res = forced(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
+                     args.new_tokens)
+        save_results(FORCED_RESULTS if args.json == RESULTS else args.json, res,
+                     FORCED_RESULTS, write_forced_doc)
+        print(render_forced(res))
+        return 0
     if args.ar_branch:
         res = ar_branch(args.drafters, args.batch_sizes, args.prompts, args.new_tokens,
                         args.repeats)
