@@ -99,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "a learned drafter was trained for (else 4; the default for draft "
                          "trees); N: always N")
     ap.add_argument("--cost-table", default=None, metavar="FILE",
-                    help="--gamma auto: ms per step at each draft length (JSON); read if it "
-                         "exists, else measured on the first batch and written here "
+                    help="--gamma auto: ms per step at each draft length and the "
+                         "baseline a batch is priced against without the drafter (JSON); "
+                         "read if it exists, else measured on the first batch and written "
+                         "here "
                          "(default: measured once per setting, cached in the compile "
                          "cache)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

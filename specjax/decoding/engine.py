@@ -332,10 +332,7 @@ class Engine:
         n = len(self.cfg.schedule.choices)
 
         def timed(costs, budget):
-            args = (*self._arrays(prompts, budget), key)
-            t0 = time.perf_counter()
-            res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
-            return time.perf_counter() - t0, int(np.asarray(res.steps).max())
+            return self._timed(prompts, budget, key, costs)
 
         ones = np.ones(n)
         timed(ones, 1)  # warm-up
@@ -363,6 +360,14 @@ class Engine:
                                                    repeats, min(max_new_tokens, max_tokens))
         return ms
 
+    def _timed(self, prompts, budget, key, costs=None) -> tuple[float, int]:
+        """(seconds, loop iterations) of one compiled run (compiled already), `costs`
+        overriding the cost table."""
+        args = (*self._arrays(prompts, budget), key)
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
+        return time.perf_counter() - t0, int(np.asarray(res.steps).max())
+
     def _measure_baseline(self, prompts, max_new_tokens, key, timed, repeats, budget):
         """`calibrate`'s `adaptive.Baseline`: the autoregressive program's prefill and step
         (compiled here), measured as the table is, interleaved with the speculative
@@ -374,10 +379,7 @@ class Engine:
         fb.compile()
 
         def timed_ar(b):
-            args = (*fb._arrays(prompts, b), key)
-            t0 = time.perf_counter()
-            res = jax.block_until_ready(fb.compiled(*fb._dynamic(args)))
-            return time.perf_counter() - t0, int(np.asarray(res.steps).max())
+            return fb._timed(prompts, b, key)
 
         ones = np.ones(len(self.cfg.schedule.choices))
         timed_ar(budget)  # warm-up
