@@ -373,7 +373,7 @@ def render(res: dict) -> str:
              "autoregressive decoding, measured in the same run. auto's cost table was "
              "measured on the first batch (calibration, not counted). \"AR program k/n\": "
              "auto ran k of its n timed batches without the drafter "
-             "(`adaptive.speculation_pays`; rows measured before 2026-11-27 had no such "
+             "(`adaptive.speculation_pays`; rows kept from earlier commits had no such "
              "choice).",
              *[f"Rows of {d} were measured earlier, at git {g} ({day}), and kept by "
                "`--append`." for d, g, day in sorted(
