@@ -447,7 +447,7 @@ def main(argv=None) -> int:
     enable_compile_cache(None)
     if args.forced:
         res = forced(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
-                     args.new_tokens)
+                     args.new_tokens, repeats=args.repeats)
         save_results(FORCED_RESULTS if args.json == RESULTS else args.json, res,
                      FORCED_RESULTS, write_forced_doc)
         print(render_forced(res))
