@@ -266,12 +266,19 @@ def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, bud
     tests/test_adaptive.py). The straggler term errs toward the autoregressive program,
     the direction in which a wrong call costs least. EOS is not modelled: both programs
     stop at the same rows' ends."""
+    import statistics
+
     import numpy as np
 
-    a = np.asarray(alpha, np.float64).reshape(1, -1)
-    mu = np.asarray(expected_tokens(a, choices), np.float64)[0]
-    var = np.asarray(token_variance(a, choices), np.float64)[0]
-    z = float(expected_max_normal(rows))
+    # numpy twins of expected_tokens, token_variance and expected_max_normal: host side,
+    # so deciding compiles nothing
+    reach = np.cumprod(np.asarray(alpha, np.float64).reshape(-1))  # P(A >= k + 1)
+    k = np.arange(1, reach.size + 1, dtype=np.float64)
+    m1 = np.concatenate([[0.0], np.cumsum(reach)])[list(choices)]
+    m2 = np.concatenate([[0.0], np.cumsum((2 * k - 1) * reach)])[list(choices)]
+    mu, var = 1.0 + m1, np.maximum(m2 - m1 ** 2, 0.0)
+    n = max(float(rows), 1.0)
+    z = max(statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25)), 0.0)
     steps = budget / mu + z * np.sqrt(budget * var / mu ** 3)
     spec = baseline.prefill_ms + float(np.min(np.asarray(costs, np.float64) * steps))
     ar = baseline.ar_prefill_ms + baseline.ar_ms_per_step * budget
