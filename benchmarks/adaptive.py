@@ -110,7 +110,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 compile_s = {k: e.compile() for k, e in engines.items()}
                 key0 = jax.random.key(0)
                 t0 = time.perf_counter()
-                costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0)
+                costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0, baseline=True)
                 calibration_s = time.perf_counter() - t0
                 if stragglers:
                     engines["auto+stragglers"].costs = engines["auto"].costs

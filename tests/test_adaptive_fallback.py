@@ -121,7 +121,7 @@ def test_fallback_batches_are_the_autoregressive_program(temperature):
 def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     auto, _ = _engines()
     auto.costs = None
-    auto.calibrate(_ids(), 12, jax.random.key(0), repeats=1)
+    auto.calibrate(_ids(), 12, jax.random.key(0), repeats=1, baseline=True)
     b = auto.baseline
     assert b.prefill_ms > 0 and b.ar_prefill_ms > 0 and b.ar_ms_per_step > 0
     fb = auto.fallback_engine()
@@ -129,7 +129,7 @@ def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     assert fb is auto.fallback_engine()  # compiled once
     plain, _ = _engines()
     plain.costs = None
-    plain.calibrate(_ids(), 12, jax.random.key(0), repeats=1, baseline=False)
+    plain.calibrate(_ids(), 12, jax.random.key(0), repeats=1)
     assert plain.baseline is None and plain.speculates(2, 12)
 
 

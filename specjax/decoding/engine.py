@@ -305,7 +305,7 @@ class Engine:
 
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
                   repeats: int = 3, max_tokens: int = 32,
-                  min_steps: int = 6, baseline: bool = True) -> list[float]:
+                  min_steps: int = 6, baseline: bool = False) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
