@@ -62,24 +62,42 @@ DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
             "ngram": "ngram"}
 
 
+def _demo(new_tokens: int):
+    """(target, the bundled prompts' ids, the longest prompt's length, max_length) for the
+    demo target with `new_tokens` new tokens per prompt."""
+    from specjax.decoding.loading import load_target
+    from specjax.decoding.prompts import read_prompts
+
+    target = load_target(os.path.join(DEMO, "target"))
+    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
+    longest = max(len(ids) for ids in base)
+    return target, base, longest, longest + new_tokens
+
+
+def _machine(rev: str) -> dict:
+    """The results record's provenance: code, date, machine and jax."""
+    import platform
+
+    import jax
+
+    return {"git": rev, "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+
+
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
-    import platform
 
     import jax
 
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.prompts import read_prompts
+    from specjax.decoding.loading import load_drafter
     from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)  # the code measured
-    target = load_target(os.path.join(DEMO, "target"))
-    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
-    longest = max(len(ids) for ids in base)
-    max_length = longest + new_tokens
+    target, base, longest, max_length = _demo(new_tokens)
     runs = []
     for temp in temps:
         sampling = SamplingParams(temperature=temp)
@@ -164,30 +182,22 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 # mapping limit) near its end: drop them once a setting is done
                 jax.clear_caches()
                 gc.collect()
-    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev),
             "schedule": {"ema": adaptive.GammaSchedule.ema,
                          "prior": adaptive.GammaSchedule.prior}}
 
 
 def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int = 2) -> dict:
     """The autoregressive branch against the AR engine (module docstring)."""
-    import platform
 
     import jax
 
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.prompts import read_prompts
+    from specjax.decoding.loading import load_drafter
 
     rev = git_rev(ROOT)
-    target = load_target(os.path.join(DEMO, "target"))
-    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
-    longest = max(len(ids) for ids in base)
-    max_length = longest + new_tokens
+    target, base, longest, max_length = _demo(new_tokens)
     runs = []
     for B in batches:
         n = max(n_prompts, B)
@@ -229,10 +239,7 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
             del engines, loaded
             jax.clear_caches()
             gc.collect()
-    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 
 def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
@@ -242,22 +249,17 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
     table, as `Engine.calibrate` makes them) on the same batch, each also with a budget
     of one token (its prefill alone); every wall the fastest of `repeats` interleaved
     passes after one warm-up pass."""
-    import platform
 
     import jax
     import numpy as np
 
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.prompts import read_prompts
+    from specjax.decoding.loading import load_drafter
     from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)
-    target = load_target(os.path.join(DEMO, "target"))
-    base = [ids for _, ids in read_prompts(target.tokenizer, target.cfg.vocab_size)]
-    longest = max(len(ids) for ids in base)
-    max_length = longest + new_tokens
+    target, base, longest, max_length = _demo(new_tokens)
     runs = []
     for temp in temps:
         for B in batches:
@@ -310,10 +312,7 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 del ar, auto, loaded
                 jax.clear_caches()
                 gc.collect()
-    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, "git": rev,
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 
 def render_forced(res: dict) -> str:

@@ -234,8 +234,8 @@ class Baseline:
 
     The per-step rule cannot see these: the drafter's prefill is paid before the first
     step, and the loop's autoregressive branch (choice 0) carries the drafter's state and
-    the branch, so it costs more than the autoregressive program's step (1.2x at batch 32
-    for eagle3 on the demo target here). Where speculation cannot win back the
+    the branch, so it costs more than the autoregressive program's step (measured by
+    `python benchmarks/adaptive.py --forced`). Where speculation cannot win back the
     difference, `speculation_pays` sends the whole batch to the autoregressive program."""
 
     prefill_ms: float
@@ -330,7 +330,7 @@ def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
 def read_baseline(path: str) -> Baseline | None:
     """The table's optional "baseline" object ({"prefill_ms", "ar_prefill_ms",
     "ar_ms_per_step"}, see `Baseline`), or None where the table has none (a table
-    written by hand, or before 2026-11-27): then every batch runs the speculative
+    written by hand, or by an older specjax): then every batch runs the speculative
     program. Raises: SpecjaxError (one line) for a baseline that is not three numbers
     >= 0."""
     try:
