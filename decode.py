@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft length. auto (the default for a drafter of one chain): every "
                          "step picks its length from 0 (an autoregressive step), 1, 2, 3, 5 "
                          "and the drafter's G by expected tokens per ms, from a cost table "
-                         "measured once per setting (docs/adaptive.md); fixed: always the G "
+                         "measured once per setting, and a batch runs without the drafter "
+                         "when speculation is not predicted to win by more than the timing "
+                         "noise (docs/adaptive.md); fixed: always the G "
                          "a learned drafter was trained for (else 4; the default for draft "
                          "trees); N: always N")
     ap.add_argument("--cost-table", default=None, metavar="FILE",
@@ -376,7 +378,7 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
         max_length=max_length, prompt_width=prompt_width,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
-        table_version=2, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+        table_version=3, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
         jax=jax.__version__)
     # inside the compile cache: jax reads only its own *-cache files there
     return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
@@ -528,7 +530,10 @@ def run(args) -> int:
                               schedule=schedule, costs=costs, baseline=baseline,
                               partial=partial, **common)}
     if args.compare_ar and drafter is not None:
-        engines["ar"] = Engine(target, **common)
+        # under --gamma auto the AR reference is the program auto falls back to (one
+        # compilation for both)
+        engines["ar"] = (engines["main"].fallback_engine() if schedule is not None
+                         else Engine(target, **common))
 
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     base_key = jax.random.key(args.seed)
@@ -542,7 +547,7 @@ def run(args) -> int:
 
         t0 = time.perf_counter()
         costs = engines["main"].calibrate([ids for _, ids in batches[0]], args.max_new_tokens,
-                                          base_key)
+                                          base_key, baseline=True)
         calibrated_s = time.perf_counter() - t0
         if table is not None:
             try:

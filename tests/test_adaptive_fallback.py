@@ -5,6 +5,7 @@ autoregressive program; docs/adaptive.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -56,6 +57,35 @@ def test_speculation_pays_decides_by_the_prediction():
     assert not adaptive.speculation_pays(sure, CHOICES, costs, dear_prefill, 64, 1)
 
 
+def test_margin_needs_a_clear_predicted_gain():
+    """With a margin, speculation must be predicted to win by more than that fraction of
+    the autoregressive prediction; the same batch without it speculates."""
+    costs = [10.0, 11.0, 12.0, 13.0]
+    sure = [0.95] * 3
+    base = adaptive.Baseline(prefill_ms=100.0, ar_prefill_ms=100.0, ar_ms_per_step=10.0)
+    spec, ar = adaptive.predicted_ms(sure, CHOICES, costs, base, 64, 1)
+    gain = 1.0 - spec / ar  # the predicted fraction saved, from the prediction itself
+    assert 0 < gain < 0.99
+    below = dataclasses.replace(base, margin=gain * 0.9)
+    above = dataclasses.replace(base, margin=gain * 1.1)
+    assert adaptive.speculation_pays(sure, CHOICES, costs, below, 64, 1)
+    assert not adaptive.speculation_pays(sure, CHOICES, costs, above, 64, 1)
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="margin"):
+            dataclasses.replace(base, margin=bad)
+
+
+def test_measured_margin_is_the_clamped_spread():
+    lo, hi = adaptive.MARGIN_RANGE
+    assert adaptive.measured_margin([2.0, 2.2, 2.1]) == pytest.approx(0.1)
+    assert adaptive.measured_margin([2.0, 2.0]) == lo
+    assert adaptive.measured_margin([2.0]) == lo  # one run: no spread seen
+    assert adaptive.measured_margin([1.0, 3.0]) == hi
+    for bad in ([0.0, 1.0], [], [-1.0]):
+        with pytest.raises(ValueError):
+            adaptive.measured_margin(bad)
+
+
 def test_baseline_in_the_table_file(tmp_path):
     path = tmp_path / "costs.json"
     adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {})
@@ -64,8 +94,13 @@ def test_baseline_in_the_table_file(tmp_path):
     adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {"x": 1}, baseline=base)
     assert adaptive.read_baseline(str(path)) == base
     assert adaptive.read_table(str(path), CHOICES) == [1.0, 2.0, 3.0, 4.0]
+    with_margin = dataclasses.replace(base, margin=0.07)
+    adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {}, baseline=with_margin)
+    assert adaptive.read_baseline(str(path)) == with_margin
+    ok = {"prefill_ms": 1, "ar_prefill_ms": 1, "ar_ms_per_step": 1}
     for bad in ({"prefill_ms": 1.0}, {"prefill_ms": 1, "ar_prefill_ms": 1, "ar_ms_per_step": -1},
-                {"prefill_ms": 1, "ar_prefill_ms": True, "ar_ms_per_step": 1}, [1, 2]):
+                {"prefill_ms": 1, "ar_prefill_ms": True, "ar_ms_per_step": 1}, [1, 2],
+                {**ok, "margin": 1.5}, {**ok, "margin": "0.1"}):
         path.write_text(json.dumps({"ms_per_step": {"0": 1}, "baseline": bad}))
         with pytest.raises(SpecjaxError, match="baseline"):
             adaptive.read_baseline(str(path))

@@ -236,17 +236,43 @@ class Baseline:
     step, and the loop's autoregressive branch (choice 0) carries the drafter's state and
     the branch, so it costs more than the autoregressive program's step (measured by
     `python benchmarks/adaptive.py --forced`). Where speculation cannot win back the
-    difference, `speculation_pays` sends the whole batch to the autoregressive program."""
+    difference, `speculation_pays` sends the whole batch to the autoregressive program.
+
+    margin: the fraction of the autoregressive prediction by which speculation must be
+      predicted to win, in [0, 1) (0: any predicted gain). `Engine.calibrate` sets it to
+      the spread of repeated runs of one batch (`measured_margin`): a prediction closer
+      than the timing noise is a coin toss, and the toss is not fair, since a wrong
+      fallback loses at most the margin while a wrong speculation lost 20-30% at batch 32
+      (docs/adaptive.md). Tables without it (older, or by hand) read as 0."""
 
     prefill_ms: float
     ar_prefill_ms: float
     ar_ms_per_step: float
+    margin: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"Baseline.{f.name}={v!r} must be a number >= 0")
+        if not self.margin < 1:
+            raise ValueError(f"Baseline.margin={self.margin!r} must be < 1")
+
+
+MARGIN_RANGE = (0.02, 0.25)  # measured_margin's clamp
+
+
+def measured_margin(walls) -> float:
+    """`Baseline.margin` from repeated walls (s) of one and the same batch: their spread,
+    max / min - 1, clamped to MARGIN_RANGE (at least 2%: two or three runs understate a
+    spread, and one run shows none; at most 25%: a machine noisier than that needs a
+    quieter calibration, not a rule that never speculates). Raises ValueError for no
+    walls or one that is not positive."""
+    w = [float(x) for x in walls]
+    if not w or min(w) <= 0:
+        raise ValueError(f"measured_margin needs positive walls, got {walls!r}")
+    lo, hi = MARGIN_RANGE
+    return min(max(max(w) / min(w) - 1.0, lo), hi)
 
 
 def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, budget: int,
@@ -288,9 +314,11 @@ def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, bud
 def speculation_pays(alpha, choices: tuple[int, ...], costs, baseline: Baseline,
                      budget: int, rows: int) -> bool:
     """True when the speculative program is predicted to finish the batch sooner than
-    the autoregressive one (`predicted_ms`); ties go to the autoregressive program."""
+    the autoregressive one (`predicted_ms`) by more than `baseline.margin` of the
+    autoregressive prediction: spec < (1 - margin) * ar. Ties go to the autoregressive
+    program."""
     spec, ar = predicted_ms(alpha, choices, costs, baseline, budget, rows)
-    return spec < ar
+    return spec < (1.0 - baseline.margin) * ar
 
 
 # ------------------------------------------------------------------------ the cost table
@@ -329,10 +357,10 @@ def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
 
 def read_baseline(path: str) -> Baseline | None:
     """The table's optional "baseline" object ({"prefill_ms", "ar_prefill_ms",
-    "ar_ms_per_step"}, see `Baseline`), or None where the table has none (a table
-    written by hand, or by an older specjax): then every batch runs the speculative
-    program. Raises: SpecjaxError (one line) for a baseline that is not three numbers
-    >= 0."""
+    "ar_ms_per_step"} and optionally "margin", see `Baseline`), or None where the table
+    has none (a table written by hand, or by an older specjax): then every batch runs
+    the speculative program. Raises: SpecjaxError (one line) for a baseline that is not
+    three numbers >= 0 (and a margin in [0, 1))."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f).get("baseline")
@@ -342,11 +370,15 @@ def read_baseline(path: str) -> Baseline | None:
     if raw is None:
         return None
     try:
-        return Baseline(**{f.name: raw[f.name] for f in dataclasses.fields(Baseline)})
+        fields = {f.name: raw[f.name] for f in dataclasses.fields(Baseline)
+                  if f.name != "margin"}
+        if "margin" in raw:
+            fields["margin"] = raw["margin"]
+        return Baseline(**fields)
     except (KeyError, TypeError, ValueError) as e:
         raise SpecjaxError(f"--cost-table {path}: baseline needs prefill_ms, ar_prefill_ms "
-                           f"and ar_ms_per_step, numbers >= 0 ({type(e).__name__}: {e})") \
-            from None
+                           f"and ar_ms_per_step, numbers >= 0, and an optional margin in "
+                           f"[0, 1) ({type(e).__name__}: {e})") from None
 
 
 def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict,

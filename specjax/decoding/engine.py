@@ -256,7 +256,10 @@ class Engine:
         if self.drafter is None:
             return (self.params, *args)
         if self.cfg.schedule is not None:
-            costs = self._costs() if costs is None else jnp.asarray(costs, jnp.float32)
+            # f32 on the host first: staging an f64 array is another compiled program
+            # (a new compile-cache entry for a run that only reads its table)
+            costs = (self._costs() if costs is None
+                     else jnp.asarray(np.asarray(costs, np.float32)))
             return (self.params, self.drafter_params, *args, costs, self._alpha0())
         return (self.params, self.drafter_params, *args)
 
@@ -372,7 +375,8 @@ class Engine:
         """`calibrate`'s `adaptive.Baseline`: the autoregressive program's prefill and step
         (compiled here), measured as the table is, interleaved with the speculative
         program's prefill (the same number of runs of each, so neither minimum has more
-        draws)."""
+        draws); its margin the spread of the autoregressive program's repeated walls on
+        this batch (`adaptive.measured_margin`)."""
         from specjax.decoding import adaptive
 
         fb = self.fallback_engine()
@@ -394,7 +398,8 @@ class Engine:
             if diff > 0:
                 break
         return adaptive.Baseline(prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
-                                 ar_ms_per_step=1e3 * max(diff, 1e-6) / max(iters, 1))
+                                 ar_ms_per_step=1e3 * max(diff, 1e-6) / max(iters, 1),
+                                 margin=adaptive.measured_margin(full))
 
     def compile(self, key=None) -> float:
         """Compiles the loop for this engine's shapes; returns seconds spent (0 if done)."""
