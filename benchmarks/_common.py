@@ -101,9 +101,10 @@ def replace_doc_section(doc: str, tag: str, body: str, heading: str = "") -> Non
 
 def git_rev(root: str) -> str:
     """The short hash of HEAD in the checkout at `root` (the code a benchmark measured),
-    with "+dirty" when tracked files under specjax/, decode.py or benchmarks/ differ from
-    HEAD (the code measured is then HEAD plus uncommitted changes), or "" outside a git
-    checkout."""
+    with "+dirty" when tracked files under specjax/, decode.py or benchmarks/ (results
+    files aside: a benchmark that ran before this one changes them, not the code) differ
+    from HEAD (the code measured is then HEAD plus uncommitted changes), or "" outside a
+    git checkout."""
     import subprocess
 
     def git(*args):
@@ -112,7 +113,7 @@ def git_rev(root: str) -> str:
 
     rev = git("rev-parse", "--short", "HEAD")
     if rev and git("status", "--porcelain", "--untracked-files=no", "--", "specjax",
-                   "decode.py", "benchmarks"):
+                   "decode.py", "benchmarks", ":(exclude)benchmarks/results"):
         rev += "+dirty"
     return rev
 
