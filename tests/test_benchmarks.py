@@ -194,3 +194,30 @@ def test_prefill_settings_table(tiny_demo, tmp_path, capsys):
     assert bench.main(base + ["--settings", "16"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--settings" in err and "\n" not in err
+
+
+def test_git_rev_marks_code_changes_but_not_results(tmp_path):
+    """benchmarks._common.git_rev: "+dirty" for an uncommitted change to the code a
+    benchmark measures (specjax/, decode.py, benchmarks/), not for its results files,
+    which the benchmark before it in the same session rewrote."""
+    from benchmarks._common import git_rev
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    for rel in ("specjax/a.py", "decode.py", "benchmarks/b.py", "benchmarks/results/r.json",
+                "docs/d.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("0\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    rev = git_rev(str(tmp_path))
+    assert rev and not rev.endswith("+dirty")
+    for rel in ("benchmarks/results/r.json", "docs/d.md"):
+        (tmp_path / rel).write_text("1\n")
+        assert git_rev(str(tmp_path)) == rev, rel
+    for rel in ("specjax/a.py", "decode.py", "benchmarks/b.py"):
+        (tmp_path / rel).write_text("1\n")
+        assert git_rev(str(tmp_path)) == rev + "+dirty", rel
+        (tmp_path / rel).write_text("0\n")
