@@ -153,6 +153,32 @@ def test_fallback_batches_are_the_autoregressive_program(temperature):
     assert st.accepted.shape == (3,)
 
 
+def test_fallback_drifts_back_to_the_prior_and_probes_again():
+    """Estimates below break-even send a batch to the AR program; each such batch moves
+    them FALLBACK_DRIFT of the way back to the prior, so that after a few batches the
+    engine speculates again (where the prior says it pays) instead of never again."""
+    auto, _ = _engines()
+    ids, key = _ids(), jax.random.key(3)
+    prior = auto.cfg.schedule.prior
+    low = np.full(3, 0.05, np.float32)
+    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0)
+    at_prior, _ = adaptive.predicted_ms([prior] * 3, CHOICES, auto.costs, base, 12, 2)
+    at_low, _ = adaptive.predicted_ms(low, CHOICES, auto.costs, base, 12, 2)
+    assert at_prior < at_low
+    # the AR program's time between the two predictions: pays at the prior, not at `low`
+    auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
+    auto.alpha0 = low.copy()
+    assert not auto.speculates(2, 12)
+    out = auto.run(ids, 12, key)
+    assert out.fallback
+    r = adaptive.FALLBACK_DRIFT
+    np.testing.assert_allclose(auto.alpha0, low + r * (prior - low), rtol=1e-6)
+    fallbacks = 1
+    while auto.run(ids, 12, key).fallback:
+        fallbacks += 1
+        assert fallbacks < 30, "never speculated again"
+
+
 def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     auto, _ = _engines()
     auto.costs = None

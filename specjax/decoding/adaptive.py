@@ -260,6 +260,24 @@ class Baseline:
 
 
 MARGIN_RANGE = (0.02, 0.25)  # measured_margin's clamp
+# the fraction of the way back to the prior that the carried estimates move per batch run
+# without the drafter (`drift_to_prior`)
+FALLBACK_DRIFT = 0.25
+
+
+def drift_to_prior(alpha, prior: float, rate: float = FALLBACK_DRIFT):
+    """The carried estimates f32[G] after a batch that ran without the drafter: each moves
+    `rate` of the way back to the (optimistic) prior, alpha + rate (prior - alpha). Such a
+    batch observes nothing; without the drift, estimates that once fell below
+    break-even would send every later batch to the autoregressive program for good
+    (block at batch 1 ran 12 of 16 batches so, docs/adaptive.md). With it the engine
+    speculates again after a few batches where the prior says speculation pays, and
+    relearns; where even the prior says it does not (batch 32 on this CPU), nothing
+    changes. Returns float32 numpy."""
+    import numpy as np
+
+    a = np.asarray(alpha, np.float32)
+    return (a + np.float32(rate) * (np.float32(prior) - a)).astype(np.float32)
 
 
 def measured_margin(walls) -> float:

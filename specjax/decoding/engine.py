@@ -442,9 +442,15 @@ class Engine:
 
     def _run_fallback(self, prompts, max_new_tokens, key) -> BatchOutput:
         """The batch through `fallback_engine()`, reported in this engine's shapes: no
-        drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True. The
-        carried estimates stay as they are (nothing drafted, nothing learned)."""
+        drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True.
+        Nothing is drafted, so nothing is learned: the carried estimates drift toward the
+        schedule's prior instead (`adaptive.drift_to_prior`), so that a later batch
+        probes the drafter again."""
+        from specjax.decoding import adaptive
+
         out = self.fallback_engine().run(prompts, max_new_tokens, key)
+        if self.alpha0 is not None:
+            self.alpha0 = adaptive.drift_to_prior(self.alpha0, self.cfg.schedule.prior)
         n, G = len(prompts), max(self.gamma, 1)
         zeros = np.zeros((n, G), np.int32)
         return dataclasses.replace(
