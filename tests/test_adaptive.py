@@ -304,7 +304,9 @@ def test_branches_do_not_copy_the_kv_cache():
 
 def test_decode_gamma_auto_end_to_end(tmp_path, capsys):
     """decode.py --gamma auto: greedy output identical to AR, the schedule in the summary,
-    the measured cost table written to --cost-table and read back by the next run."""
+    the measured cost table written to --cost-table and read back by the next run. On
+    this tiny target the per-batch choice may rightly send every batch to the AR program
+    (then no loop step ran, and the summary says so)."""
     import decode
 
     prompts = tmp_path / "p.jsonl"
@@ -320,7 +322,8 @@ def test_decode_gamma_auto_end_to_end(tmp_path, capsys):
         s = json.loads(summary.read_text())
         sched = s["gamma_schedule"]
         assert s["ar_identical"] is True and sched["choices"] == [0, 1, 2, 3, 4]
-        assert sum(sched["steps"]) > 0 and len(sched["ms_per_step"]) == 5
+        fell_back = sched["autoregressive_batches"] == sched["batches"]
+        assert (sum(sched["steps"]) > 0 or fell_back) and len(sched["ms_per_step"]) == 5
         assert (sched["calibration_s"] is None) == (run == "read")
         assert sched["ms_per_step"] == sorted(sched["ms_per_step"])  # non-decreasing
     assert adaptive.read_table(str(table), (0, 1, 2, 3, 4)) == pytest.approx(
