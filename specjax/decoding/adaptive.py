@@ -138,25 +138,31 @@ def init_state(schedule: GammaSchedule, batch: int, alpha0=None) -> AdaptState:
     return AdaptState(alpha=alpha, chosen=jnp.zeros((len(schedule.choices),), jnp.int32))
 
 
-def expected_tokens(alpha, choices: tuple[int, ...]) -> jax.Array:
+def _accepted_moments(alpha, choices: tuple[int, ...], xp=jnp):
+    """(E[A], E[A^2]) [B,n] of the drafts A accepted in one step at each draft length g in
+    `choices`: P(A >= k) = prod_{j<k} alpha[b, j] for k = 1..g, so E[A] = sum_k P(A >= k)
+    and E[A^2] = sum_k (2k - 1) P(A >= k). `xp`: jax.numpy inside the loop, numpy on
+    the host (`predicted_ms`: deciding a batch compiles nothing)."""
+    reach = xp.cumprod(alpha, axis=1)  # [B,G]: P(A >= k + 1)
+    k = xp.arange(1, alpha.shape[1] + 1, dtype=reach.dtype)
+    zero = xp.zeros_like(reach[:, :1])
+    m1 = xp.concatenate([zero, xp.cumsum(reach, axis=1)], axis=1)
+    m2 = xp.concatenate([zero, xp.cumsum((2 * k - 1) * reach, axis=1)], axis=1)
+    idx = xp.asarray(choices)
+    return m1[:, idx], m2[:, idx]
+
+
+def expected_tokens(alpha, choices: tuple[int, ...], xp=jnp):
     """f32[B,n]: expected tokens emitted by one step of each row at each draft length in
-    `choices`: 1 + sum_{k<g} prod_{j<=k} alpha[b, j]."""
-    reach = jnp.cumprod(alpha, axis=1)  # [B,G] P(drafts 0..k all accepted)
-    csum = jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=1)], axis=1)
-    return 1.0 + csum[:, jnp.asarray(choices)]
+    `choices`: 1 + sum_{k<g} prod_{j<=k} alpha[b, j] (`xp` as in `_accepted_moments`)."""
+    return 1.0 + _accepted_moments(alpha, choices, xp)[0]
 
 
-def token_variance(alpha, choices: tuple[int, ...]) -> jax.Array:
-    """f32[B,n]: the variance of the tokens one step emits at each draft length g: with
-    A the accepted drafts, P(A >= k) = prod_{j<k} alpha[b, j] for k = 1..g, so
-    E[A] = sum_k P(A >= k) and E[A^2] = sum_k (2k - 1) P(A >= k)."""
-    reach = jnp.cumprod(alpha, axis=1)  # [B,G]: P(A >= k + 1)
-    k = jnp.arange(1, alpha.shape[1] + 1, dtype=jnp.float32)
-    zero = jnp.zeros_like(reach[:, :1])
-    m1 = jnp.concatenate([zero, jnp.cumsum(reach, axis=1)], axis=1)
-    m2 = jnp.concatenate([zero, jnp.cumsum((2 * k - 1) * reach, axis=1)], axis=1)
-    idx = jnp.asarray(choices)
-    return jnp.maximum(m2[:, idx] - m1[:, idx] ** 2, 0.0)
+def token_variance(alpha, choices: tuple[int, ...], xp=jnp):
+    """f32[B,n]: the variance of the tokens one step emits at each draft length g,
+    E[A^2] - E[A]^2 (`_accepted_moments`; `xp` as there)."""
+    m1, m2 = _accepted_moments(alpha, choices, xp)
+    return xp.maximum(m2 - m1 ** 2, 0.0)
 
 
 def expected_max_normal(n) -> jax.Array:
@@ -277,7 +283,7 @@ def drift_to_prior(alpha, prior: float, rate: float = FALLBACK_DRIFT):
     import numpy as np
 
     a = np.asarray(alpha, np.float32)
-    return (a + np.float32(rate) * (np.float32(prior) - a)).astype(np.float32)
+    return a + np.float32(rate) * (np.float32(prior) - a)
 
 
 def measured_margin(walls) -> float:
@@ -314,14 +320,11 @@ def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, bud
 
     import numpy as np
 
-    # numpy twins of expected_tokens, token_variance and expected_max_normal: host side,
-    # so deciding compiles nothing
-    reach = np.cumprod(np.asarray(alpha, np.float64).reshape(-1))  # P(A >= k + 1)
-    k = np.arange(1, reach.size + 1, dtype=np.float64)
-    m1 = np.concatenate([[0.0], np.cumsum(reach)])[list(choices)]
-    m2 = np.concatenate([[0.0], np.cumsum((2 * k - 1) * reach)])[list(choices)]
-    mu, var = 1.0 + m1, np.maximum(m2 - m1 ** 2, 0.0)
-    n = max(float(rows), 1.0)
+    # in numpy, host side: deciding compiles nothing
+    a = np.asarray(alpha, np.float64).reshape(1, -1)
+    mu = expected_tokens(a, choices, xp=np)[0]
+    var = token_variance(a, choices, xp=np)[0]
+    n = max(float(rows), 1.0)  # expected_max_normal's Blom position, in float64
     z = max(statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25)), 0.0)
     steps = budget / mu + z * np.sqrt(budget * var / mu ** 3)
     spec = baseline.prefill_ms + float(np.min(np.asarray(costs, np.float64) * steps))
@@ -388,11 +391,9 @@ def read_baseline(path: str) -> Baseline | None:
     if raw is None:
         return None
     try:
-        fields = {f.name: raw[f.name] for f in dataclasses.fields(Baseline)
-                  if f.name != "margin"}
-        if "margin" in raw:
-            fields["margin"] = raw["margin"]
-        return Baseline(**fields)
+        # a field with a default (margin) may be left out; the others are required
+        return Baseline(**{f.name: raw[f.name] for f in dataclasses.fields(Baseline)
+                           if f.name in raw or f.default is dataclasses.MISSING})
     except (KeyError, TypeError, ValueError) as e:
         raise SpecjaxError(f"--cost-table {path}: baseline needs prefill_ms, ar_prefill_ms "
                            f"and ar_ms_per_step, numbers >= 0, and an optional margin in "
