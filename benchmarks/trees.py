@@ -152,10 +152,11 @@ def _prompt_sets(n: int, tokenizer, vocab: int):
 
 
 def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
-            timing: bool = True, warmup: int = 2) -> dict:
+            timing: bool = True, warmup: int = 2, dtype: str = "auto") -> dict:
     """Runs every (setting, batch, prompt set, system); returns the results record.
     warmup: untimed passes of every engine over the first batch before any timed run (the
-    first calls of a compiled loop are several times slower on this CPU)."""
+    first calls of a compiled loop are several times slower on this CPU); dtype: the
+    target's (`load_target`: "auto" is float32 on CPU, bfloat16 on a GPU or TPU)."""
     import jax
     import numpy as np
 
@@ -166,11 +167,12 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
 
     rev = git_rev(ROOT)  # the code measured
     tokenizer = load_tokenizer(TARGET)
-    target = load_target(TARGET, tokenizer=tokenizer)
+    target = load_target(TARGET, tokenizer=tokenizer, dtype=dtype)
     sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
     systems = [s for s in SYSTEMS if not only or s.name in only]
     runs = []
-    settings = [(0.0, "greedy")] + [(t, r) for t in temps if t > 0 for r in ("token", "block")]
+    settings = [(0.0, "greedy")] * (0 in temps) + [(t, r) for t in temps if t > 0
+                                                    for r in ("token", "block")]
     # one prompt width for both sets: one compiled program per (setting, batch, system)
     longest = max(len(ids) for prompts in sets.values() for _, ids in prompts)
     max_length = longest + new_tokens
@@ -218,6 +220,8 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                            "speedup": st.tokens_per_s / ar_tps, "nodes": nodes,
                            "gamma": G, "compile_s": compile_s,
                            "identical": outs[name] == outs["AR"] if temp == 0 else None,
+                           "identical_prompts": sum(a == b for a, b in zip(
+                               outs[name], outs["AR"], strict=True)) if temp == 0 else None,
                            "projected": {dev: project(st.tau, nodes, forwards, rows, dev, B,
                                                       draft_params=dp)
                                          for dev in ("H100", "TPU v5e")}}
@@ -235,12 +239,21 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "warmup": warmup,
             "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
-            "jax": jax.__version__,
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "dtype": str(np.dtype(target.dtype)),
             "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)]}
 
 
 def _row_key(r: dict) -> tuple:
     return (r["temperature"], r["verify"], r["batch"], r["prompts"], r["system"])
+
+
+def _row_order(r: dict) -> tuple:
+    """T = 0 first, then token before block verification, batch sizes ascending, the
+    bundled prompts before the held-out ones, systems in SYSTEMS' order."""
+    names = [s.name for s in SYSTEMS]
+    return (r["temperature"], r["verify"] != "token", r["batch"], r["prompts"] != "bundled",
+            names.index(r["system"]) if r["system"] in names else len(names))
 
 
 def merge(old: dict, new: dict) -> dict:
@@ -253,16 +266,19 @@ def merge(old: dict, new: dict) -> dict:
     fresh = {_row_key(r): dict(r, git=new["git"], date=new["date"],
                                warmup=new.get("warmup", 0)) for r in new["runs"]}
     runs = [fresh.pop(_row_key(r), r) for r in old["runs"]] + list(fresh.values())
-    # stable: T = 0 first, then token before block verification, batch sizes ascending
-    runs.sort(key=lambda r: (r["temperature"], r["verify"] != "token", r["batch"]))
+    runs.sort(key=_row_order)
     return dict(old, runs=runs)
 
 
 def render(res: dict) -> str:
     """The markdown table of a results record."""
-    head = ("| setting | B | prompts | system | N | tau | tok/s | speedup (CPU) | "
-            "identical | draft / verify ms | projected H100 | projected v5e |")
-    lines = [f"Measured on this CPU ({res['cores']} cores, git {res['git']}, "
+    on_cpu = res.get("device", "cpu") == "cpu"
+    where = f"this CPU ({res['cores']} cores" if on_cpu else \
+        f"an {res['device']} (jax {res['jax']}, target {res.get('dtype', '?')}"
+    head = ("| setting | B | prompts | system | N | tau | tok/s | speedup "
+            f"({'CPU' if on_cpu else 'measured'}) | identical | draft / verify ms | "
+            "projected H100 | projected v5e |")
+    lines = [f"Measured on {where}, git {res['git']}, "
              f"{res['date']}; weights {', '.join(res['weights'])}; {res['prompts']} prompts "
              f"per set x "
              f"{res['new_tokens']} new tokens, EOS on"
@@ -273,7 +289,9 @@ def render(res: dict) -> str:
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
              "(`decode.py --step-timing`), T=0, B=1, first bundled prompt."]
     later = sorted({(r["temperature"], r["verify"], r["batch"], r["git"], r["date"],
-                     r.get("warmup", 0)) for r in res["runs"] if "git" in r})
+                     r.get("warmup", 0)) for r in res["runs"] if "git" in r
+                    and (r["git"], r["date"], r.get("warmup", 0))
+                    != (res["git"], res["date"], res.get("warmup", 0))})
     for t, v, b, git, date, w in later:
         lines.append(f"Rows T={t:g} {v} B={b}: measured later (`--merge`), git {git}, {date}, "
                      f"{w} warm-up passes.")
@@ -281,6 +299,8 @@ def render(res: dict) -> str:
     for r in res["runs"]:
         setting = "T=0" if r["temperature"] == 0 else f"T={r['temperature']:g} {r['verify']}"
         ident = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        if r["identical"] is False and r.get("identical_prompts") is not None:
+            ident = f"NO ({r['identical_prompts']}/{res['prompts']})"
         ms = f"{r['draft_ms']:.1f} / {r['verify_ms']:.1f}" if "draft_ms" in r else "-"
         lines.append(f"| {setting} | {r['batch']} | {r['prompts']} | {r['system']} | "
                      f"{r['nodes']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -290,10 +310,12 @@ def render(res: dict) -> str:
 
 
 def write_doc(res: dict, doc: str = DOC) -> None:
-    """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing)."""
+    """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing),
+    or `<!-- trees:device -->` for a record measured on an accelerator."""
     from benchmarks._common import replace_doc_section
 
-    replace_doc_section(doc, "trees:results", render(res), "# Draft trees\n\n")
+    section = "trees:results" if res.get("device", "cpu") == "cpu" else "trees:device"
+    replace_doc_section(doc, section, render(res), "# Draft trees\n\n")
 
 
 def main(argv=None) -> int:
@@ -309,6 +331,8 @@ def main(argv=None) -> int:
                     help="skip the draft/verify ms of each system (two compilations each)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed passes of every engine before timing (default 2)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the target's dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
     ap.add_argument("--json", default=RESULTS)
     ap.add_argument("--merge", action="store_true",
                     help="keep the other rows of --json: replace only the (setting, batch, "
@@ -320,7 +344,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
     res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
-                  args.only, timing=not args.no_step_timing, warmup=args.warmup)
+                  args.only, timing=not args.no_step_timing, warmup=args.warmup,
+                  dtype=args.dtype)
     if args.merge and os.path.exists(args.json):
         res = merge(json.load(open(args.json)), res)
     save_results(args.json, res, RESULTS, write_doc)

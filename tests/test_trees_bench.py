@@ -46,6 +46,31 @@ def test_render_and_doc_section(tmp_path):
     json.dumps(res)
 
 
+def test_render_of_a_device_record_goes_to_its_own_section(tmp_path):
+    rec = {"system": "ngram chain", "temperature": 0.0, "verify": "greedy", "batch": 1,
+           "prompts": "bundled", "tau": 2.5, "alpha": [0.6], "tokens_per_s": 4000.0,
+           "ar_tokens_per_s": 2300.0, "speedup": 1.74, "nodes": 5, "gamma": 4,
+           "compile_s": 6.0, "identical": False, "identical_prompts": 6,
+           "projected": {"H100": 2.5, "TPU v5e": 2.5}}
+    res = {"runs": [rec], "prompts": 8, "new_tokens": 64, "git": "abc", "date": "d",
+           "machine": "x", "cores": 16, "numpy": "2", "jax": "0.11.2", "weights": ["w"],
+           "device": "NVIDIA H200", "dtype": "bfloat16"}
+    text = trees.render(res)
+    assert text.startswith("Measured on an NVIDIA H200 (jax 0.11.2, target bfloat16")
+    assert "speedup (measured)" in text and "| NO (6/8) |" in text and "CPU" not in text
+    doc = tmp_path / "trees.md"
+    doc.write_text("# Draft trees\n\nprose\n")
+    trees.write_doc(res, str(doc))
+    body = doc.read_text()
+    assert "<!-- trees:device -->" in body and "<!-- trees:results -->" not in body
+
+
+def test_committed_device_table_matches_its_results():
+    """docs/trees.md's H200 table is `--render-only --json` of the committed JSON."""
+    res = json.load(open(trees.RESULTS.replace("trees.json", "trees_h200.json")))
+    assert res["device"] != "cpu" and trees.render(res) in open(trees.DOC).read()
+
+
 def test_committed_doc_matches_committed_results():
     """docs/trees.md's table is what `--render-only` makes of the committed JSON (a
     figure edited by hand fails)."""
