@@ -86,7 +86,8 @@ def _machine(rev: str) -> dict:
 
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
-            sweep: bool = True, repeats: int = 2, stragglers: bool = False) -> dict:
+            sweep: bool = True, repeats: int = 2, stragglers: bool = False,
+            table_ab: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
 
     import jax
@@ -132,6 +133,16 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 calibration_s = time.perf_counter() - t0
                 if stragglers:
                     engines["auto+stragglers"].costs = engines["auto"].costs
+                if table_ab:  # the same compiled loop, baseline and measurements, the
+                    # table made non-decreasing entry by entry (the rule before fit_costs)
+                    import copy
+
+                    import numpy as np
+
+                    old = copy.copy(engines["auto"])
+                    old.costs = np.maximum.accumulate(
+                        np.asarray(engines["auto"].measured_costs, np.float32))
+                    engines["auto (running max)"] = old
                 for _ in range(2):  # untimed: a compiled loop's first calls are slow
                     for e in engines.values():
                         e.run(prompts[:B], new_tokens, key0)
@@ -149,6 +160,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 rec = {"drafter": name, "gamma": G, "temperature": temp, "batch": B,
                        "prompts": n, "ar_tokens_per_s": ar, "choices": list(sched.choices),
                        "ms_per_step": [round(float(c), 3) for c in costs],
+                       "measured_ms_per_step": [round(float(c), 3)
+                                                for c in engines["auto"].measured_costs],
                        "baseline": (None if engines["auto"].baseline is None
                                     else dataclasses.asdict(engines["auto"].baseline)),
                        "calibration_s": calibration_s, "compile_s": compile_s,
@@ -171,11 +184,13 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                                  if not k.startswith("auto"))
                 rec["best_fixed"] = fixed_best[1]
                 runs.append(rec)
-                a = rec["systems"]["auto"]
                 print(f"[adaptive] {name} T={temp:g} B={B}: AR {ar:.1f} tok/s; "
                       + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in rec["systems"].items())
-                      + f"; auto mean g {a['mean_draft_length']:.2f}; costs "
-                      f"{rec['ms_per_step']}", file=sys.stderr, flush=True)
+                      + "; mean g " + ", ".join(f"{k} {v['mean_draft_length']:.2f}"
+                                                for k, v in rec["systems"].items()
+                                                if k.startswith("auto"))
+                      + f"; costs {rec['ms_per_step']} (measured "
+                      f"{rec['measured_ms_per_step']})", file=sys.stderr, flush=True)
                 del engines, loaded
                 # XLA:CPU maps every compiled program into the process; a full sweep
                 # compiles hundreds and once died of "Cannot allocate memory" (the
@@ -415,6 +430,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
     ap.add_argument("--quick", action="store_true",
                     help="eagle3 and ngram, T=0, B=1, 4 prompts x 32 tokens")
+    ap.add_argument("--table-ab", action="store_true",
+                    help="also run auto with the measured table made non-decreasing entry "
+                         "by entry (the rule before adaptive.fit_costs), same run")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -460,7 +478,7 @@ def main(argv=None) -> int:
         return 0
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
-                  stragglers=args.stragglers)
+                  stragglers=args.stragglers, table_ab=args.table_ab)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]

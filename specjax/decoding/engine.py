@@ -215,6 +215,7 @@ class Engine:
                               schedule=schedule if drafter is not None else None,
                               partial=partial if drafter is not None else None)
         self.costs = None if costs is None else np.asarray(costs, np.float32)
+        self.measured_costs = None  # calibrate's table before adaptive.fit_costs
         self.baseline = baseline
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
         self.batch_size = batch_size
@@ -323,8 +324,9 @@ class Engine:
         near a minute on a 2-core CPU, and min_steps keeps long drafts from being timed
         over two or three iterations); the prefill's wall comes from runs with a budget of
         one token (no loop iteration). A busy machine still skews the table: measure it
-        on a quiet one (decode.py caches it). The table is then made non-decreasing in the draft
-        length (a longer draft never costs less; a dip is timing noise).
+        on a quiet one (decode.py caches it). The table kept is `adaptive.fit_costs` of the
+        measured one (a line through the speculative choices; the measured table stays in
+        `measured_costs`).
         With `baseline`, it then measures `self.baseline` (`_measure_baseline`: the
         autoregressive program's prefill and step, and the speculative program's prefill)
         the same way, for `speculates`.
@@ -355,8 +357,11 @@ class Engine:
                 if diff > 0:
                     break
             ms.append(1e3 * max(diff, 1e-6) / max(iters, 1))
-        # a longer draft never costs less: a dip is timing noise (it would mislead the rule)
-        ms = np.maximum.accumulate(np.asarray(ms)).tolist()
+        # one line through the speculative choices: entry-by-entry noise misleads the rule
+        from specjax.decoding import adaptive
+
+        self.measured_costs = ms
+        ms = adaptive.fit_costs(self.cfg.schedule.choices, ms)
         self.costs = np.asarray(ms, np.float32)
         if baseline:
             self.baseline = self._measure_baseline(prompts, max_new_tokens, key, timed,
