@@ -17,7 +17,8 @@ counted in the wall time, reported as calibration_s), and at B = 1 every other f
 length among the schedule's choices (the best fixed length is the aim's reference).
 Every engine runs the first batch twice untimed before the timed runs (the first calls
 of a compiled loop cost far more than the next ones on this CPU), then all prompts
-`--repeats` times (interleaved; the totals over repeats give tokens/s). The
+`--repeats` times (interleaved batch by batch, the engines' order reversed every other
+batch so that none always runs first or last; the totals over repeats give tokens/s). The
 prompts are the bundled demo prompts, repeated to fill the largest batch; EOS on;
 temperature 1 verifies with block verification. Results: benchmarks/results/adaptive.json
 and the `<!-- adaptive:results -->` section of docs/adaptive.md.
@@ -52,6 +53,7 @@ from benchmarks._common import git_rev, save_results  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
 AR_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_ar_branch.json")
 FORCED_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_forced.json")
+CALIB_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_calibration.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
 DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
@@ -148,10 +150,13 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                         e.run(prompts[:B], new_tokens, key0)
                 stats = {k: Stats() for k in engines}
                 outs = {k: [] for k in engines}
+                order = list(engines.items())
                 for rep in range(repeats):
                     for i in range(0, n, B):
                         key = jax.random.fold_in(key0, i)
-                        for k, e in engines.items():
+                        # forwards, then backwards: no system always runs first or last
+                        turn = order if (i // B + rep) % 2 == 0 else order[::-1]
+                        for k, e in turn:
                             out = e.run(prompts[i:i + B], new_tokens, key)
                             stats[k].add(out)
                             if rep == 0:
@@ -255,6 +260,94 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
             jax.clear_caches()
             gc.collect()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
+
+
+def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4) -> dict:
+    """How repeatable `Engine.calibrate`'s table is (`--calibration`): per (drafter,
+    temperature, batch), `repeats` calibrations in rounds over the choices (the default)
+    alternating with `repeats` measuring one choice after another, on the same compiled
+    loop and first batch. Per method: each measured entry's spread over the calibrations
+    (max / min - 1), the measured tables' inversions (a longer draft measured cheaper
+    than a shorter one), and the same spread of the fitted tables (`adaptive.fit_costs`)."""
+    import jax
+    import numpy as np
+
+    from specjax.decoding import adaptive
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter
+    from specjax.decoding.sampling import SamplingParams
+
+    rev = git_rev(ROOT)
+    target, base, longest, max_length = _demo(new_tokens)
+    runs = []
+    for temp in temps:
+        sampling = SamplingParams(temperature=temp)
+        for B in batches:
+            prompts = [base[i % len(base)] for i in range(B)]
+            for name in drafters:
+                loaded = load_drafter(DRAFTERS[name], target, sampling=sampling)
+                sched = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
+                eng = Engine(target.model, drafter=loaded.drafter,
+                             drafter_params=loaded.params, schedule=sched, verify="block",
+                             sampling=sampling, max_length=max_length, batch_size=B,
+                             prompt_width=prompt_width_for(longest, max_length),
+                             eos_token_ids=target.cfg.eos_token_ids)
+                eng.compile()
+                tables = {"rounds": [], "one after another": []}
+                fitted = {k: [] for k in tables}
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    for label, inter in (("rounds", True), ("one after another", False)):
+                        fitted[label].append(eng.calibrate(prompts, new_tokens,
+                                                           jax.random.key(0),
+                                                           interleave=inter))
+                        tables[label].append(list(eng.measured_costs))
+                rec = {"drafter": name, "temperature": temp, "batch": B,
+                       "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
+                       "methods": {}}
+                for label, tabs in tables.items():
+                    m, f = np.asarray(tabs), np.asarray(fitted[label])
+                    inv = sum(int(np.sum(np.diff(t) < 0)) for t in m)
+                    rec["methods"][label] = {
+                        "measured": m.round(3).tolist(), "fitted": f.round(3).tolist(),
+                        "spread": (m.max(0) / m.min(0) - 1).round(4).tolist(),
+                        "fitted_spread": (f.max(0) / f.min(0) - 1).round(4).tolist(),
+                        "inversions": inv}
+                runs.append(rec)
+                print(f"[adaptive] calibration {name} T={temp:g} B={B}: " + "; ".join(
+                    f"{k}: spread {np.mean(v['spread']):.3f} (fitted "
+                    f"{np.mean(v['fitted_spread']):.3f}), {v['inversions']} inversions"
+                    for k, v in rec["methods"].items()), file=sys.stderr, flush=True)
+                del eng, loaded
+                jax.clear_caches()
+                gc.collect()
+    return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
+
+
+def render_calibration(res: dict) -> str:
+    """The markdown table of a `--calibration` record."""
+    lines = [f"Measured on {res['device']} ({res['cores']} cores), git {res['git']}, "
+             f"{res['date']}: {res['repeats']} calibrations per method, alternating, on "
+             "the same compiled loop and first batch. Spread: each measured entry's max / "
+             "min - 1 over the calibrations, mean over the choices (fitted: the same for "
+             "the table `adaptive.fit_costs` keeps). Inversions: a longer draft measured "
+             "cheaper than a shorter one, summed over the calibrations.", "",
+             "| drafter | T | B | method | spread measured | spread fitted | inversions |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        for k, v in r["methods"].items():
+            mean = sum(v["spread"]) / len(v["spread"])
+            fmean = sum(v["fitted_spread"]) / len(v["fitted_spread"])
+            lines.append(f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | {k} | "
+                         f"{mean:.1%} | {fmean:.1%} | {v['inversions']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_calibration_doc(res: dict, doc: str = DOC) -> None:
+    from benchmarks._common import replace_doc_section
+
+    replace_doc_section(doc, "adaptive:calibration", render_calibration(res),
+                        "# Adaptive draft length\n\n")
 
 
 def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
@@ -442,6 +535,9 @@ def main(argv=None) -> int:
     ap.add_argument("--forced", action="store_true",
                     help="wall time of one batch in the AR program and in the adaptive loop "
                          "forced to each draft length, with each program's prefill")
+    ap.add_argument("--calibration", action="store_true",
+                    help="how repeatable the cost table is: --repeats calibrations in "
+                         "rounds over the choices against as many one choice after another")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -455,6 +551,8 @@ def main(argv=None) -> int:
             write_ar_doc(json.load(open(AR_RESULTS)))
         if os.path.exists(FORCED_RESULTS):
             write_forced_doc(json.load(open(FORCED_RESULTS)))
+        if os.path.exists(CALIB_RESULTS):
+            write_calibration_doc(json.load(open(CALIB_RESULTS)))
         return 0
     if args.quick:
         args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
@@ -468,6 +566,13 @@ def main(argv=None) -> int:
         save_results(FORCED_RESULTS if args.json == RESULTS else args.json, res,
                      FORCED_RESULTS, write_forced_doc)
         print(render_forced(res))
+        return 0
+    if args.calibration:
+        res = calibration(args.drafters, args.temperatures, args.batch_sizes,
+                          args.new_tokens, repeats=args.repeats)
+        save_results(CALIB_RESULTS if args.json == RESULTS else args.json, res,
+                     CALIB_RESULTS, write_calibration_doc)
+        print(render_calibration(res))
         return 0
     if args.ar_branch:
         res = ar_branch(args.drafters, args.batch_sizes, args.prompts, args.new_tokens,

@@ -190,8 +190,37 @@ def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     assert fb is auto.fallback_engine()  # compiled once
     plain, _ = _engines()
     plain.costs = None
-    plain.calibrate(_ids(), 12, jax.random.key(0), repeats=1)
+    plain.calibrate(_ids(), 12, jax.random.key(0), repeats=1, baseline=False)
     assert plain.baseline is None and plain.speculates(2, 12)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(interleave, monkeypatch):
+    """With synthetic walls (a prefill of 10 ms plus, at choice i, iters x true_ms[i], one
+    slow spell adding 50%), calibrate visits the choices in rounds (or one after another
+    with interleave=False), its measured table is the true one (the fastest wall less the
+    fastest prefill, per iteration) and it keeps adaptive.fit_costs of that table."""
+    auto, _ = _engines()
+    true_ms, iters = [4.0, 6.0, 7.0, 8.0], 5
+    calls = []
+
+    def fake(prompts, budget, key, costs=None):
+        slow = 1.5 if len(calls) in (3, 4) else 1.0  # the slow spell
+        if budget == 1:
+            return 0.010 * slow, 0
+        i = int(np.argmin(costs))
+        calls.append(i)
+        return (0.010 + iters * true_ms[i] / 1e3) * slow, iters
+
+    monkeypatch.setattr(auto, "_timed", fake)
+    got = auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, interleave=interleave,
+                         baseline=False)
+    measured = calls[len(CHOICES):]  # after one warm-up run per choice
+    want = ([0, 1, 2, 3] * 3) if interleave else [i for i in range(4) for _ in range(3)]
+    assert measured == want
+    np.testing.assert_allclose(auto.measured_costs, true_ms, rtol=1e-9)
+    np.testing.assert_allclose(got, adaptive.fit_costs(CHOICES, true_ms), rtol=1e-9)
+    np.testing.assert_allclose(auto.costs, got, rtol=1e-6)
 
 
 def test_decode_reports_autoregressive_batches(tmp_path, capsys):

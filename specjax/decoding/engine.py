@@ -309,16 +309,21 @@ class Engine:
 
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
                   repeats: int = 3, max_tokens: int = 32,
-                  min_steps: int = 6, baseline: bool = False) -> list[float]:
+                  min_steps: int = 6, baseline: bool = True,
+                  interleave: bool = True) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
         choice at a time (a table that makes every other choice infinitely dear):
         (wall - the prefill's wall) / loop iterations, each wall the fastest of `repeats`
         after one warm-up call (the least disturbed run: a median of two let one slow run
-        in, and a cached table keeps its noise for good), the prefill's runs interleaved
-        with the choice's and the pair measured again (up to three times) while the
-        difference is not positive, each run generating
+        in, and a cached table keeps its noise for good). The runs go in rounds, each
+        round visiting every choice once, so a slow spell of the machine touches several
+        choices a little rather than one choice in all its runs (measured one choice
+        after another, a table once came out [10.6, 14.2, 16.0, 22.4, 20.3, 17.1] ms for
+        g = 0, 1, 2, 3, 5, 7). A prefill run precedes each run (a spike hits both alike);
+        the prefill's wall is the fastest of all of them, and a choice whose difference
+        is not positive is measured again (up to twice more). Each run generates
         min(max_new_tokens, max(max_tokens, min_steps * (g + 1))) tokens at draft length
         g (a step's cost hardly depends on how many follow it; the cap keeps a batch of 32
         near a minute on a 2-core CPU, and min_steps keeps long drafts from being timed
@@ -327,9 +332,12 @@ class Engine:
         on a quiet one (decode.py caches it). The table kept is `adaptive.fit_costs` of the
         measured one (a line through the speculative choices; the measured table stays in
         `measured_costs`).
-        With `baseline`, it then measures `self.baseline` (`_measure_baseline`: the
-        autoregressive program's prefill and step, and the speculative program's prefill)
-        the same way, for `speculates`.
+        `interleave=False` measures one choice after another instead (the order before
+        the rounds; kept for A/B measurements, benchmarks/adaptive.py --calibration).
+        With `baseline` (the default, as decode.py), it then measures `self.baseline`
+        (`_measure_baseline`: the autoregressive program's prefill and step, and the
+        speculative program's prefill) the same way, for `speculates`; without it every
+        batch runs the speculative program.
         Raises ValueError without a schedule."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
@@ -339,24 +347,31 @@ class Engine:
         def timed(costs, budget):
             return self._timed(prompts, budget, key, costs)
 
+        choices = self.cfg.schedule.choices
         ones = np.ones(n)
         timed(ones, 1)  # warm-up
-        ms = []
-        for i, g in enumerate(self.cfg.schedule.choices):
-            forced = np.full(n, 1e30)
-            forced[i] = 1.0
-            budget = min(max_new_tokens, max(max_tokens, min_steps * (g + 1)))
-            timed(forced, budget)  # warm-up
-            for _ in range(3):  # a load spike can make the difference <= 0: measure again
-                pre, full = [], []
-                for _ in range(repeats):  # interleaved, so a spike hits both alike
-                    pre.append(timed(ones, 1)[0])
-                    t, iters = timed(forced, budget)
-                    full.append(t)
-                diff = min(full) - min(pre)
-                if diff > 0:
-                    break
-            ms.append(1e3 * max(diff, 1e-6) / max(iters, 1))
+        forced, budgets = [], []
+        for i, g in enumerate(choices):
+            forced.append(np.where(np.arange(n) == i, 1.0, 1e30))
+            budgets.append(min(max_new_tokens, max(max_tokens, min_steps * (g + 1))))
+            timed(forced[i], budgets[i])  # warm-up
+        pre, full, iters = [], [[] for _ in choices], [1] * n
+
+        def rounds(which):
+            order = ([i for _ in range(repeats) for i in which] if interleave
+                     else [i for i in which for _ in range(repeats)])
+            for i in order:  # in rounds over the choices: a slow spell is shared
+                pre.append(timed(ones, 1)[0])  # interleaved: a spike hits both alike
+                t, iters[i] = timed(forced[i], budgets[i])
+                full[i].append(t)
+
+        rounds(range(n))
+        for _ in range(2):  # a load spike can make a difference <= 0: measure it again
+            redo = [i for i in range(n) if min(full[i]) <= min(pre)]
+            if not redo:
+                break
+            rounds(redo)
+        ms = [1e3 * max(min(full[i]) - min(pre), 1e-6) / max(iters[i], 1) for i in range(n)]
         # one line through the speculative choices: entry-by-entry noise misleads the rule
         from specjax.decoding import adaptive
 
