@@ -300,7 +300,8 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4) -> 
                     for label, inter in (("rounds", True), ("one after another", False)):
                         fitted[label].append(eng.calibrate(prompts, new_tokens,
                                                            jax.random.key(0),
-                                                           interleave=inter))
+                                                           interleave=inter,
+                                                           baseline=False))
                         tables[label].append(list(eng.measured_costs))
                 rec = {"drafter": name, "temperature": temp, "batch": B,
                        "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
