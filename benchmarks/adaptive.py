@@ -352,12 +352,13 @@ def write_calibration_doc(res: dict, doc: str = DOC) -> None:
 
 
 def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
-           repeats: int = 3) -> dict:
+           repeats: int = 3, with_fixed: bool = False) -> dict:
     """What a batch costs in each program (module docstring, `--forced`): per (drafter,
     T, B), the AR engine and the adaptive loop forced to each choice (a one-hot cost
     table, as `Engine.calibrate` makes them) on the same batch, each also with a budget
     of one token (its prefill alone); every wall the fastest of `repeats` interleaved
-    passes after one warm-up pass."""
+    passes after one warm-up pass. `with_fixed`: also the fixed-length program of every
+    speculative choice (and its prefill), for what the loop's branches cost against it."""
 
     import jax
     import numpy as np
@@ -393,6 +394,13 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     table = np.full(n, 1e30)
                     table[i] = 1.0
                     systems[f"g={g}"] = (auto, table, new_tokens)
+                for g in sched.choices if with_fixed else ():
+                    if g > 0:
+                        fx = Engine(target.model, drafter=adaptive.with_gamma(loaded.drafter, g),
+                                    drafter_params=loaded.params, **common)
+                        fx.compile()
+                        systems[f"G={g} fixed"] = (fx, None, new_tokens)
+                        systems[f"G={g} fixed prefill"] = (fx, None, 1)
                 key = jax.random.key(0)
                 best = {}
                 for rep in range(repeats + 1):
@@ -409,7 +417,7 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 for k, (wall, steps, toks) in best.items():
                     if "prefill" in k:
                         continue
-                    p0 = ar_pre if k == "AR" else pre
+                    p0 = ar_pre if k == "AR" else best.get(k + " prefill", (pre,))[0]
                     rec["systems"][k] = {"wall_s": wall, "steps": steps, "tokens": toks,
                                          "ms_per_step": 1e3 * (wall - p0) / max(steps, 1),
                                          "wall_over_ar": wall / best["AR"][0]}
@@ -539,6 +547,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", action="store_true",
                     help="how repeatable the cost table is: --repeats calibrations in "
                          "rounds over the choices against as many one choice after another")
+    ap.add_argument("--with-fixed", action="store_true",
+                    help="with --forced: also each choice's fixed-length program")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -563,7 +573,7 @@ def main(argv=None) -> int:
     enable_compile_cache(None)
     if args.forced:
         res = forced(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
-                     args.new_tokens, repeats=args.repeats)
+                     args.new_tokens, repeats=args.repeats, with_fixed=args.with_fixed)
         save_results(FORCED_RESULTS if args.json == RESULTS else args.json, res,
                      FORCED_RESULTS, write_forced_doc)
         print(render_forced(res))
