@@ -262,13 +262,16 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 
-def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4) -> dict:
+def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
+                budgets: bool = False) -> dict:
     """How repeatable `Engine.calibrate`'s table is (`--calibration`): per (drafter,
     temperature, batch), `repeats` calibrations in rounds over the choices (the default)
     alternating with `repeats` measuring one choice after another, on the same compiled
     loop and first batch. Per method: each measured entry's spread over the calibrations
     (max / min - 1), the measured tables' inversions (a longer draft measured cheaper
-    than a shorter one), and the same spread of the fitted tables (`adaptive.fit_costs`)."""
+    than a shorter one), and the same spread of the fitted tables (`adaptive.fit_costs`).
+    `budgets`: compare runs of 32 tokens (the default budget) with runs of the whole
+    `new_tokens` instead, both in rounds."""
     import jax
     import numpy as np
 
@@ -293,15 +296,19 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4) -> 
                              prompt_width=prompt_width_for(longest, max_length),
                              eos_token_ids=target.cfg.eos_token_ids)
                 eng.compile()
-                tables = {"rounds": [], "one after another": []}
+                methods = ({"32 tokens": dict(max_tokens=32, min_steps=6),
+                            f"{new_tokens} tokens": dict(max_tokens=new_tokens,
+                                                         min_steps=new_tokens)}
+                           if budgets else {"rounds": dict(interleave=True),
+                                            "one after another": dict(interleave=False)})
+                tables = {k: [] for k in methods}
                 fitted = {k: [] for k in tables}
                 t0 = time.perf_counter()
                 for _ in range(repeats):
-                    for label, inter in (("rounds", True), ("one after another", False)):
+                    for label, kw in methods.items():
                         fitted[label].append(eng.calibrate(prompts, new_tokens,
                                                            jax.random.key(0),
-                                                           interleave=inter,
-                                                           baseline=False))
+                                                           baseline=False, **kw))
                         tables[label].append(list(eng.measured_costs))
                 rec = {"drafter": name, "temperature": temp, "batch": B,
                        "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
@@ -549,6 +556,8 @@ def main(argv=None) -> int:
                          "rounds over the choices against as many one choice after another")
     ap.add_argument("--with-fixed", action="store_true",
                     help="with --forced: also each choice's fixed-length program")
+    ap.add_argument("--calibration-budgets", action="store_true",
+                    help="with --calibration: 32-token runs against --new-tokens runs")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -580,7 +589,8 @@ def main(argv=None) -> int:
         return 0
     if args.calibration:
         res = calibration(args.drafters, args.temperatures, args.batch_sizes,
-                          args.new_tokens, repeats=args.repeats)
+                          args.new_tokens, repeats=args.repeats,
+                          budgets=args.calibration_budgets)
         save_results(CALIB_RESULTS if args.json == RESULTS else args.json, res,
                      CALIB_RESULTS, write_calibration_doc)
         print(render_calibration(res))
