@@ -58,3 +58,16 @@ def test_one_speculative_choice_keeps_its_measurement():
 def test_bad_measurements_raise(ms):
     with pytest.raises(ValueError, match="fit_costs"):
         adaptive.fit_costs(CHOICES, ms)
+
+
+def test_calibration_doc_quotes_the_results_file():
+    """docs/adaptive.md's repeatability table is what `--render-only` makes of the
+    committed benchmarks/results/adaptive_calibration.json (a figure edited by hand
+    fails), and that record compares the two orders on every row."""
+    import json
+
+    from benchmarks import adaptive as bench
+
+    res = json.load(open(bench.CALIB_RESULTS))
+    assert bench.render_calibration(res) in open(bench.DOC).read()
+    assert all(set(r["methods"]) == {"rounds", "one after another"} for r in res["runs"])
