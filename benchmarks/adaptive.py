@@ -87,12 +87,24 @@ def _machine(rev: str) -> dict:
             "jax": jax.__version__, "device": jax.devices()[0].device_kind}
 
 
+def _drop_programs() -> None:
+    """Drops every compiled program once a setting is done (the caller has deleted its
+    engines): XLA:CPU maps each one into the process, and a full sweep compiles hundreds;
+    one died of "Cannot allocate memory" (the mapping limit) near its end."""
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
             table_ab: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring)."""
+    import copy
 
     import jax
+    import numpy as np
 
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
@@ -137,10 +149,6 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     engines["auto+stragglers"].costs = engines["auto"].costs
                 if table_ab:  # the same compiled loop, baseline and measurements, the
                     # table made non-decreasing entry by entry (the rule before fit_costs)
-                    import copy
-
-                    import numpy as np
-
                     old = copy.copy(engines["auto"])
                     old.costs = np.maximum.accumulate(
                         np.asarray(engines["auto"].measured_costs, np.float32))
@@ -197,11 +205,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                       + f"; costs {rec['ms_per_step']} (measured "
                       f"{rec['measured_ms_per_step']})", file=sys.stderr, flush=True)
                 del engines, loaded
-                # XLA:CPU maps every compiled program into the process; a full sweep
-                # compiles hundreds and once died of "Cannot allocate memory" (the
-                # mapping limit) near its end: drop them once a setting is done
-                jax.clear_caches()
-                gc.collect()
+                _drop_programs()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev),
             "schedule": {"ema": adaptive.GammaSchedule.ema,
                          "prior": adaptive.GammaSchedule.prior}}
@@ -257,8 +261,7 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
                   + ", ".join(f"{k} {v:.3f}x" for k, v in rec["ratio"].items()),
                   file=sys.stderr, flush=True)
             del engines, loaded
-            jax.clear_caches()
-            gc.collect()
+            _drop_programs()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 
@@ -327,8 +330,7 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                     f"{np.mean(v['fitted_spread']):.3f}), {v['inversions']} inversions"
                     for k, v in rec["methods"].items()), file=sys.stderr, flush=True)
                 del eng, loaded
-                jax.clear_caches()
-                gc.collect()
+                _drop_programs()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 
@@ -434,8 +436,7 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
                           f"{k} {v['wall_s']:.2f} s / {v['ms_per_step']:.1f} ms"
                           for k, v in rec["systems"].items()), file=sys.stderr, flush=True)
                 del ar, auto, loaded
-                jax.clear_caches()
-                gc.collect()
+                _drop_programs()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
 
 

@@ -270,9 +270,15 @@ def merge(old: dict, new: dict) -> dict:
     return dict(old, runs=runs)
 
 
+def _on_cpu(res: dict) -> bool:
+    """Whether a results record was measured on the CPU (records before the device field
+    were)."""
+    return res.get("device", "cpu") == "cpu"
+
+
 def render(res: dict) -> str:
     """The markdown table of a results record."""
-    on_cpu = res.get("device", "cpu") == "cpu"
+    on_cpu = _on_cpu(res)
     where = f"this CPU ({res['cores']} cores" if on_cpu else \
         f"an {res['device']} (jax {res['jax']}, target {res.get('dtype', '?')}"
     head = ("| setting | B | prompts | system | N | tau | tok/s | speedup "
@@ -314,7 +320,7 @@ def write_doc(res: dict, doc: str = DOC) -> None:
     or `<!-- trees:device -->` for a record measured on an accelerator."""
     from benchmarks._common import replace_doc_section
 
-    section = "trees:results" if res.get("device", "cpu") == "cpu" else "trees:device"
+    section = "trees:results" if _on_cpu(res) else "trees:device"
     replace_doc_section(doc, section, render(res), "# Draft trees\n\n")
 
 

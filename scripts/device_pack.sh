@@ -6,7 +6,8 @@
 #   bash scripts/device_pack.sh pack      # .devpack/ckpt.tar.xz: demo target, eagle3, block (~48 MB, ~1 min)
 #   bash scripts/device_pack.sh hide      # untrack the big checkpoint folders in the INDEX only
 #   ... device run calls with carry [".devpack"]; scripts/gpu_trees_round.sh and
-#       scripts/device_round.sh unpack the archive when the target is missing ...
+#       scripts/device_round.sh run `device_pack.sh unpack` there, which unpacks the
+#       archive when it is present and the target is missing ...
 #   bash scripts/device_pack.sh restore   # the index as HEAD has it again
 #
 # `hide` changes nothing on disk: it removes the folders from the index (git rm --cached)
@@ -36,9 +37,13 @@ EOF
     { echo "# device_pack.sh begin"; printf '/%s\n' "${BIG[@]}"; echo "# device_pack.sh end"; } >>"$EXCL"
     (git ls-files; git ls-files --others --exclude-standard) | tr '\n' '\0' \
       | xargs -0 du -cb 2>/dev/null | tail -1 ;;
+  unpack)
+    if [ -f .devpack/ckpt.tar.xz ] && [ ! -f checkpoints/demo/target/config.json ]; then
+      "${PYTHON:-python3}" -c "import tarfile; tarfile.open('.devpack/ckpt.tar.xz').extractall('.')"
+    fi ;;
   restore)
     git reset -q HEAD -- "${BIG[@]}"
     [ -f "$EXCL" ] && sed -i '/^# device_pack.sh begin$/,/^# device_pack.sh end$/d' "$EXCL"
     git status --short | head ;;
-  *) echo "usage: device_pack.sh pack|hide|restore" >&2; exit 2 ;;
+  *) echo "usage: device_pack.sh pack|hide|unpack|restore" >&2; exit 2 ;;
 esac

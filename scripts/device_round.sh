@@ -41,9 +41,7 @@ cd "$(dirname "$0")/.." || exit 2
 START=$(date +%s)
 PY=${PYTHON:-python3}
 # a call that carried the demo checkpoints packed (scripts/device_pack.sh) unpacks them
-if [ -f .devpack/ckpt.tar.xz ] && [ ! -f checkpoints/demo/target/config.json ]; then
-  $PY -c "import tarfile; tarfile.open('.devpack/ckpt.tar.xz').extractall('.')" || exit 2
-fi
+PYTHON=$PY bash scripts/device_pack.sh unpack || exit 2
 mkdir -p "$OUTD" || exit 2
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TQDM_MININTERVAL=20
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -21,9 +21,7 @@ LOG="$OUTD/trees_gpu.log"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TQDM_DISABLE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-if [ -f .devpack/ckpt.tar.xz ] && [ ! -f checkpoints/demo/target/config.json ]; then
-  $PY -c "import tarfile; tarfile.open('.devpack/ckpt.tar.xz').extractall('.')" || exit 2
-fi
+PYTHON=$PY bash scripts/device_pack.sh unpack || exit 2
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } >"$OUTD/environment.txt" 2>&1

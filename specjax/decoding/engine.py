@@ -342,12 +342,12 @@ class Engine:
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
         self.compile()
-        n = len(self.cfg.schedule.choices)
+        choices = self.cfg.schedule.choices
+        n = len(choices)
 
         def timed(costs, budget):
             return self._timed(prompts, budget, key, costs)
 
-        choices = self.cfg.schedule.choices
         ones = np.ones(n)
         timed(ones, 1)  # warm-up
         forced, budgets = [], []
@@ -376,7 +376,7 @@ class Engine:
         from specjax.decoding import adaptive
 
         self.measured_costs = ms
-        ms = adaptive.fit_costs(self.cfg.schedule.choices, ms)
+        ms = adaptive.fit_costs(choices, ms)
         self.costs = np.asarray(ms, np.float32)
         if baseline:
             self.baseline = self._measure_baseline(prompts, max_new_tokens, key, timed,
