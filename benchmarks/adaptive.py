@@ -54,6 +54,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
 AR_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_ar_branch.json")
 FORCED_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_forced.json")
 CALIB_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_calibration.json")
+CALIB_BASELINE_RESULTS = os.path.join(ROOT, "benchmarks", "results",
+                                      "adaptive_calibration_baseline.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
 DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
@@ -266,7 +268,7 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
 
 
 def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
-                budgets: bool = False) -> dict:
+                budgets: bool = False, baseline: bool = False) -> dict:
     """How repeatable `Engine.calibrate`'s table is (`--calibration`): per (drafter,
     temperature, batch), `repeats` calibrations in rounds over the choices (the default)
     alternating with `repeats` measuring one choice after another, on the same compiled
@@ -274,7 +276,10 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     (max / min - 1), the measured tables' inversions (a longer draft measured cheaper
     than a shorter one), and the same spread of the fitted tables (`adaptive.fit_costs`).
     `budgets`: compare runs of 32 tokens (the default budget) with runs of the whole
-    `new_tokens` instead, both in rounds."""
+    `new_tokens` instead, both in rounds. `baseline`: with the autoregressive program
+    measured too (`Engine.calibrate(baseline=True)`), in the same rounds as the table
+    against after it (the order before 2026-11-28); per method also the spread of the
+    ratio the fallback decides by, each fitted entry / the autoregressive step."""
     import jax
     import numpy as np
 
@@ -299,20 +304,28 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                              prompt_width=prompt_width_for(longest, max_length),
                              eos_token_ids=target.cfg.eos_token_ids)
                 eng.compile()
-                methods = ({"32 tokens": dict(max_tokens=32, min_steps=6),
-                            f"{new_tokens} tokens": dict(max_tokens=new_tokens,
-                                                         min_steps=new_tokens)}
-                           if budgets else {"rounds": dict(interleave=True),
-                                            "one after another": dict(interleave=False)})
+                if budgets:
+                    methods = {"32 tokens": dict(max_tokens=32, min_steps=6),
+                               f"{new_tokens} tokens": dict(max_tokens=new_tokens,
+                                                            min_steps=new_tokens)}
+                elif baseline:
+                    methods = {"AR program in the rounds": dict(order="rounds"),
+                               "AR program after the table": dict(order="ar last")}
+                else:
+                    methods = {"rounds": dict(order="rounds"),
+                               "one after another": dict(order="one after another")}
                 tables = {k: [] for k in methods}
                 fitted = {k: [] for k in tables}
+                ar_steps = {k: [] for k in tables}
                 t0 = time.perf_counter()
-                for _ in range(repeats):
-                    for label, kw in methods.items():
+                for rep in range(repeats):  # the methods' order reversed every other time
+                    for label, kw in list(methods.items())[::1 if rep % 2 == 0 else -1]:
                         fitted[label].append(eng.calibrate(prompts, new_tokens,
                                                            jax.random.key(0),
-                                                           baseline=False, **kw))
+                                                           baseline=baseline, **kw))
                         tables[label].append(list(eng.measured_costs))
+                        if baseline:
+                            ar_steps[label].append(eng.baseline.ar_ms_per_step)
                 rec = {"drafter": name, "temperature": temp, "batch": B,
                        "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
                        "methods": {}}
@@ -324,6 +337,12 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                         "spread": (m.max(0) / m.min(0) - 1).round(4).tolist(),
                         "fitted_spread": (f.max(0) / f.min(0) - 1).round(4).tolist(),
                         "inversions": inv}
+                    if baseline:  # what the fallback compares: table / AR step
+                        q = f / np.asarray(ar_steps[label])[:, None]
+                        rec["methods"][label].update(
+                            ar_ms_per_step=np.round(ar_steps[label], 3).tolist(),
+                            ratio=q.round(4).tolist(),
+                            ratio_spread=(q.max(0) / q.min(0) - 1).round(4).tolist())
                 runs.append(rec)
                 print(f"[adaptive] calibration {name} T={temp:g} B={B}: " + "; ".join(
                     f"{k}: spread {np.mean(v['spread']):.3f} (fitted "
@@ -344,20 +363,37 @@ def render_calibration(res: dict) -> str:
              "cheaper than a shorter one, summed over the calibrations.", "",
              "| drafter | T | B | method | spread measured | spread fitted | inversions |",
              "|---|---|---|---|---|---|---|"]
+    ratios = any("ratio_spread" in v for r in res["runs"] for v in r["methods"].values())
+    if ratios:
+        lines[0] += (" Ratio: each fitted entry / the autoregressive program's step (what "
+                     "the per-batch fallback compares), its spread over the calibrations "
+                     "likewise; AR step: its range (ms).")
+        lines[-2] += " spread of ratio | AR step |"
+        lines[-1] += "---|---|"
     for r in res["runs"]:
         for k, v in r["methods"].items():
             mean = sum(v["spread"]) / len(v["spread"])
             fmean = sum(v["fitted_spread"]) / len(v["fitted_spread"])
-            lines.append(f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | {k} | "
-                         f"{mean:.1%} | {fmean:.1%} | {v['inversions']} |")
+            row = (f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | {k} | "
+                   f"{mean:.1%} | {fmean:.1%} | {v['inversions']} |")
+            if ratios:
+                q, a = v.get("ratio_spread"), v.get("ar_ms_per_step")
+                row += (f" {sum(q) / len(q):.1%} | {min(a):.2f}-{max(a):.2f} |" if q
+                        else " - | - |")
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 
-def write_calibration_doc(res: dict, doc: str = DOC) -> None:
+def write_calibration_doc(res: dict, doc: str = DOC,
+                          section: str = "adaptive:calibration") -> None:
     from benchmarks._common import replace_doc_section
 
-    replace_doc_section(doc, "adaptive:calibration", render_calibration(res),
+    replace_doc_section(doc, section, render_calibration(res),
                         "# Adaptive draft length\n\n")
+
+
+def write_calibration_baseline_doc(res: dict, doc: str = DOC) -> None:
+    write_calibration_doc(res, doc, "adaptive:calibration_baseline")
 
 
 def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
@@ -559,6 +595,10 @@ def main(argv=None) -> int:
                     help="with --forced: also each choice's fixed-length program")
     ap.add_argument("--calibration-budgets", action="store_true",
                     help="with --calibration: 32-token runs against --new-tokens runs")
+    ap.add_argument("--calibration-baseline", action="store_true",
+                    help="with --calibration: the autoregressive program measured in the "
+                         f"table's rounds against after it (default --json "
+                         f"{os.path.relpath(CALIB_BASELINE_RESULTS, ROOT)})")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -574,6 +614,8 @@ def main(argv=None) -> int:
             write_forced_doc(json.load(open(FORCED_RESULTS)))
         if os.path.exists(CALIB_RESULTS):
             write_calibration_doc(json.load(open(CALIB_RESULTS)))
+        if os.path.exists(CALIB_BASELINE_RESULTS):
+            write_calibration_baseline_doc(json.load(open(CALIB_BASELINE_RESULTS)))
         return 0
     if args.quick:
         args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
@@ -591,9 +633,13 @@ def main(argv=None) -> int:
     if args.calibration:
         res = calibration(args.drafters, args.temperatures, args.batch_sizes,
                           args.new_tokens, repeats=args.repeats,
-                          budgets=args.calibration_budgets)
-        save_results(CALIB_RESULTS if args.json == RESULTS else args.json, res,
-                     CALIB_RESULTS, write_calibration_doc)
+                          budgets=args.calibration_budgets,
+                          baseline=args.calibration_baseline)
+        canonical, writer = ((CALIB_BASELINE_RESULTS, write_calibration_baseline_doc)
+                             if args.calibration_baseline
+                             else (CALIB_RESULTS, write_calibration_doc))
+        save_results(canonical if args.json == RESULTS else args.json, res, canonical,
+                     writer)
         print(render_calibration(res))
         return 0
     if args.ar_branch:

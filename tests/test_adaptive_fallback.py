@@ -194,11 +194,11 @@ def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     assert plain.baseline is None and plain.speculates(2, 12)
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(interleave, monkeypatch):
+@pytest.mark.parametrize("order", ["rounds", "one after another"])
+def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(order, monkeypatch):
     """With synthetic walls (a prefill of 10 ms plus, at choice i, iters x true_ms[i], one
     slow spell adding 50%), calibrate visits the choices in rounds (or one after another
-    with interleave=False), its measured table is the true one (the fastest wall less the
+    with order="one after another"), its measured table is the true one (the fastest wall less the
     fastest prefill, per iteration) and it keeps adaptive.fit_costs of that table."""
     auto, _ = _engines()
     true_ms, iters = [4.0, 6.0, 7.0, 8.0], 5
@@ -213,14 +213,73 @@ def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(interleave, 
         return (0.010 + iters * true_ms[i] / 1e3) * slow, iters
 
     monkeypatch.setattr(auto, "_timed", fake)
-    got = auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, interleave=interleave,
-                         baseline=False)
+    got = auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, baseline=False,
+                         order=order)
     measured = calls[len(CHOICES):]  # after one warm-up run per choice
-    want = ([0, 1, 2, 3] * 3) if interleave else [i for i in range(4) for _ in range(3)]
+    want = ([0, 1, 2, 3] * 3 if order == "rounds"
+            else [i for i in range(4) for _ in range(3)])
     assert measured == want
     np.testing.assert_allclose(auto.measured_costs, true_ms, rtol=1e-9)
     np.testing.assert_allclose(got, adaptive.fit_costs(CHOICES, true_ms), rtol=1e-9)
     np.testing.assert_allclose(auto.costs, got, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["rounds", "ar last", "one after another"])
+def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
+                                                                            monkeypatch):
+    """With the baseline, the autoregressive program is one more stop of every round
+    (after the choices; after all of them with the other orders), each of its runs after
+    a prefill run of each program. Synthetic walls: prefills of 10 ms (speculative) and
+    8 ms (autoregressive), true steps `true_ms` and 5 ms for the autoregressive program,
+    the machine 50% slower for the first round's runs. In rounds, every stop has fast
+    runs, so table and baseline are the truth; "ar last" leaves the table's first round
+    in the slow spell (the truth still, from later rounds); one stop after another leaves
+    the first choice's runs all in it."""
+    auto, _ = _engines()
+    fb = auto.fallback_engine()
+    fb.compile()
+    true_ms, iters, ar_ms = [4.0, 6.0, 7.0, 8.0], 5, 5.0
+    calls = []  # the full runs measured, in order: choice index, or "AR"
+    n_warm = 1 + len(CHOICES) + 1  # warm-ups: one prefill, each choice, the AR program
+    slow_calls = 3 * (len(CHOICES) + 1) + n_warm  # the first round (3 calls per stop)
+    seen = [0]
+
+    def clock(t):
+        seen[0] += 1
+        return t * (1.5 if n_warm < seen[0] <= slow_calls else 1.0)
+
+    def fake(prompts, budget, key, costs=None):
+        if budget == 1:
+            return clock(0.010), 0
+        i = int(np.argmin(costs))
+        calls.append(i)
+        return clock(0.010 + iters * true_ms[i] / 1e3), iters
+
+    def fake_ar(prompts, budget, key, costs=None):
+        if budget == 1:
+            return clock(0.008), 0
+        calls.append("AR")
+        return clock(0.008 + budget * ar_ms / 1e3), budget
+
+    monkeypatch.setattr(auto, "_timed", fake)
+    monkeypatch.setattr(fb, "_timed", fake_ar)
+    auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, order=order, baseline=True)
+    measured = calls[len(CHOICES) + 1:]  # after the warm-ups
+    stops = [0, 1, 2, 3, "AR"]
+    want = {"rounds": stops * 3, "ar last": stops[:-1] * 3 + ["AR"] * 3,
+            "one after another": [i for i in stops for _ in range(3)]}[order]
+    assert measured == want
+    b = auto.baseline
+    np.testing.assert_allclose([b.prefill_ms, b.ar_prefill_ms], [10.0, 8.0], rtol=1e-9)
+    np.testing.assert_allclose(b.ar_ms_per_step, ar_ms, rtol=1e-9)
+    if order == "one after another":  # the first choice's three runs were all slow
+        assert auto.measured_costs[0] > 1.4 * true_ms[0]
+    else:
+        np.testing.assert_allclose(auto.measured_costs, true_ms, rtol=1e-9)
+    if order == "rounds":  # one of its three walls was slow
+        assert b.margin == pytest.approx(min(adaptive.MARGIN_RANGE[1], 0.5))
+    with pytest.raises(ValueError, match="order"):
+        auto.calibrate(_ids(), 12, jax.random.key(0), order="random")
 
 
 def test_decode_reports_autoregressive_batches(tmp_path, capsys):

@@ -133,6 +133,10 @@ def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
     return cfg.num_heads, cfg.num_kv_heads
 
 
+# Engine.calibrate's orders of runs (its docstring)
+CALIBRATION_ORDERS = ("rounds", "ar last", "one after another")
+
+
 class Engine:
     """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
 
@@ -310,7 +314,7 @@ class Engine:
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
                   repeats: int = 3, max_tokens: int = 32,
                   min_steps: int = 6, baseline: bool = True,
-                  interleave: bool = True) -> list[float]:
+                  order: str = "rounds") -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
@@ -332,56 +336,89 @@ class Engine:
         on a quiet one (decode.py caches it). The table kept is `adaptive.fit_costs` of the
         measured one (a line through the speculative choices; the measured table stays in
         `measured_costs`).
-        `interleave=False` measures one choice after another instead (the order before
-        the rounds; kept for A/B measurements, benchmarks/adaptive.py --calibration).
-        With `baseline` (the default, as decode.py), it then measures `self.baseline`
-        (`_measure_baseline`: the autoregressive program's prefill and step, and the
-        speculative program's prefill) the same way, for `speculates`; without it every
-        batch runs the speculative program.
-        Raises ValueError without a schedule."""
+        With `baseline` (the default, as decode.py), the autoregressive program (compiled
+        here) is one more stop of every round, for `self.baseline` (`adaptive.Baseline`,
+        used by `speculates`): its prefill and step, measured as the table is, each of its
+        runs after a prefill run of each program (the speculative prefill's minimum over
+        those runs only, so the two prefills' minima have as many draws); its margin the
+        spread of its repeated walls (`adaptive.measured_margin`). The fallback compares
+        the table with this step, so both must come from the same spells of the machine:
+        measured after the table (before 2026-11-28), a slow spell during the table and
+        a fast one during the baseline priced block's speculative steps 10-40% above the
+        autoregressive program's at batch 1 (docs/adaptive.md). Without `baseline`
+        every batch runs the speculative program.
+        `order` (kept for A/B measurements, benchmarks/adaptive.py --calibration):
+        "rounds" (the default, above); "ar last": the choices in rounds, then the
+        autoregressive program's runs (the order of 2026-11-27); "one after another":
+        every stop's runs together, the autoregressive program last (the order before
+        the rounds).
+        Raises ValueError without a schedule or for another order."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
+        if order not in CALIBRATION_ORDERS:
+            raise ValueError(f"calibrate: order {order!r} is not one of {CALIBRATION_ORDERS}")
         self.compile()
         choices = self.cfg.schedule.choices
         n = len(choices)
+        AR = n  # the autoregressive program's stop in the rounds
+        ones = np.ones(n)
 
         def timed(costs, budget):
             return self._timed(prompts, budget, key, costs)
 
-        ones = np.ones(n)
         timed(ones, 1)  # warm-up
         forced, budgets = [], []
         for i, g in enumerate(choices):
             forced.append(np.where(np.arange(n) == i, 1.0, 1e30))
             budgets.append(min(max_new_tokens, max(max_tokens, min_steps * (g + 1))))
             timed(forced[i], budgets[i])  # warm-up
-        pre, full, iters = [], [[] for _ in choices], [1] * n
+        ar_budget = min(max_new_tokens, max_tokens)
+        if baseline:
+            fb = self.fallback_engine()
+            fb.compile()
+            fb._timed(prompts, ar_budget, key)  # warm-up
+        pre, full, iters = [], [[] for _ in range(n + 1)], [1] * (n + 1)
+        pre_sp, pre_ar = [], []  # the prefills measured beside the autoregressive runs
 
         def rounds(which):
-            order = ([i for _ in range(repeats) for i in which] if interleave
-                     else [i for i in which for _ in range(repeats)])
-            for i in order:  # in rounds over the choices: a slow spell is shared
+            if order == "one after another":
+                runs = [i for i in which for _ in range(repeats)]
+            else:
+                last = [AR] if order == "ar last" and AR in which else []
+                runs = ([i for _ in range(repeats) for i in which if i not in last]
+                        + last * repeats)
+            for i in runs:  # in rounds over the stops: a slow spell is shared
                 pre.append(timed(ones, 1)[0])  # interleaved: a spike hits both alike
-                t, iters[i] = timed(forced[i], budgets[i])
+                if i == AR:
+                    pre_sp.append(pre[-1])
+                    pre_ar.append(fb._timed(prompts, 1, key)[0])
+                    t, iters[i] = fb._timed(prompts, ar_budget, key)
+                else:
+                    t, iters[i] = timed(forced[i], budgets[i])
                 full[i].append(t)
 
-        rounds(range(n))
+        def floor(i):
+            return min(pre_ar) if i == AR else min(pre)
+
+        stops = [*range(n), AR] if baseline else list(range(n))
+        rounds(stops)
         for _ in range(2):  # a load spike can make a difference <= 0: measure it again
-            redo = [i for i in range(n) if min(full[i]) <= min(pre)]
+            redo = [i for i in stops if min(full[i]) <= floor(i)]
             if not redo:
                 break
             rounds(redo)
-        ms = [1e3 * max(min(full[i]) - min(pre), 1e-6) / max(iters[i], 1) for i in range(n)]
+        ms = [1e3 * max(min(full[i]) - floor(i), 1e-6) / max(iters[i], 1) for i in stops]
         # one line through the speculative choices: entry-by-entry noise misleads the rule
         from specjax.decoding import adaptive
 
-        self.measured_costs = ms
-        ms = adaptive.fit_costs(choices, ms)
-        self.costs = np.asarray(ms, np.float32)
+        self.measured_costs = ms[:n]
+        fitted = adaptive.fit_costs(choices, ms[:n])
+        self.costs = np.asarray(fitted, np.float32)
         if baseline:
-            self.baseline = self._measure_baseline(prompts, max_new_tokens, key, timed,
-                                                   repeats, min(max_new_tokens, max_tokens))
-        return ms
+            self.baseline = adaptive.Baseline(
+                prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
+                ar_ms_per_step=ms[AR], margin=adaptive.measured_margin(full[AR]))
+        return fitted
 
     def _timed(self, prompts, budget, key, costs=None) -> tuple[float, int]:
         """(seconds, loop iterations) of one compiled run (compiled already), `costs`
@@ -390,36 +427,6 @@ class Engine:
         t0 = time.perf_counter()
         res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
         return time.perf_counter() - t0, int(np.asarray(res.steps).max())
-
-    def _measure_baseline(self, prompts, max_new_tokens, key, timed, repeats, budget):
-        """`calibrate`'s `adaptive.Baseline`: the autoregressive program's prefill and step
-        (compiled here), measured as the table is, interleaved with the speculative
-        program's prefill (the same number of runs of each, so neither minimum has more
-        draws); its margin the spread of the autoregressive program's repeated walls on
-        this batch (`adaptive.measured_margin`)."""
-        from specjax.decoding import adaptive
-
-        fb = self.fallback_engine()
-        fb.compile()
-
-        def timed_ar(b):
-            return fb._timed(prompts, b, key)
-
-        ones = np.ones(len(self.cfg.schedule.choices))
-        timed_ar(budget)  # warm-up
-        for _ in range(3):
-            pre_sp, pre_ar, full = [], [], []
-            for _ in range(repeats):
-                pre_sp.append(timed(ones, 1)[0])
-                pre_ar.append(timed_ar(1)[0])
-                t, iters = timed_ar(budget)
-                full.append(t)
-            diff = min(full) - min(pre_ar)
-            if diff > 0:
-                break
-        return adaptive.Baseline(prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
-                                 ar_ms_per_step=1e3 * max(diff, 1e-6) / max(iters, 1),
-                                 margin=adaptive.measured_margin(full))
 
     def compile(self, key=None) -> float:
         """Compiles the loop for this engine's shapes; returns seconds spent (0 if done)."""
