@@ -340,8 +340,13 @@ class Engine:
         here) is one more stop of every round, for `self.baseline` (`adaptive.Baseline`,
         used by `speculates`): its prefill and step, measured as the table is, each of its
         runs after a prefill run of each program (the speculative prefill's minimum over
-        those runs only, so the two prefills' minima have as many draws); its margin the
-        spread of its repeated walls (`adaptive.measured_margin`). The fallback compares
+        those runs only, so the two prefills' minima have as many draws); its margin
+        (`adaptive.measured_margin`) the spread over the rounds of its wall relative to
+        the geometric mean of the same round's speculative walls, so that a slow spell
+        that hits a whole round divides out (the plain spread of its walls for the other
+        orders, whose runs of it follow one another; over the rounds, the plain spread
+        took in the spells and rose to the 25% clamp, and eagle3 at batch 1, predicted
+        from the prior at 1.2x, never speculated). The fallback compares
         the table with this step, so both must come from the same spells of the machine:
         measured after the table (before 2026-11-28), a slow spell during the table and
         a fast one during the baseline priced block's speculative steps 10-40% above the
@@ -379,6 +384,7 @@ class Engine:
             fb._timed(prompts, ar_budget, key)  # warm-up
         pre, full, iters = [], [[] for _ in range(n + 1)], [1] * (n + 1)
         pre_sp, pre_ar = [], []  # the prefills measured beside the autoregressive runs
+        log, relative = [], []  # every run (stop, wall); AR wall / its round's spec walls
 
         def rounds(which):
             if order == "one after another":
@@ -387,15 +393,20 @@ class Engine:
                 last = [AR] if order == "ar last" and AR in which else []
                 runs = ([i for _ in range(repeats) for i in which if i not in last]
                         + last * repeats)
-            for i in runs:  # in rounds over the stops: a slow spell is shared
+            for k, i in enumerate(runs):  # in rounds over the stops: a spell is shared
                 pre.append(timed(ones, 1)[0])  # interleaved: a spike hits both alike
                 if i == AR:
                     pre_sp.append(pre[-1])
                     pre_ar.append(fb._timed(prompts, 1, key)[0])
                     t, iters[i] = fb._timed(prompts, ar_budget, key)
+                    # this round's speculative walls, for the margin (order "rounds")
+                    own = [w for j, w in log[len(log) - k % len(which):] if j != AR]
+                    if order == "rounds" and own and len(which) == len(stops):
+                        relative.append(t / float(np.exp(np.mean(np.log(own)))))
                 else:
                     t, iters[i] = timed(forced[i], budgets[i])
                 full[i].append(t)
+                log.append((i, t))
 
         def floor(i):
             return min(pre_ar) if i == AR else min(pre)
@@ -417,7 +428,7 @@ class Engine:
         if baseline:
             self.baseline = adaptive.Baseline(
                 prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
-                ar_ms_per_step=ms[AR], margin=adaptive.measured_margin(full[AR]))
+                ar_ms_per_step=ms[AR], margin=adaptive.measured_margin(relative or full[AR]))
         return fitted
 
     def _timed(self, prompts, budget, key, costs=None) -> tuple[float, int]:
