@@ -515,7 +515,7 @@ def run(args) -> int:
     common = dict(sampling=sampling, verify=verify, max_length=max_length,
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
-    schedule, costs, table, baseline = None, None, None, None
+    schedule, costs, table, baseline, alpha = None, None, None, None, None
     if auto and drafter is not None:
         from specjax.decoding import adaptive
 
@@ -525,10 +525,12 @@ def run(args) -> int:
         if table is not None and os.path.isfile(table):
             costs = adaptive.read_table(table, schedule.choices)
             baseline = adaptive.read_baseline(table)
+            alpha = adaptive.read_alpha(table, schedule.gamma)
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
                               schedule=schedule, costs=costs, baseline=baseline,
                               partial=partial, **common)}
+    engines["main"].alpha0 = alpha  # the acceptance the table's calibration observed
     if args.compare_ar and drafter is not None:
         # under --gamma auto the AR reference is the program auto falls back to (one
         # compilation for both)
@@ -557,7 +559,10 @@ def run(args) -> int:
                     # before adaptive.fit_costs (ms_per_step is the fitted table)
                     "measured_ms_per_step": {
                         str(g): round(float(m), 4) for g, m in zip(
-                            schedule.choices, engines["main"].measured_costs, strict=True)}},
+                            schedule.choices, engines["main"].measured_costs, strict=True)},
+                    # the acceptance calibrate observed: the next run starts from it
+                    **({} if engines["main"].alpha0 is None else {"alpha": [
+                        round(float(a), 4) for a in engines["main"].alpha0]})},
                     baseline=engines["main"].baseline)
             except OSError as e:
                 if args.cost_table is not None:

@@ -328,7 +328,15 @@ def test_decode_gamma_auto_end_to_end(tmp_path, capsys):
         assert sched["ms_per_step"] == sorted(sched["ms_per_step"])  # non-decreasing
     assert adaptive.read_table(str(table), (0, 1, 2, 3, 4)) == pytest.approx(
         sched["ms_per_step"], rel=1e-3)
+    # the acceptance the calibration observed, read back as the next run's start
+    alpha = adaptive.read_alpha(str(table), 4)
+    assert len(alpha) == 4 and all(0 <= a <= 1 for a in alpha)
     assert "draft length: steps" in capsys.readouterr().out
+    raw = json.loads(table.read_text())
+    table.write_text(json.dumps({**raw, "alpha": [0.5, 2.0, 0.5, 0.5]}))
+    assert decode.main(common) == 2
+    err = capsys.readouterr().err
+    assert "alpha needs 4 acceptance rates" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args,needle", [

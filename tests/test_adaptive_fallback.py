@@ -108,11 +108,25 @@ def test_baseline_in_the_table_file(tmp_path):
         adaptive.Baseline(prefill_ms=float("nan"), ar_prefill_ms=1.0, ar_ms_per_step=1.0)
 
 
-def _engines(temperature=0.0, batch=2):
+def test_acceptance_in_the_table_file(tmp_path):
+    """The table's optional "alpha" (what calibrate observed) reads back as written; a
+    table without one reads None (the prior), and a malformed one is a one-line error."""
+    path = tmp_path / "costs.json"
+    adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {})
+    assert adaptive.read_alpha(str(path), 3) is None
+    adaptive.write_table(str(path), CHOICES, [1.0, 2.0, 3.0, 4.0], {"alpha": [0.9, 0.5, 0]})
+    assert adaptive.read_alpha(str(path), 3) == [0.9, 0.5, 0.0]
+    for bad in ([0.9, 0.5], [0.9, 0.5, 1.5], [0.9, 0.5, True], "0.9", [0.9, None, 0.1]):
+        path.write_text(json.dumps({"ms_per_step": {"0": 1}, "alpha": bad}))
+        with pytest.raises(SpecjaxError, match="alpha needs 3 acceptance rates"):
+            adaptive.read_alpha(str(path), 3)
+
+
+def _engines(temperature=0.0, batch=2, kind="self"):
     from specjax.decoding.sampling import SamplingParams
 
     target, _ = models()
-    drafter, dparams = simple_drafter("self", 3)
+    drafter, dparams = simple_drafter(kind, 3)
     common = dict(max_length=TP + 24, prompt_width=TP, batch_size=batch,
                   sampling=SamplingParams(temperature=temperature))
     sched = adaptive.GammaSchedule(CHOICES)
@@ -213,6 +227,7 @@ def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(order, monke
         return (0.010 + iters * true_ms[i] / 1e3) * slow, iters
 
     monkeypatch.setattr(auto, "_timed", fake)
+    auto.alpha0 = np.full(3, 0.8, np.float32)  # carried: no acceptance run among the fakes
     got = auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, baseline=False,
                          order=order)
     measured = calls[len(CHOICES):]  # after one warm-up run per choice
@@ -267,6 +282,7 @@ def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
 
     monkeypatch.setattr(auto, "_timed", fake)
     monkeypatch.setattr(fb, "_timed", fake_ar)
+    auto.alpha0 = np.full(3, 0.8, np.float32)  # carried: no acceptance run among the fakes
     auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, order=order, baseline=True)
     measured = calls[len(CHOICES) + 1:]  # after the warm-ups
     stops = [0, 1, 2, 3, "AR"]
@@ -285,6 +301,27 @@ def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
         assert max(ar_walls[1:]) / min(ar_walls[1:]) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="order"):
         auto.calibrate(_ids(), 12, jax.random.key(0), order="random")
+
+
+def test_calibrate_seeds_the_estimates_with_the_batchs_acceptance():
+    """Without carried estimates, calibrate sets alpha0 to the first batch's pooled
+    per-position acceptance at the longest draft (sum accepted / sum reached of an
+    independent run of that forced table, the prior where a position is never reached);
+    carried estimates are left alone, and so is the table's measurement."""
+    auto, _ = _engines(kind="draft_lm")
+    ids, key = _ids(), jax.random.key(0)
+    auto.costs = np.where(np.asarray(CHOICES) == max(CHOICES), 1.0, 1e30)
+    out = auto.run(ids, 12, key)  # the forced run, as calibrate's warm-up runs it
+    acc, reached = out.accepted.sum(0), out.reached.sum(0)
+    assert reached[0] > 0 and 0 < acc[0] < reached[0]  # a drafter that is sometimes wrong
+    want = np.where(reached > 0, acc / np.maximum(reached, 1), adaptive.GammaSchedule.prior)
+    auto.reset_schedule()
+    auto.calibrate(ids, 12, key, repeats=1, baseline=False)
+    np.testing.assert_allclose(auto.alpha0, want, rtol=1e-6)
+    carried = np.asarray([0.3, 0.2, 0.1], np.float32)
+    auto.alpha0 = carried.copy()
+    auto.calibrate(ids, 12, key, repeats=1, baseline=False)
+    np.testing.assert_array_equal(auto.alpha0, carried)
 
 
 def test_decode_reports_autoregressive_batches(tmp_path, capsys):

@@ -284,7 +284,9 @@ class Baseline:
 
     margin: the fraction of the autoregressive prediction by which speculation must be
       predicted to win, in [0, 1) (0: any predicted gain). `Engine.calibrate` sets it to
-      the spread of repeated runs of one batch (`measured_margin`): a prediction closer
+      the spread of repeated runs of one batch in the autoregressive program, each
+      relative to the speculative runs of its calibration round (`measured_margin`;
+      the machine's slow spells, which hit a round alike, divided out): a prediction closer
       than the timing noise is a coin toss, and the toss is not fair, since a wrong
       fallback loses at most the margin while a wrong speculation lost 20-30% at batch 32
       (docs/adaptive.md). Tables without it (older, or by hand) read as 0."""
@@ -325,7 +327,8 @@ def drift_to_prior(alpha, prior: float, rate: float = FALLBACK_DRIFT):
 
 
 def measured_margin(walls) -> float:
-    """`Baseline.margin` from repeated walls (s) of one and the same batch: their spread,
+    """`Baseline.margin` from repeated walls (s, or walls relative to a reference measured
+    beside each: `Engine.calibrate`) of one and the same batch: their spread,
     max / min - 1, clamped to MARGIN_RANGE (at least 2%: two or three runs understate a
     spread, and one run shows none; at most 25%: a machine noisier than that needs a
     quieter calibration, not a rule that never speculates). Raises ValueError for no
@@ -436,6 +439,28 @@ def read_baseline(path: str) -> Baseline | None:
         raise SpecjaxError(f"--cost-table {path}: baseline needs prefill_ms, ar_prefill_ms "
                            f"and ar_ms_per_step, numbers >= 0, and an optional margin in "
                            f"[0, 1) ({type(e).__name__}: {e})") from None
+
+
+def read_alpha(path: str, gamma: int):
+    """The table's optional "alpha": the per-position acceptance f32[G] that
+    `Engine.calibrate` observed on its batch (G = `gamma`, the schedule's longest draft),
+    which seeds `Engine.alpha0` in place of the prior; None where the table has none.
+    Raises: SpecjaxError (one line) for an unreadable file or an alpha that is not G
+    numbers in [0, 1]."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f).get("alpha")
+    except (OSError, ValueError, AttributeError) as e:
+        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
+            from None
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or len(raw) != max(gamma, 1)
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1
+                       for a in raw)):
+        raise SpecjaxError(f"--cost-table {path}: alpha needs {max(gamma, 1)} acceptance "
+                           f"rates in [0, 1], got {raw!r}")
+    return [float(a) for a in raw]
 
 
 def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict,

@@ -352,6 +352,13 @@ class Engine:
         a fast one during the baseline priced block's speculative steps 10-40% above the
         autoregressive program's at batch 1 (docs/adaptive.md). Without `baseline`
         every batch runs the speculative program.
+        Without carried estimates (`alpha0` None: the first calibration, or after
+        `reset_schedule`), the warm-up run at the longest draft also sets `alpha0` to the
+        batch's observed per-position acceptance (`_observed_alpha`), so the first run
+        starts from the drafter's measured acceptance, not the prior: from the prior (0.8
+        at every position), eagle3 at batch 1, whose acceptance is 0.9 or more, was
+        predicted too slow to speculate past the margin and ran every batch
+        autoregressively, learning nothing.
         `order` (kept for A/B measurements, benchmarks/adaptive.py --calibration):
         "rounds" (the default, above); "ar last": the choices in rounds, then the
         autoregressive program's runs (the order of 2026-11-27); "one after another":
@@ -376,7 +383,12 @@ class Engine:
         for i, g in enumerate(choices):
             forced.append(np.where(np.arange(n) == i, 1.0, 1e30))
             budgets.append(min(max_new_tokens, max(max_tokens, min_steps * (g + 1))))
-            timed(forced[i], budgets[i])  # warm-up
+            if g == max(choices) and g > 0 and self.alpha0 is None:
+                # the warm-up at the longest draft reaches every position: the batch's
+                # acceptance seeds the first run's estimates in place of the prior
+                self.alpha0 = self._observed_alpha(prompts, budgets[i], key, forced[i])
+            else:
+                timed(forced[i], budgets[i])  # warm-up
         ar_budget = min(max_new_tokens, max_tokens)
         if baseline:
             fb = self.fallback_engine()
@@ -430,6 +442,18 @@ class Engine:
                 prefill_ms=1e3 * min(pre_sp), ar_prefill_ms=1e3 * min(pre_ar),
                 ar_ms_per_step=ms[AR], margin=adaptive.measured_margin(relative or full[AR]))
         return fitted
+
+    def _observed_alpha(self, prompts, budget, key, costs) -> np.ndarray:
+        """The per-position acceptance f32[G] of one run (costs: the cost table it runs
+        with), pooled over the prompts' rows: sum accepted[k] / sum reached[k]
+        (`LoopResult`), the schedule's prior where position k was never reached."""
+        args = (*self._arrays(prompts, budget), key)
+        res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
+        n = len(prompts)
+        acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
+        reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
+        prior = np.full(acc.shape, self.cfg.schedule.prior)
+        return np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
 
     def _timed(self, prompts, budget, key, costs=None) -> tuple[float, int]:
         """(seconds, loop iterations) of one compiled run (compiled already), `costs`
