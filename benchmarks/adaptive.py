@@ -278,7 +278,7 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     `budgets`: compare runs of 32 tokens (the default budget) with runs of the whole
     `new_tokens` instead, both in rounds. `baseline`: with the autoregressive program
     measured too (`Engine.calibrate(baseline=True)`), in the same rounds as the table
-    against after it (the order before 2026-11-28); per method also the spread of the
+    against after it (the order before git 4d1f7d7); per method also the spread of the
     ratio the fallback decides by, each fitted entry / the autoregressive step."""
     import jax
     import numpy as np

@@ -340,30 +340,24 @@ class Engine:
         here) is one more stop of every round, for `self.baseline` (`adaptive.Baseline`,
         used by `speculates`): its prefill and step, measured as the table is, each of its
         runs after a prefill run of each program (the speculative prefill's minimum over
-        those runs only, so the two prefills' minima have as many draws); its margin
-        (`adaptive.measured_margin`) the spread over the rounds of its wall relative to
-        the geometric mean of the same round's speculative walls, so that a slow spell
-        that hits a whole round divides out (the plain spread of its walls for the other
-        orders, whose runs of it follow one another; over the rounds, the plain spread
-        took in the spells and rose to the 25% clamp, and eagle3 at batch 1, predicted
-        from the prior at 1.2x, never speculated). The fallback compares
-        the table with this step, so both must come from the same spells of the machine:
-        measured after the table (before 2026-11-28), a slow spell during the table and
-        a fast one during the baseline priced block's speculative steps 10-40% above the
-        autoregressive program's at batch 1 (docs/adaptive.md). Without `baseline`
+        those runs only, so the two prefills' minima have as many draws). Its margin
+        (`adaptive.measured_margin`) is the spread over the rounds of its wall divided by
+        the geometric mean of the same round's speculative walls, so a slow spell that
+        hits a whole round divides out (the plain spread of its walls for the other
+        orders). The fallback compares the table with this step, so both come from the
+        same spells of the machine (before git 4d1f7d7 the step was measured after the
+        table: docs/adaptive.md, "The baseline in the same rounds"). Without `baseline`
         every batch runs the speculative program.
         Without carried estimates (`alpha0` None: the first calibration, or after
         `reset_schedule`), the warm-up run at the longest draft also sets `alpha0` to the
         batch's observed per-position acceptance (`_observed_alpha`), so the first run
-        starts from the drafter's measured acceptance, not the prior: from the prior (0.8
-        at every position), eagle3 at batch 1, whose acceptance is 0.9 or more, was
-        predicted too slow to speculate past the margin and ran every batch
-        autoregressively, learning nothing.
+        starts from the drafter's measured acceptance, not the prior (0.8 everywhere;
+        from it, eagle3 at batch 1 ran every batch autoregressively: docs/adaptive.md).
         `order` (kept for A/B measurements, benchmarks/adaptive.py --calibration):
         "rounds" (the default, above); "ar last": the choices in rounds, then the
-        autoregressive program's runs (the order of 2026-11-27); "one after another":
-        every stop's runs together, the autoregressive program last (the order before
-        the rounds).
+        autoregressive program's runs (the order before git 4d1f7d7); "one after
+        another": every stop's runs together, the autoregressive program last (the order
+        before the rounds).
         Raises ValueError without a schedule or for another order."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
