@@ -10,6 +10,8 @@ same prompts, in one process, so speedups are ratios on the same machine state).
     python benchmarks/adaptive.py --ar-branch           # the autoregressive branch's cost
     python benchmarks/adaptive.py --forced --drafters eagle3 --temperatures 1 --batch-sizes 32
                                                         # one batch in every program
+    python benchmarks/adaptive.py --calibration --calibration-baseline --batch-sizes 1
+                                                        # the cost table's repeatability
 
 Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (fixed),
 `--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not

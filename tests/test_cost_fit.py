@@ -71,3 +71,23 @@ def test_calibration_doc_quotes_the_results_file():
     res = json.load(open(bench.CALIB_RESULTS))
     assert bench.render_calibration(res) in open(bench.DOC).read()
     assert all(set(r["methods"]) == {"rounds", "one after another"} for r in res["runs"])
+
+
+def test_calibration_baseline_doc_quotes_the_results_file():
+    """The same for the table of the autoregressive program measured in the rounds or
+    after the table (benchmarks/results/adaptive_calibration_baseline.json), whose rows
+    carry the ratio the fallback decides by: each fitted entry / that calibration's
+    autoregressive step, recomputed here from the record's own columns."""
+    import json
+
+    import numpy as np
+
+    from benchmarks import adaptive as bench
+
+    res = json.load(open(bench.CALIB_BASELINE_RESULTS))
+    assert bench.render_calibration(res) in open(bench.DOC).read()
+    for r in res["runs"]:
+        assert set(r["methods"]) == {"AR program in the rounds", "AR program after the table"}
+        for v in r["methods"].values():
+            q = np.asarray(v["fitted"]) / np.asarray(v["ar_ms_per_step"])[:, None]
+            np.testing.assert_allclose(v["ratio"], q, rtol=1e-3)
