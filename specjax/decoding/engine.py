@@ -277,7 +277,8 @@ class Engine:
         sched = self.cfg.schedule
         if self.alpha0 is None:
             return jnp.full((max(sched.gamma, 1),), sched.prior, jnp.float32)
-        return jnp.asarray(self.alpha0, jnp.float32)
+        # f32 on the host: a list or f64 array would be converted by a compiled program
+        return jnp.asarray(np.asarray(self.alpha0, np.float32))
 
     def fallback_engine(self) -> Engine:
         """The autoregressive engine an adaptive engine runs a batch with when speculation
