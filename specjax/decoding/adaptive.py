@@ -417,18 +417,24 @@ def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
     return out
 
 
+def _optional_field(path: str, name: str):
+    """The cost table's top-level `name` (None where absent). Raises: SpecjaxError (one
+    line) for an unreadable file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get(name)
+    except (OSError, ValueError, AttributeError) as e:
+        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
+            from None
+
+
 def read_baseline(path: str) -> Baseline | None:
     """The table's optional "baseline" object ({"prefill_ms", "ar_prefill_ms",
     "ar_ms_per_step"} and optionally "margin", see `Baseline`), or None where the table
     has none (a table written by hand, or by an older specjax): then every batch runs
     the speculative program. Raises: SpecjaxError (one line) for a baseline that is not
     three numbers >= 0 (and a margin in [0, 1))."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f).get("baseline")
-    except (OSError, ValueError, AttributeError) as e:
-        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
-            from None
+    raw = _optional_field(path, "baseline")
     if raw is None:
         return None
     try:
@@ -447,12 +453,7 @@ def read_alpha(path: str, gamma: int):
     which seeds `Engine.alpha0` in place of the prior; None where the table has none.
     Raises: SpecjaxError (one line) for an unreadable file or an alpha that is not G
     numbers in [0, 1]."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f).get("alpha")
-    except (OSError, ValueError, AttributeError) as e:
-        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
-            from None
+    raw = _optional_field(path, "alpha")
     if raw is None:
         return None
     if (not isinstance(raw, list) or len(raw) != max(gamma, 1)

@@ -391,7 +391,7 @@ class Engine:
             fb._timed(prompts, ar_budget, key)  # warm-up
         pre, full, iters = [], [[] for _ in range(n + 1)], [1] * (n + 1)
         pre_sp, pre_ar = [], []  # the prefills measured beside the autoregressive runs
-        log, relative = [], []  # every run (stop, wall); AR wall / its round's spec walls
+        relative = []  # order "rounds": each AR wall / its round's speculative walls
 
         def rounds(which):
             if order == "one after another":
@@ -400,20 +400,21 @@ class Engine:
                 last = [AR] if order == "ar last" and AR in which else []
                 runs = ([i for _ in range(repeats) for i in which if i not in last]
                         + last * repeats)
+            own = []  # this round's speculative walls (order "rounds": AR comes last)
             for k, i in enumerate(runs):  # in rounds over the stops: a spell is shared
+                if k % len(which) == 0:
+                    own = []
                 pre.append(timed(ones, 1)[0])  # interleaved: a spike hits both alike
                 if i == AR:
                     pre_sp.append(pre[-1])
                     pre_ar.append(fb._timed(prompts, 1, key)[0])
                     t, iters[i] = fb._timed(prompts, ar_budget, key)
-                    # this round's speculative walls, for the margin (order "rounds")
-                    own = [w for j, w in log[len(log) - k % len(which):] if j != AR]
                     if order == "rounds" and own and len(which) == len(stops):
                         relative.append(t / float(np.exp(np.mean(np.log(own)))))
                 else:
                     t, iters[i] = timed(forced[i], budgets[i])
+                    own.append(t)
                 full[i].append(t)
-                log.append((i, t))
 
         def floor(i):
             return min(pre_ar) if i == AR else min(pre)
@@ -442,20 +443,24 @@ class Engine:
         """The per-position acceptance f32[G] of one run (costs: the cost table it runs
         with), pooled over the prompts' rows: sum accepted[k] / sum reached[k]
         (`LoopResult`), the schedule's prior where position k was never reached."""
-        args = (*self._arrays(prompts, budget), key)
-        res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
+        res = self._call((*self._arrays(prompts, budget), key), costs)
         n = len(prompts)
         acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
         reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
         prior = np.full(acc.shape, self.cfg.schedule.prior)
         return np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
 
+    def _call(self, args, costs=None):
+        """The `LoopResult` of one compiled run (compiled already) on `args` = (prompt
+        arrays..., key) from `_arrays`, `costs` overriding the cost table."""
+        return jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
+
     def _timed(self, prompts, budget, key, costs=None) -> tuple[float, int]:
-        """(seconds, loop iterations) of one compiled run (compiled already), `costs`
-        overriding the cost table."""
+        """(seconds, loop iterations) of one compiled run (`_call`; the prompts are
+        staged before the clock starts)."""
         args = (*self._arrays(prompts, budget), key)
         t0 = time.perf_counter()
-        res = jax.block_until_ready(self.compiled(*self._dynamic(args, costs)))
+        res = self._call(args, costs)
         return time.perf_counter() - t0, int(np.asarray(res.steps).max())
 
     def compile(self, key=None) -> float:
