@@ -243,6 +243,36 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
             "budgets": list(budgets), "repeats": repeats}
 
 
+def merge_speed(old: dict | None, new: dict) -> dict:
+    """The speed results `new` with `old`'s rows for the contexts `new` did not run.
+
+    Every row is stamped with the git revision and date of the run that made it, so a
+    merged table says which code measured which context. Rows are ordered by context.
+    """
+    def stamped(part):
+        return [{"git": part.get("git"), "date": part.get("date"), **r} for r in part["runs"]]
+
+    rows = stamped(new)
+    if old:
+        rows += [r for r in stamped(old) if r["context"] not in new["contexts"]]
+    rows.sort(key=lambda r: r["context"])  # stable: systems keep their order
+    return {**new, "runs": rows, "contexts": sorted({r["context"] for r in rows})}
+
+
+def _speed_provenance(s: dict) -> str:
+    """'git X, date' of a speed table, or one such entry per context group if merged."""
+    groups: dict[tuple, list[int]] = {}
+    for r in s["runs"]:
+        key = (r.get("git") or s.get("git"), r.get("date") or s.get("date"))
+        if r["context"] not in groups.setdefault(key, []):
+            groups[key].append(r["context"])
+    if len(groups) == 1:
+        (git, date), = groups
+        return f"git {git}, {date}"
+    return "; ".join(f"L = {', '.join(str(c) for c in cs)}: git {git}, {date}"
+                     for (git, date), cs in groups.items())
+
+
 def render_quality(res: dict) -> str:
     q = res["quality"]
     b = q["buckets"]
@@ -270,8 +300,7 @@ def render_speed(res: dict) -> str:
     lines = [f"Decode speed of the long-context target (`checkpoints/demo/target_32k`) with "
              f"eagle3 re-fitted to it (`checkpoints/demo/drafters_32k/eagle3`, fixed G), one "
              f"prompt of L held-out tokens, {s['new_tokens']} new tokens, T = 0, batch 1, on "
-             f"this CPU ({res['cores']} cores, git {s.get('git', res['git'])}, "
-             f"{s.get('date', res['date'])}; "
+             f"this CPU ({res['cores']} cores, {_speed_provenance({'git': res['git'], 'date': res['date'], **s})}; "
              "`python benchmarks/long_context.py speed`). Prefill excluded (see the "
              "script). Partial rows are LOSSY: agreement and NLL compare them with AR's "
              "output.", "",
@@ -314,6 +343,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-target", default=LONG, help="the long-context target's HF dir")
     ap.add_argument("--drafter", default=EAGLE3,
                     help="an eagle3 drafter trained against --long-target")
+    ap.add_argument("--merge", action="store_true",
+                    help="speed: keep the results file's rows for other contexts (each row "
+                         "keeps its own git and date)")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
@@ -333,8 +365,9 @@ def main(argv=None) -> int:
         res["quality"]["control"] = {**windowed_control(args.rows, args.long_target), **stamp}
         save_results(args.json, res, RESULTS, write_doc)
     if args.what in ("speed", "all"):
-        res["speed"] = {**speed(args.contexts, args.budgets, args.new_tokens,
-                                args.long_target, args.drafter, args.repeats), **stamp}
+        new = {**speed(args.contexts, args.budgets, args.new_tokens,
+                       args.long_target, args.drafter, args.repeats), **stamp}
+        res["speed"] = merge_speed(res.get("speed"), new) if args.merge else new
         res.update(stamp)
         save_results(args.json, res, RESULTS, write_doc)
     print(render_quality(res) if "quality" in res else "")

@@ -230,6 +230,18 @@ def test_long_context_benchmark_render_and_committed_doc():
     s = lc.render_speed(res)
     assert "LOSSY" in s
     assert "| 4096 | eagle3 partial 1024 | 30.0 | 3.00x | 4.50 | 2 / 5 | NO | 6 | 0.500 (0.750) |" in s
+    assert "git abc, d;" in s
+    # --merge: a later run of one context keeps the other contexts' rows and their stamps
+    old = {**res["speed"], "git": "abc", "date": "d", "contexts": [4096]}
+    new = {"new_tokens": 8, "git": "xyz", "date": "e", "contexts": [32000], "runs": [
+        {"context": 32000, "system": "AR", "decode_tokens_per_s": 5.0, "speedup": 1.0,
+         "identical": True}]}
+    merged = lc.merge_speed(old, new)
+    assert [r["context"] for r in merged["runs"]] == [4096, 4096, 32000]
+    assert merged["contexts"] == [4096, 32000]
+    m = lc.render_speed({**res, "speed": merged})
+    assert "L = 4096: git abc, d; L = 32000: git xyz, e" in m
+    assert lc.merge_speed(merged, {**new, "git": "q"})["runs"][-1]["git"] == "q"  # replaced
     if os.path.exists(lc.RESULTS):
         committed = json.load(open(lc.RESULTS))
         doc = open(lc.DOC).read()
