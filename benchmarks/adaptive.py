@@ -58,6 +58,8 @@ FORCED_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_forced.js
 CALIB_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_calibration.json")
 CALIB_BASELINE_RESULTS = os.path.join(ROOT, "benchmarks", "results",
                                       "adaptive_calibration_baseline.json")
+CALIB_ROUNDS_RESULTS = os.path.join(ROOT, "benchmarks", "results",
+                                    "adaptive_calibration_rounds.json")
 DOC = os.path.join(ROOT, "docs", "adaptive.md")
 DEMO = os.path.join(ROOT, "checkpoints", "demo")
 DRAFTERS = {"eagle3": os.path.join(DEMO, "drafters", "eagle3"),
@@ -270,7 +272,8 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
 
 
 def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
-                budgets: bool = False, baseline: bool = False) -> dict:
+                budgets: bool = False, baseline: bool = False,
+                more_rounds: float = 0.0) -> dict:
     """How repeatable `Engine.calibrate`'s table is (`--calibration`): per (drafter,
     temperature, batch), `repeats` calibrations in rounds over the choices (the default)
     alternating with `repeats` measuring one choice after another, on the same compiled
@@ -281,7 +284,12 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     `new_tokens` instead, both in rounds. `baseline`: with the autoregressive program
     measured too (`Engine.calibrate(baseline=True)`), in the same rounds as the table
     against after it (the order before git 4d1f7d7); per method also the spread of the
-    ratio the fallback decides by, each fitted entry / the autoregressive step."""
+    ratio the fallback decides by, each fitted entry / the autoregressive step.
+    `more_rounds` (seconds): three rounds against rounds added for up to that many seconds
+    (`Engine.calibrate(seconds=...)`), both with the baseline in the rounds; per
+    calibration also the rounds run and two margins from its per-round ratios: the range
+    (`adaptive.measured_margin`) and the standard error (`benchmarks/adaptive.py`'s `t_bound_margin`),
+    to hold against the ratio's actual spread over the calibrations."""
     import jax
     import numpy as np
 
@@ -291,6 +299,7 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)
+    baseline = baseline or bool(more_rounds)  # the margins need the AR program
     target, base, longest, max_length = _demo(new_tokens)
     runs = []
     for temp in temps:
@@ -310,6 +319,10 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                     methods = {"32 tokens": dict(max_tokens=32, min_steps=6),
                                f"{new_tokens} tokens": dict(max_tokens=new_tokens,
                                                             min_steps=new_tokens)}
+                elif more_rounds:
+                    methods = {"3 rounds": dict(order="rounds"),
+                               f"rounds for {more_rounds:g} s": dict(order="rounds",
+                                                                    seconds=more_rounds)}
                 elif baseline:
                     methods = {"AR program in the rounds": dict(order="rounds"),
                                "AR program after the table": dict(order="ar last")}
@@ -319,6 +332,8 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                 tables = {k: [] for k in methods}
                 fitted = {k: [] for k in tables}
                 ar_steps = {k: [] for k in tables}
+                margins = {k: [] for k in tables}  # (rounds, range margin, t margin)
+                relative = {k: [] for k in tables}  # each calibration's per-round ratios
                 t0 = time.perf_counter()
                 for rep in range(repeats):  # the methods' order reversed every other time
                     for label, kw in list(methods.items())[::1 if rep % 2 == 0 else -1]:
@@ -328,6 +343,13 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                         tables[label].append(list(eng.measured_costs))
                         if baseline:
                             ar_steps[label].append(eng.baseline.ar_ms_per_step)
+                            rel = eng.calibration_relative
+                            relative[label].append([round(x, 5) for x in rel])
+                            margins[label].append(
+                                [eng.calibration_rounds,
+                                 round(adaptive.measured_margin(rel), 4) if rel else None,
+                                 round(t_bound_margin(rel), 4) if rel
+                                 else None])
                 rec = {"drafter": name, "temperature": temp, "batch": B,
                        "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
                        "methods": {}}
@@ -344,7 +366,8 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                         rec["methods"][label].update(
                             ar_ms_per_step=np.round(ar_steps[label], 3).tolist(),
                             ratio=q.round(4).tolist(),
-                            ratio_spread=(q.max(0) / q.min(0) - 1).round(4).tolist())
+                            ratio_spread=(q.max(0) / q.min(0) - 1).round(4).tolist(),
+                            margins=margins[label], relative=relative[label])
                 runs.append(rec)
                 print(f"[adaptive] calibration {name} T={temp:g} B={B}: " + "; ".join(
                     f"{k}: spread {np.mean(v['spread']):.3f} (fitted "
@@ -353,6 +376,33 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                 del eng, loaded
                 _drop_programs()
     return {"runs": runs, "new_tokens": new_tokens, "repeats": repeats, **_machine(rev)}
+
+
+def t_bound_margin(walls, confidence: float = 0.975) -> float:
+    """A margin from one calibration's per-round ratios by the upper confidence bound of
+    their mean log (the candidate to `adaptive.measured_margin`'s range that
+    `--calibration-rounds` weighs): exp(t * sd(log w) / sqrt(n)) - 1, t Student's
+    `confidence` quantile at n - 1 degrees of freedom (4.30 for n = 3, 2.20 for n = 12),
+    clamped to `adaptive.MARGIN_RANGE` (its lower end for fewer than two walls). Unlike
+    the range it shrinks as rounds are added; measured, it understates the ratio's
+    spread between calibrations (docs/adaptive.md, "More rounds"). Raises ValueError
+    for no walls or one that is not positive."""
+    import math
+    import statistics
+
+    from scipy.stats import t as student_t
+
+    from specjax.decoding import adaptive
+
+    w = [float(x) for x in walls]
+    if not w or min(w) <= 0:
+        raise ValueError(f"t_bound_margin needs positive walls, got {walls!r}")
+    lo, hi = adaptive.MARGIN_RANGE
+    if len(w) < 2:
+        return lo
+    se = statistics.stdev([math.log(x) for x in w]) / math.sqrt(len(w))
+    tq = float(student_t.ppf(confidence, len(w) - 1))
+    return min(max(math.expm1(tq * se), lo), hi)
 
 
 def render_calibration(res: dict) -> str:
@@ -372,6 +422,16 @@ def render_calibration(res: dict) -> str:
                      "likewise; AR step: its range (ms).")
         lines[-2] += " spread of ratio | AR step |"
         lines[-1] += "---|---|"
+    margins = any(v.get("margins") for r in res["runs"] for v in r["methods"].values())
+    if margins:
+        lines[0] += (" Rounds: the rounds each calibration ran (range). Margins (mean over "
+                     "the calibrations): from each calibration's per-round ratios of the "
+                     "autoregressive wall to its round's speculative walls, their range "
+                     "(`adaptive.measured_margin`) and the 97.5% Student t bound of their "
+                     "mean (`benchmarks/adaptive.py`'s `t_bound_margin`), both clamped to 2-25%; to hold "
+                     "against the spread of ratio, the error they are meant to cover.")
+        lines[-2] += " rounds | margin: range | margin: t bound |"
+        lines[-1] += "---|---|---|"
     for r in res["runs"]:
         for k, v in r["methods"].items():
             mean = sum(v["spread"]) / len(v["spread"])
@@ -382,6 +442,11 @@ def render_calibration(res: dict) -> str:
                 q, a = v.get("ratio_spread"), v.get("ar_ms_per_step")
                 row += (f" {sum(q) / len(q):.1%} | {min(a):.2f}-{max(a):.2f} |" if q
                         else " - | - |")
+            if margins:
+                ms = [m for m in v.get("margins") or [] if m[1] is not None]
+                row += (f" {min(m[0] for m in ms)}-{max(m[0] for m in ms)} | "
+                        f"{sum(m[1] for m in ms) / len(ms):.1%} | "
+                        f"{sum(m[2] for m in ms) / len(ms):.1%} |" if ms else " - | - | - |")
             lines.append(row)
     return "\n".join(lines) + "\n"
 
@@ -396,6 +461,10 @@ def write_calibration_doc(res: dict, doc: str = DOC,
 
 def write_calibration_baseline_doc(res: dict, doc: str = DOC) -> None:
     write_calibration_doc(res, doc, "adaptive:calibration_baseline")
+
+
+def write_calibration_rounds_doc(res: dict, doc: str = DOC) -> None:
+    write_calibration_doc(res, doc, "adaptive:calibration_rounds")
 
 
 def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
@@ -601,6 +670,10 @@ def main(argv=None) -> int:
                     help="with --calibration: the autoregressive program measured in the "
                          f"table's rounds against after it (default --json "
                          f"{os.path.relpath(CALIB_BASELINE_RESULTS, ROOT)})")
+    ap.add_argument("--calibration-rounds", type=float, default=0.0, metavar="SECONDS",
+                    help="with --calibration: three rounds against rounds added for up to "
+                         "SECONDS, with the margins each would set (default --json "
+                         f"{os.path.relpath(CALIB_ROUNDS_RESULTS, ROOT)})")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--append", action="store_true",
                     help="keep the runs already in --json (others than the ones measured now)")
@@ -618,6 +691,8 @@ def main(argv=None) -> int:
             write_calibration_doc(json.load(open(CALIB_RESULTS)))
         if os.path.exists(CALIB_BASELINE_RESULTS):
             write_calibration_baseline_doc(json.load(open(CALIB_BASELINE_RESULTS)))
+        if os.path.exists(CALIB_ROUNDS_RESULTS):
+            write_calibration_rounds_doc(json.load(open(CALIB_ROUNDS_RESULTS)))
         return 0
     if args.quick:
         args.drafters, args.temperatures, args.batch_sizes = ["eagle3", "ngram"], [0.0], [1]
@@ -636,8 +711,11 @@ def main(argv=None) -> int:
         res = calibration(args.drafters, args.temperatures, args.batch_sizes,
                           args.new_tokens, repeats=args.repeats,
                           budgets=args.calibration_budgets,
-                          baseline=args.calibration_baseline)
-        canonical, writer = ((CALIB_BASELINE_RESULTS, write_calibration_baseline_doc)
+                          baseline=args.calibration_baseline,
+                          more_rounds=args.calibration_rounds)
+        canonical, writer = ((CALIB_ROUNDS_RESULTS, write_calibration_rounds_doc)
+                             if args.calibration_rounds
+                             else (CALIB_BASELINE_RESULTS, write_calibration_baseline_doc)
                              if args.calibration_baseline
                              else (CALIB_RESULTS, write_calibration_doc))
         save_results(canonical if args.json == RESULTS else args.json, res, canonical,

@@ -303,6 +303,72 @@ def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
         auto.calibrate(_ids(), 12, jax.random.key(0), order="random")
 
 
+def test_calibrate_adds_rounds_while_they_fit_in_its_seconds(monkeypatch):
+    """After `repeats` rounds, calibrate adds rounds while one more, at the mean duration of
+    the rounds so far, fits in `seconds` of measuring, up to `max_repeats`; it records the
+    rounds run and one ratio per round. A fake clock advances 0.1 s per run, so a round
+    (each choice's prefill and run, then two prefills and the AR run) takes 1.1 s."""
+    from specjax.decoding import engine as engine_mod
+
+    auto, _ = _engines()
+    fb = auto.fallback_engine()
+    fb.compile()
+    clock = [0.0]
+    monkeypatch.setattr(engine_mod, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: clock[0])}))
+
+    def fake(prompts, budget, key, costs=None):
+        clock[0] += 0.1
+        if budget == 1:
+            return 0.010, 0
+        return 0.010 + 5 * (1 + int(np.argmin(costs))) / 1e3, 5
+
+    def fake_ar(prompts, budget, key, costs=None):
+        clock[0] += 0.1
+        return (0.008, 0) if budget == 1 else (0.008 + 5 * budget / 1e3, budget)
+
+    monkeypatch.setattr(auto, "_timed", fake)
+    monkeypatch.setattr(fb, "_timed", fake_ar)
+    auto.alpha0 = np.full(3, 0.8, np.float32)
+    for seconds, max_repeats, want in [(0.0, 12, 3), (5.0, 12, 4), (6.0, 12, 5),
+                                       (100.0, 7, 7), (100.0, 3, 3)]:
+        auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, seconds=seconds,
+                       max_repeats=max_repeats)
+        assert auto.calibration_rounds == want, (seconds, max_repeats)
+        assert len(auto.calibration_relative) == want
+    for bad in (dict(seconds=-1.0), dict(repeats=3, max_repeats=2)):
+        with pytest.raises(ValueError, match="max_repeats"):
+            auto.calibrate(_ids(), 12, jax.random.key(0), **bad)
+
+
+def test_t_bound_margin_against_numpy():
+    """exp(t sd(log w) / sqrt(n)) - 1 in float64 numpy, t Student's 97.5% quantile from a
+    printed table (2.776 at 4 degrees of freedom, 2.201 at 11, 4.303 at 2), clamped like
+    the range margin; it shrinks as walls of the same spread are added, where the range
+    does not."""
+    from benchmarks.adaptive import t_bound_margin
+
+    lo, hi = adaptive.MARGIN_RANGE
+    w = [1.0, 1.08, 1.03, 0.97, 1.05]
+
+    def want(walls, t):
+        return np.expm1(t * np.std(np.log(walls), ddof=1) / np.sqrt(len(walls)))
+
+    assert t_bound_margin(w) == pytest.approx(want(w, 2.776), rel=2e-4)
+    w12 = [1.0, 1.06, 1.03, 0.97, 1.09, 1.0, 0.94, 1.03, 1.06, 1.0, 0.97, 1.09]
+    assert t_bound_margin(w12) == pytest.approx(want(w12, 2.201), rel=2e-4)
+    w3 = [1.0, 1.01, 1.02]
+    assert t_bound_margin(w3) == pytest.approx(want(w3, 4.303), rel=2e-4)
+    assert t_bound_margin(w * 4) < t_bound_margin(w)
+    assert adaptive.measured_margin(w * 4) == adaptive.measured_margin(w)
+    assert t_bound_margin([2.0]) == lo
+    assert t_bound_margin([2.0, 2.0]) == lo
+    assert t_bound_margin([1.0, 3.0]) == hi
+    for bad in ([], [1.0, 0.0], [-1.0, 2.0]):
+        with pytest.raises(ValueError, match="positive"):
+            t_bound_margin(bad)
+
+
 def test_calibrate_seeds_the_estimates_with_the_batchs_acceptance():
     """Without carried estimates, calibrate sets alpha0 to the first batch's pooled
     per-position acceptance at the longest draft (sum accepted / sum reached of an

@@ -91,3 +91,23 @@ def test_calibration_baseline_doc_quotes_the_results_file():
         for v in r["methods"].values():
             q = np.asarray(v["fitted"]) / np.asarray(v["ar_ms_per_step"])[:, None]
             np.testing.assert_allclose(v["ratio"], q, rtol=1e-3)
+
+
+def test_calibration_rounds_doc_quotes_the_results_file():
+    """The same for three rounds against rounds added for 20 s
+    (benchmarks/results/adaptive_calibration_rounds.json): the doc's table is the
+    record's, three-round calibrations ran three rounds and the others at least as many,
+    and each calibration's two margins lie in the clamp."""
+    import json
+
+    from benchmarks import adaptive as bench
+    from specjax.decoding import adaptive
+
+    res = json.load(open(bench.CALIB_ROUNDS_RESULTS))
+    assert bench.render_calibration(res) in open(bench.DOC).read()
+    lo, hi = adaptive.MARGIN_RANGE
+    for r in res["runs"]:
+        three, more = (r["methods"][k]["margins"] for k in r["methods"])
+        assert all(m[0] == 3 for m in three) and all(m[0] >= 3 for m in more)
+        for _, rng, tb in three + more:
+            assert lo <= rng <= hi and lo <= tb <= hi

@@ -220,6 +220,7 @@ class Engine:
                               partial=partial if drafter is not None else None)
         self.costs = None if costs is None else np.asarray(costs, np.float32)
         self.measured_costs = None  # calibrate's table before adaptive.fit_costs
+        self.calibration_rounds, self.calibration_relative = 0, []  # calibrate's record
         self.baseline = baseline
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
         self.batch_size = batch_size
@@ -315,7 +316,8 @@ class Engine:
     def calibrate(self, prompts: list[list[int]], max_new_tokens: int, key,
                   repeats: int = 3, max_tokens: int = 32,
                   min_steps: int = 6, baseline: bool = True,
-                  order: str = "rounds") -> list[float]:
+                  order: str = "rounds", seconds: float = 0.0,
+                  max_repeats: int = 12) -> list[float]:
         """Measures the adaptive schedule's cost table, keeps it for the runs that follow,
         and returns it: ms per loop step at each choice, from this engine's own compiled
         loop (no other compilation) run on `prompts` with the schedule forced to one
@@ -359,9 +361,21 @@ class Engine:
         autoregressive program's runs (the order before git 4d1f7d7); "one after
         another": every stop's runs together, the autoregressive program last (the order
         before the rounds).
-        Raises ValueError without a schedule or for another order."""
+        `seconds` (0, the default, as decode.py): after the `repeats` rounds, more rounds,
+        up to `max_repeats` in all, while the rounds so far, at their mean duration, leave
+        room for one more within `seconds` of measuring (cheap at small batches, none at
+        large ones). Measured at batch 1 on a 2-core CPU (8-11 rounds in 20 s), it did not
+        make the table/step ratio repeatable between calibrations (docs/adaptive.md,
+        "More rounds"), so it is off. `calibration_rounds` records how many rounds ran and
+        `calibration_relative` each round's autoregressive wall / geometric mean of its
+        speculative walls (order "rounds" with `baseline`; the margin's input).
+        Raises ValueError without a schedule, for another order, or for seconds < 0 or
+        max_repeats < repeats."""
         if self.cfg.schedule is None:
             raise ValueError("calibrate needs an adaptive schedule")
+        if seconds < 0 or max_repeats < repeats:
+            raise ValueError(f"calibrate: seconds {seconds} must be >= 0 and max_repeats "
+                             f"{max_repeats} >= repeats {repeats}")
         if order not in CALIBRATION_ORDERS:
             raise ValueError(f"calibrate: order {order!r} is not one of {CALIBRATION_ORDERS}")
         self.compile()
@@ -393,13 +407,13 @@ class Engine:
         pre_sp, pre_ar = [], []  # the prefills measured beside the autoregressive runs
         relative = []  # order "rounds": each AR wall / its round's speculative walls
 
-        def rounds(which):
+        def rounds(which, times=repeats):
             if order == "one after another":
-                runs = [i for i in which for _ in range(repeats)]
+                runs = [i for i in which for _ in range(times)]
             else:
                 last = [AR] if order == "ar last" and AR in which else []
-                runs = ([i for _ in range(repeats) for i in which if i not in last]
-                        + last * repeats)
+                runs = ([i for _ in range(times) for i in which if i not in last]
+                        + last * times)
             own = []  # this round's speculative walls (order "rounds": AR comes last)
             for k, i in enumerate(runs):  # in rounds over the stops: a spell is shared
                 if k % len(which) == 0:
@@ -420,7 +434,16 @@ class Engine:
             return min(pre_ar) if i == AR else min(pre)
 
         stops = [*range(n), AR] if baseline else list(range(n))
+        t_rounds = time.perf_counter()
         rounds(stops)
+        done = repeats
+        while seconds > 0 and done < max_repeats:  # more rounds where they are cheap
+            per_round = (time.perf_counter() - t_rounds) / done
+            if (done + 1) * per_round > seconds:
+                break
+            rounds(stops, 1)
+            done += 1
+        self.calibration_rounds, self.calibration_relative = done, list(relative)
         for _ in range(2):  # a load spike can make a difference <= 0: measure it again
             redo = [i for i in stops if min(full[i]) <= floor(i)]
             if not redo:
