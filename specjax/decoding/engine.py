@@ -364,7 +364,7 @@ class Engine:
         `seconds` (0, the default, as decode.py): after the `repeats` rounds, more rounds,
         up to `max_repeats` in all, while the rounds so far, at their mean duration, leave
         room for one more within `seconds` of measuring (cheap at small batches, none at
-        large ones). Measured at batch 1 on a 2-core CPU (8-11 rounds in 20 s), it did not
+        large ones). Measured at batch 1 on a 2-core CPU (7-11 rounds in 20 s), it did not
         make the table/step ratio repeatable between calibrations (docs/adaptive.md,
         "More rounds"), so it is off. `calibration_rounds` records how many rounds ran and
         `calibration_relative` each round's autoregressive wall / geometric mean of its
