@@ -288,8 +288,9 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     `more_rounds` (seconds): three rounds against rounds added for up to that many seconds
     (`Engine.calibrate(seconds=...)`), both with the baseline in the rounds; per
     calibration also the rounds run and two margins from its per-round ratios: the range
-    (`adaptive.measured_margin`) and the standard error (`benchmarks/adaptive.py`'s `t_bound_margin`),
-    to hold against the ratio's actual spread over the calibrations."""
+    (`adaptive.measured_margin`, the margin calibrate sets) and the Student t bound of
+    their mean (`t_bound_margin`), to hold against the ratio's actual spread over the
+    calibrations."""
     import jax
     import numpy as np
 
@@ -345,11 +346,10 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                             ar_steps[label].append(eng.baseline.ar_ms_per_step)
                             rel = eng.calibration_relative
                             relative[label].append([round(x, 5) for x in rel])
-                            margins[label].append(
+                            margins[label].append(  # the range: calibrate's own margin
                                 [eng.calibration_rounds,
-                                 round(adaptive.measured_margin(rel), 4) if rel else None,
-                                 round(t_bound_margin(rel), 4) if rel
-                                 else None])
+                                 round(eng.baseline.margin, 4) if rel else None,
+                                 round(t_bound_margin(rel), 4) if rel else None])
                 rec = {"drafter": name, "temperature": temp, "batch": B,
                        "choices": list(sched.choices), "seconds": time.perf_counter() - t0,
                        "methods": {}}
