@@ -162,6 +162,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 for _ in range(2):  # untimed: a compiled loop's first calls are slow
                     for e in engines.values():
                         e.run(prompts[:B], new_tokens, key0)
+                for e in engines.values():  # untimed, so not measured either
+                    e.wall_ratios, e.probe_batches = adaptive.WallRatios(), 0
                 stats = {k: Stats() for k in engines}
                 outs = {k: [] for k in engines}
                 order = list(engines.items())
@@ -193,6 +195,14 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                                "identical": outs[k] == outs["AR"] if temp == 0 else None}
                     if k.startswith("auto"):
                         sys_rec["autoregressive_batches"] = [st.fallback_batches, st.batches]
+                        e = engines[k]
+                        sys_rec["probe_batches"] = e.probe_batches
+                        sys_rec["wall_scales"] = {
+                            "spec": e.wall_ratios.scale("spec"),
+                            "ar": e.wall_ratios.scale("ar"),
+                            "batches": [len(e.wall_ratios.spec), len(e.wall_ratios.ar)],
+                            "margin": (None if e.baseline is None
+                                       else e.wall_ratios.margin(e.baseline.margin))}
                         steps = [int(c) for c in st.chosen]
                         sys_rec["steps_per_length"] = steps
                         sys_rec["mean_draft_length"] = sum(
@@ -604,8 +614,10 @@ def render(res: dict) -> str:
              "autoregressive decoding, measured in the same run. auto's cost table was "
              "measured on the first batch (calibration, not counted). \"AR program k/n\": "
              "auto ran k of its n timed batches without the drafter "
-             "(`adaptive.speculation_pays`; rows kept from earlier commits had no such "
-             "choice).",
+             "(`adaptive.choose_program`; rows kept from earlier commits had no such "
+             "choice); \"p probe\": p speculative batches run to measure the program "
+             "(rows whose JSON records `wall_scales` ran with each program's prediction "
+             "scaled by its measured batches, `adaptive.WallRatios`).",
              *[f"Rows of {d} were measured earlier, at git {g} ({day}), and kept by "
                "`--append`." for d, g, day in sorted(
                    {(r["drafter"], r["git"], r["date"]) for r in res["runs"]
@@ -620,6 +632,8 @@ def render(res: dict) -> str:
         ident = {True: "yes", False: "NO", None: "-"}[auto["identical"]]
         fb, nb = auto.get("autoregressive_batches", [0, 0])
         fell = f" (AR program {fb}/{nb})" if fb else ""
+        if auto.get("probe_batches"):
+            fell = fell[:-1] + f", {auto['probe_batches']} probe)"
         lines.append(
             f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | "
             f"{r['ar_tokens_per_s']:.1f} | {fixed['speedup']:.2f}x (G={r['gamma']}) | "

@@ -383,6 +383,108 @@ def speculation_pays(alpha, choices: tuple[int, ...], costs, baseline: Baseline,
     return spec < (1.0 - baseline.margin) * ar
 
 
+
+# ------------------------------------------- each program's walls, measured batch by batch
+
+RATIO_WINDOW = 8  # the latest batches per program that `WallRatios.scale` averages
+PROBE_AFTER = 2  # autoregressive batches before a speculative program never run is probed
+
+
+def speculative_wall_ms(costs, chosen, baseline: Baseline) -> float:
+    """The wall (ms) the cost table predicts for a speculative batch that took `chosen`
+    i32[n] loop steps at each choice (`BatchOutput.chosen`): prefill_ms +
+    sum_i chosen[i] * costs[i]. The work the batch did, not the work expected of it, so
+    measured / predicted isolates the table's error from the acceptance's."""
+    import numpy as np
+
+    c = np.asarray(costs, np.float64)
+    k = np.asarray(chosen, np.float64)
+    return baseline.prefill_ms + float(np.dot(c, k))
+
+
+def autoregressive_wall_ms(steps: int, baseline: Baseline) -> float:
+    """The wall (ms) the baseline predicts for an autoregressive batch of `steps` loop
+    steps (the most any row took): ar_prefill_ms + ar_ms_per_step * steps."""
+    return baseline.ar_prefill_ms + baseline.ar_ms_per_step * steps
+
+
+@dataclasses.dataclass
+class WallRatios:
+    """Measured wall / predicted wall of the batches an adaptive engine ran, per program
+    ("spec": `speculative_wall_ms`; "ar": `autoregressive_wall_ms`), oldest first.
+
+    A calibration of a few short runs on a noisy machine can misprice one program by
+    10-25% at batch 1 and once by 2x (docs/adaptive.md), and a margin wide enough to
+    cover that blocks gains of 6-9%. The batches themselves measure the very programs
+    the engine runs, over the whole batch: `scale` corrects each program's prediction by
+    its recent ratios, and `margin` narrows to the standard error of the two scales once
+    both programs have run. Pure host-side bookkeeping: nothing recompiles and no
+    output changes (both programs are exact)."""
+
+    spec: list = dataclasses.field(default_factory=list)
+    ar: list = dataclasses.field(default_factory=list)
+
+    def add(self, program: str, measured_ms: float, predicted_ms: float) -> None:
+        """Records one batch of `program` ("spec" or "ar"); skipped where either wall is
+        not a positive number. Raises ValueError for another program."""
+        if program not in ("spec", "ar"):
+            raise ValueError(f"WallRatios.add: program {program!r} is not 'spec' or 'ar'")
+        if measured_ms > 0 and predicted_ms > 0:
+            getattr(self, program).append(float(measured_ms) / float(predicted_ms))
+
+    def _logs(self, program: str):
+        import numpy as np
+
+        return np.log(np.asarray(getattr(self, program)[-RATIO_WINDOW:], np.float64))
+
+    def scale(self, program: str) -> float:
+        """The geometric mean of `program`'s latest RATIO_WINDOW ratios (1.0 before its
+        first batch: the calibration's prediction as it stands)."""
+        import numpy as np
+
+        logs = self._logs(program)
+        return float(np.exp(logs.mean())) if logs.size else 1.0
+
+    def margin(self, calibrated: float) -> float:
+        """The margin the scaled predictions must clear: the standard error of
+        log scale("spec") - log scale("ar"), sd * sqrt(1/n_spec + 1/n_ar) with sd pooled
+        over both programs' log ratios (each about its own mean), clamped to
+        MARGIN_RANGE; `calibrated` (the baseline's margin) until both programs have run
+        and the pool has two degrees of freedom (n_spec + n_ar >= 4)."""
+        import numpy as np
+
+        s, a = self._logs("spec"), self._logs("ar")
+        if s.size < 1 or a.size < 1 or s.size + a.size < 4:
+            return calibrated
+        dev = np.concatenate([s - s.mean(), a - a.mean()])
+        sd = float(np.sqrt(np.sum(dev ** 2) / (s.size + a.size - 2)))
+        lo, hi = MARGIN_RANGE
+        return min(max(sd * float(np.sqrt(1.0 / s.size + 1.0 / a.size)), lo), hi)
+
+
+def choose_program(alpha, choices: tuple[int, ...], costs, baseline: Baseline,
+                   budget: int, rows: int, ratios: WallRatios | None = None) -> str:
+    """Which program runs the next batch: "speculative", "probe" (speculative, to measure
+    it) or "autoregressive". With each prediction (`predicted_ms`) times its program's
+    `ratios.scale`: speculative where spec < (1 - m) ar, m = `ratios.margin` (the
+    baseline's margin until both programs have run); else "probe" where the speculative
+    program has never run, the autoregressive one has run PROBE_AFTER batches, and the
+    scaled predictions are within the baseline's margin of each other
+    (spec < (1 + margin) ar): a fallback that rests on the calibration alone is checked
+    once, at the price of at most about the margin on one batch. `ratios` None: the
+    calibration alone (`speculation_pays`)."""
+    spec, ar = predicted_ms(alpha, choices, costs, baseline, budget, rows)
+    if ratios is None:
+        return "speculative" if spec < (1.0 - baseline.margin) * ar else "autoregressive"
+    spec *= ratios.scale("spec")
+    ar *= ratios.scale("ar")
+    if spec < (1.0 - ratios.margin(baseline.margin)) * ar:
+        return "speculative"
+    if (not ratios.spec and len(ratios.ar) >= PROBE_AFTER
+            and spec < (1.0 + baseline.margin) * ar):
+        return "probe"
+    return "autoregressive"
+
 # ------------------------------------------------------------------------ the cost table
 
 def table_key(**parts) -> str:
