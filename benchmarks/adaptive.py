@@ -105,8 +105,11 @@ def _drop_programs() -> None:
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
-            table_ab: bool = False) -> dict:
-    """Runs the grid; returns the results record (see the module docstring)."""
+            table_ab: bool = False, fallback_ab: bool = False) -> dict:
+    """Runs the grid; returns the results record (see the module docstring). With
+    `fallback_ab`, also "auto (table)": the same compiled loop, table, baseline and
+    prompts, its per-batch choice made by the table alone (`Engine(fallback="table")`,
+    the rule before `adaptive.WallRatios`), interleaved with "auto" batch by batch."""
     import copy
 
     import jax
@@ -159,6 +162,10 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     old.costs = np.maximum.accumulate(
                         np.asarray(engines["auto"].measured_costs, np.float32))
                     engines["auto (running max)"] = old
+                if fallback_ab:  # the rule before the measured walls, same everything else
+                    tab = copy.copy(engines["auto"])
+                    tab.fallback, tab.wall_ratios = "table", adaptive.WallRatios()
+                    engines["auto (table)"] = tab
                 for _ in range(2):  # untimed: a compiled loop's first calls are slow
                     for e in engines.values():
                         e.run(prompts[:B], new_tokens, key0)
@@ -625,6 +632,14 @@ def render(res: dict) -> str:
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
              "(every choice at B=1, G above) | auto / best fixed | identical |",
              "|" + "---|" * 10]
+    ab = any("auto (table)" in r["systems"] for r in res["runs"])
+    if ab:  # --fallback-ab: the same calibration, the table alone choosing
+        lines[-3] = lines[-3].rstrip("\n") + (
+            " \"auto (table)\": the same compiled loop, calibration and prompts, each "
+            "batch's program chosen by the table alone (`--fallback table`), its batches "
+            "interleaved with auto's.")
+        lines[-2] += " auto (table) |"
+        lines[-1] += "---|"
     for r in res["runs"]:
         s = r["systems"]
         fixed, auto = s[f"G={r['gamma']}"], s["auto"]
@@ -640,6 +655,11 @@ def render(res: dict) -> str:
             f"**{auto['speedup']:.2f}x**{fell} | {auto['mean_draft_length']:.2f} | "
             f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
             f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
+        if ab:
+            t = s.get("auto (table)")
+            lines[-1] += (" - |" if t is None else
+                          f" {t['speedup']:.2f}x (AR program "
+                          f"{t['autoregressive_batches'][0]}/{t['autoregressive_batches'][1]}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -664,6 +684,9 @@ def main(argv=None) -> int:
     ap.add_argument("--table-ab", action="store_true",
                     help="also run auto with the measured table made non-decreasing entry "
                          "by entry (the rule before adaptive.fit_costs), same run")
+    ap.add_argument("--fallback-ab", action="store_true",
+                    help="also run auto with --fallback table (the table alone picks each "
+                         "batch's program) on the same calibration, interleaved")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -745,7 +768,8 @@ def main(argv=None) -> int:
         return 0
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
-                  stragglers=args.stragglers, table_ab=args.table_ab)
+                  stragglers=args.stragglers, table_ab=args.table_ab,
+                  fallback_ab=args.fallback_ab)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]
