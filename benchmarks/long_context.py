@@ -163,8 +163,32 @@ def nll_of(model, prompt, output) -> float:
     return float(token_nll(model, ids)[len(prompt) - 1:].mean())
 
 
+SYSTEMS = ("eagle3", "window", "partial", "window+partial")  # beside AR, always run
+WINDOW = 256  # the draft window of the "window" systems
+
+
+def system_settings(systems, budgets) -> list[tuple]:
+    """(name, partial budget or None, draft window or None) of each system asked for:
+    eagle3 (exact), window (exact, `--draft-window` WINDOW), partial (LOSSY, each budget),
+    window+partial (LOSSY, the window and the first budget). Raises ValueError for an
+    unknown system."""
+    bad = [x for x in systems if x not in SYSTEMS]
+    if bad:
+        raise ValueError(f"unknown systems {bad}; choose from {SYSTEMS}")
+    out = []
+    if "eagle3" in systems:
+        out.append(("eagle3", None, None))
+    if "window" in systems:
+        out.append(("eagle3", None, WINDOW))
+    if "partial" in systems:
+        out += [("eagle3", b, None) for b in budgets]
+    if "window+partial" in systems:
+        out.append(("eagle3", budgets[0], WINDOW))
+    return out
+
+
 def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: str = EAGLE3,
-          repeats: int = 2, log=print) -> dict:
+          repeats: int = 2, log=print, systems=SYSTEMS) -> dict:
     import jax
 
     from specjax.decoding.engine import Engine, prompt_width_for
@@ -180,10 +204,7 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
         common = dict(max_length=L + new_tokens,
                       prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
         engines = {"AR": (Engine(target.model, **common), None)}
-        settings = [("eagle3", None, None)]
-        settings += [("eagle3", b, None) for b in budgets]
-        settings += [("eagle3", budgets[0], 256)]
-        for name, budget, window in settings:
+        for name, budget, window in system_settings(systems, budgets):
             d = load_drafter(drafter, target, draft_window=window)
             pv = None if budget is None else PartialVerify(budget=budget)
             label = name + ("" if window is None else f" W={window}") + (
@@ -243,33 +264,48 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
             "budgets": list(budgets), "repeats": repeats}
 
 
+def _system_rank(name: str) -> int:
+    """The table's order of systems within a context: AR, the exact ones, the lossy."""
+    exact = "partial" not in name
+    return 0 if name == "AR" else (1 if exact else 3) + (" W=" in name)
+
+
 def merge_speed(old: dict | None, new: dict) -> dict:
-    """The speed results `new` with `old`'s rows for the contexts `new` did not run.
+    """The speed results `new` with `old`'s rows for the (context, system) pairs `new`
+    did not run.
 
     Every row is stamped with the git revision and date of the run that made it, so a
-    merged table says which code measured which context. Rows are ordered by context.
+    merged table says which code measured which row. Rows are ordered by context, then
+    AR, the exact systems and the lossy ones (`_system_rank`).
     """
     def stamped(part):
         return [{"git": part.get("git"), "date": part.get("date"), **r} for r in part["runs"]]
 
     rows = stamped(new)
+    ran = {(r["context"], r["system"]) for r in rows}
     if old:
-        rows += [r for r in stamped(old) if r["context"] not in new["contexts"]]
-    rows.sort(key=lambda r: r["context"])  # stable: systems keep their order
+        rows += [r for r in stamped(old) if (r["context"], r["system"]) not in ran]
+    rows.sort(key=lambda r: (r["context"], _system_rank(r["system"])))  # stable
     return {**new, "runs": rows, "contexts": sorted({r["context"] for r in rows})}
 
 
 def _speed_provenance(s: dict) -> str:
-    """'git X, date' of a speed table, or one such entry per context group if merged."""
-    groups: dict[tuple, list[int]] = {}
+    """'git X, date' of a speed table, or one such entry per group of rows if merged
+    ("L = 8192 (AR, eagle3 W=256)" where a context's rows come from several runs)."""
+    groups: dict[tuple, dict[int, list[str]]] = {}
+    runs_of: dict[int, set] = {}
     for r in s["runs"]:
         key = (r.get("git") or s.get("git"), r.get("date") or s.get("date"))
-        if r["context"] not in groups.setdefault(key, []):
-            groups[key].append(r["context"])
+        groups.setdefault(key, {}).setdefault(r["context"], []).append(r["system"])
+        runs_of.setdefault(r["context"], set()).add(key)
     if len(groups) == 1:
         (git, date), = groups
         return f"git {git}, {date}"
-    return "; ".join(f"L = {', '.join(str(c) for c in cs)}: git {git}, {date}"
+
+    def where(c, names):
+        return str(c) if len(runs_of[c]) == 1 else f"{c} ({', '.join(names)})"
+
+    return "; ".join(f"L = {', '.join(where(c, n) for c, n in cs.items())}: git {git}, {date}"
                      for (git, date), cs in groups.items())
 
 
@@ -343,6 +379,10 @@ def main(argv=None) -> int:
     ap.add_argument("--long-target", default=LONG, help="the long-context target's HF dir")
     ap.add_argument("--drafter", default=EAGLE3,
                     help="an eagle3 drafter trained against --long-target")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                    help="speed: the systems beside AR (default all): eagle3, window "
+                         f"(exact, --draft-window {WINDOW}), partial (LOSSY, each budget), "
+                         "window+partial (LOSSY)")
     ap.add_argument("--merge", action="store_true",
                     help="speed: keep the results file's rows for other contexts (each row "
                          "keeps its own git and date)")
@@ -366,7 +406,8 @@ def main(argv=None) -> int:
         save_results(args.json, res, RESULTS, write_doc)
     if args.what in ("speed", "all"):
         new = {**speed(args.contexts, args.budgets, args.new_tokens,
-                       args.long_target, args.drafter, args.repeats), **stamp}
+                       args.long_target, args.drafter, args.repeats,
+                       systems=args.systems), **stamp}
         res["speed"] = merge_speed(res.get("speed"), new) if args.merge else new
         res.update(stamp)
         save_results(args.json, res, RESULTS, write_doc)

@@ -242,6 +242,22 @@ def test_long_context_benchmark_render_and_committed_doc():
     m = lc.render_speed({**res, "speed": merged})
     assert "L = 4096: git abc, d; L = 32000: git xyz, e" in m
     assert lc.merge_speed(merged, {**new, "git": "q"})["runs"][-1]["git"] == "q"  # replaced
+    # --systems: a later run of some systems at a context replaces only those rows
+    part = {"new_tokens": 8, "git": "w", "date": "f", "contexts": [4096], "runs": [
+        {"context": 4096, "system": "AR", "decode_tokens_per_s": 11.0, "speedup": 1.0,
+         "identical": True},
+        {"context": 4096, "system": "eagle3 W=256", "decode_tokens_per_s": 20.0,
+         "speedup": 1.8, "identical": True, "tau": 3.0}]}
+    both = lc.merge_speed(merged, part)
+    assert [(r["context"], r["system"], r["git"]) for r in both["runs"]] == [
+        (4096, "AR", "w"), (4096, "eagle3 W=256", "w"), (4096, "eagle3 partial 1024", "abc"),
+        (32000, "AR", "xyz")]
+    assert ("L = 4096 (AR, eagle3 W=256): git w, f; L = 4096 (eagle3 partial 1024): "
+            "git abc, d; L = 32000: git xyz, e") in lc.render_speed({**res, "speed": both})
+    assert lc.system_settings(["window", "partial"], [1024, 4096]) == [
+        ("eagle3", None, 256), ("eagle3", 1024, None), ("eagle3", 4096, None)]
+    with pytest.raises(ValueError, match="unknown systems"):
+        lc.system_settings(["fast"], [1024])
     if os.path.exists(lc.RESULTS):
         committed = json.load(open(lc.RESULTS))
         doc = open(lc.DOC).read()
