@@ -100,13 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "noise (docs/adaptive.md); fixed: always the G "
                          "a learned drafter was trained for (else 4; the default for draft "
                          "trees); N: always N")
-    ap.add_argument("--fallback", choices=("measured", "table"), default="measured",
-                    help="--gamma auto, which program runs a batch: measured (the default): "
-                         "the table's predictions scaled by each program's measured "
-                         "batches, and the speculative program probed once when the table "
-                         "says it is close; table: the table alone, so at T > 0 the same "
-                         "seed gives the same samples whatever the machine's timing "
-                         "(docs/adaptive.md)")
     ap.add_argument("--cost-table", default=None, metavar="FILE",
                     help="--gamma auto: ms per step at each draft length and the "
                          "baseline a batch is priced against without the drafter (JSON); "
@@ -344,13 +337,6 @@ def _format_table(summary: dict) -> str:
                 rows.append(("autoregressive batches",
                              f"{sched['autoregressive_batches']} of {sched['batches']} "
                              "(speculation would not pay at this batch size)"))
-            scales = sched.get("wall_scales") or {}
-            if scales.get("batches"):
-                rows.append(("measured / predicted wall", ", ".join(
-                    f"{name} {scales[name]:.2f} ({n} batches)" for name, n in zip(
-                        ("speculative", "autoregressive"), scales["batches"], strict=True)
-                    if n) + (f"; {sched['probe_batches']} probe"
-                             if sched.get("probe_batches") else "")))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
@@ -543,7 +529,6 @@ def run(args) -> int:
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
                               schedule=schedule, costs=costs, baseline=baseline,
-                              fallback=args.fallback,
                               partial=partial, **common)}
     engines["main"].alpha0 = alpha  # the acceptance the table's calibration observed
     if args.compare_ar and drafter is not None:
@@ -638,9 +623,6 @@ def run(args) -> int:
             "baseline": (None if engines["main"].baseline is None
                          else dataclasses.asdict(engines["main"].baseline)),
             "autoregressive_batches": st.fallback_batches, "batches": st.batches,
-            "probe_batches": engines["main"].probe_batches,
-            # each program's measured / predicted batch wall (adaptive.WallRatios)
-            "wall_scales": _wall_scales(engines["main"]),
             "cost_table": table, "calibration_s": calibrated_s}
     if args.compare_ar:
         ar = stats.get("ar", st)
@@ -677,16 +659,6 @@ def run(args) -> int:
         raise SpecjaxError(f"cannot write {e.filename or args.output} ({e.strerror}); "
                            "nothing was written") from None
     return 0
-
-
-def _wall_scales(engine) -> dict:
-    """{"speculative", "autoregressive"}: `adaptive.WallRatios.scale` of each program's
-    batches (1.0 where it ran none), "batches": how many each ran, "margin": the margin
-    the next batch's choice would clear."""
-    r = engine.wall_ratios
-    margin = None if engine.baseline is None else r.margin(engine.baseline.margin)
-    return {"speculative": r.scale("spec"), "autoregressive": r.scale("ar"),
-            "batches": [len(r.spec), len(r.ar)], "margin": margin}
 
 
 def main(argv=None) -> int:

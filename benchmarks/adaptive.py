@@ -105,11 +105,8 @@ def _drop_programs() -> None:
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
-            table_ab: bool = False, fallback_ab: bool = False) -> dict:
-    """Runs the grid; returns the results record (see the module docstring). With
-    `fallback_ab`, also "auto (table)": the same compiled loop, table, baseline and
-    prompts, its per-batch choice made by the table alone (`Engine(fallback="table")`,
-    the rule before `adaptive.WallRatios`), interleaved with "auto" batch by batch."""
+            table_ab: bool = False) -> dict:
+    """Runs the grid; returns the results record (see the module docstring)."""
     import copy
 
     import jax
@@ -162,23 +159,21 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     old.costs = np.maximum.accumulate(
                         np.asarray(engines["auto"].measured_costs, np.float32))
                     engines["auto (running max)"] = old
-                if fallback_ab:  # the rule before the measured walls, same everything else
-                    tab = copy.copy(engines["auto"])
-                    tab.fallback, tab.wall_ratios = "table", adaptive.WallRatios()
-                    engines["auto (table)"] = tab
                 for _ in range(2):  # untimed: a compiled loop's first calls are slow
                     for e in engines.values():
                         e.run(prompts[:B], new_tokens, key0)
-                for e in engines.values():  # untimed, so not measured either
-                    e.wall_ratios, e.probe_batches = adaptive.WallRatios(), 0
                 stats = {k: Stats() for k in engines}
                 outs = {k: [] for k in engines}
                 order = list(engines.items())
+                shuffle = np.random.default_rng(0)
                 for rep in range(repeats):
                     for i in range(0, n, B):
                         key = jax.random.fold_in(key0, i)
-                        # forwards, then backwards: no system always runs first or last
-                        turn = order if (i // B + rep) % 2 == 0 else order[::-1]
+                        # a random order per batch (seeded): forwards-then-backwards
+                        # put the last system after itself or after its own compiled
+                        # loop every time, and that measured 3-8% faster at B = 1
+                        # (docs/adaptive.md, "The batches correct the table")
+                        turn = [order[j] for j in shuffle.permutation(len(order))]
                         for k, e in turn:
                             out = e.run(prompts[i:i + B], new_tokens, key)
                             stats[k].add(out)
@@ -193,7 +188,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                        "baseline": (None if engines["auto"].baseline is None
                                     else dataclasses.asdict(engines["auto"].baseline)),
                        "calibration_s": calibration_s, "compile_s": compile_s,
-                       "systems": {}}
+                       "order": "random", "systems": {}}
                 for k, st in stats.items():
                     if k == "AR":
                         continue
@@ -202,14 +197,6 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                                "identical": outs[k] == outs["AR"] if temp == 0 else None}
                     if k.startswith("auto"):
                         sys_rec["autoregressive_batches"] = [st.fallback_batches, st.batches]
-                        e = engines[k]
-                        sys_rec["probe_batches"] = e.probe_batches
-                        sys_rec["wall_scales"] = {
-                            "spec": e.wall_ratios.scale("spec"),
-                            "ar": e.wall_ratios.scale("ar"),
-                            "batches": [len(e.wall_ratios.spec), len(e.wall_ratios.ar)],
-                            "margin": (None if e.baseline is None
-                                       else e.wall_ratios.margin(e.baseline.margin))}
                         steps = [int(c) for c in st.chosen]
                         sys_rec["steps_per_length"] = steps
                         sys_rec["mean_draft_length"] = sum(
@@ -618,13 +605,14 @@ def render(res: dict) -> str:
              f"{res['git']}, {res['date']}; the bundled demo prompts repeated to fill each "
              f"batch, {res['new_tokens']} new tokens, EOS on, T = 1 with block "
              "verification; shipped weights in checkpoints/demo). Speedup = tokens/s over "
-             "autoregressive decoding, measured in the same run. auto's cost table was "
+             "autoregressive decoding, measured in the same run, its batches "
+             "interleaved with every system's (in a seeded random order per batch where "
+             "the JSON row says `order: random`; before that forwards, then backwards, "
+             "which favoured the last system by 3-8%). auto's cost table was "
              "measured on the first batch (calibration, not counted). \"AR program k/n\": "
              "auto ran k of its n timed batches without the drafter "
-             "(`adaptive.choose_program`; rows kept from earlier commits had no such "
-             "choice); \"p probe\": p speculative batches run to measure the program "
-             "(rows whose JSON records `wall_scales` ran with each program's prediction "
-             "scaled by its measured batches, `adaptive.WallRatios`).",
+             "(`adaptive.speculation_pays`; rows kept from earlier commits had no such "
+             "choice).",
              *[f"Rows of {d} were measured earlier, at git {g} ({day}), and kept by "
                "`--append`." for d, g, day in sorted(
                    {(r["drafter"], r["git"], r["date"]) for r in res["runs"]
@@ -632,14 +620,6 @@ def render(res: dict) -> str:
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
              "(every choice at B=1, G above) | auto / best fixed | identical |",
              "|" + "---|" * 10]
-    ab = any("auto (table)" in r["systems"] for r in res["runs"])
-    if ab:  # --fallback-ab: the same calibration, the table alone choosing
-        lines[-3] = lines[-3].rstrip("\n") + (
-            " \"auto (table)\": the same compiled loop, calibration and prompts, each "
-            "batch's program chosen by the table alone (`--fallback table`), its batches "
-            "interleaved with auto's.")
-        lines[-2] += " auto (table) |"
-        lines[-1] += "---|"
     for r in res["runs"]:
         s = r["systems"]
         fixed, auto = s[f"G={r['gamma']}"], s["auto"]
@@ -647,19 +627,12 @@ def render(res: dict) -> str:
         ident = {True: "yes", False: "NO", None: "-"}[auto["identical"]]
         fb, nb = auto.get("autoregressive_batches", [0, 0])
         fell = f" (AR program {fb}/{nb})" if fb else ""
-        if auto.get("probe_batches"):
-            fell = fell[:-1] + f", {auto['probe_batches']} probe)"
         lines.append(
             f"| {r['drafter']} | {r['temperature']:g} | {r['batch']} | "
             f"{r['ar_tokens_per_s']:.1f} | {fixed['speedup']:.2f}x (G={r['gamma']}) | "
             f"**{auto['speedup']:.2f}x**{fell} | {auto['mean_draft_length']:.2f} | "
             f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
             f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
-        if ab:
-            t = s.get("auto (table)")
-            lines[-1] += (" - |" if t is None else
-                          f" {t['speedup']:.2f}x (AR program "
-                          f"{t['autoregressive_batches'][0]}/{t['autoregressive_batches'][1]}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -684,9 +657,6 @@ def main(argv=None) -> int:
     ap.add_argument("--table-ab", action="store_true",
                     help="also run auto with the measured table made non-decreasing entry "
                          "by entry (the rule before adaptive.fit_costs), same run")
-    ap.add_argument("--fallback-ab", action="store_true",
-                    help="also run auto with --fallback table (the table alone picks each "
-                         "batch's program) on the same calibration, interleaved")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -768,8 +738,7 @@ def main(argv=None) -> int:
         return 0
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
-                  stragglers=args.stragglers, table_ab=args.table_ab,
-                  fallback_ab=args.fallback_ab)
+                  stragglers=args.stragglers, table_ab=args.table_ab)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]

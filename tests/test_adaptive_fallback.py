@@ -182,7 +182,6 @@ def test_fallback_drifts_back_to_the_prior_and_probes_again():
     # the AR program's time between the two predictions: pays at the prior, not at `low`
     auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
     auto.alpha0 = low.copy()
-    auto.wall_ratios = _FixedRatios()  # the drift alone, without this machine's timing
     assert not auto.speculates(2, 12)
     out = auto.run(ids, 12, key)
     assert out.fallback
@@ -412,8 +411,6 @@ def test_decode_reports_autoregressive_batches(tmp_path, capsys):
     sched = s["gamma_schedule"]
     assert s["ar_identical"] is True
     assert sched["autoregressive_batches"] == sched["batches"] == 2
-    assert sched["probe_batches"] == 0  # predicted far too slow: nothing to probe
-    assert sched["wall_scales"]["batches"] == [0, 2]
     assert sched["baseline"]["prefill_ms"] == 1e6
     assert "autoregressive batches" in capsys.readouterr().out
     table.write_text(json.dumps({"ms_per_step": {str(g): 1.0 for g in range(5)},
@@ -422,128 +419,3 @@ def test_decode_reports_autoregressive_batches(tmp_path, capsys):
                         str(prompts_file), "--show", "0", "--compile-cache", "none",
                         "--cost-table", str(table)]) == 2
     assert "baseline" in capsys.readouterr().err
-
-
-def _pooled_se(spec, ar):
-    """sd pooled from each list's unbiased variance, times sqrt(1/n_s + 1/n_a): the
-    textbook two-sample form, written apart from `WallRatios.margin`."""
-    s, a = np.log(spec), np.log(ar)
-    ns, na = len(s), len(a)
-    var_s = np.var(s, ddof=1) if ns > 1 else 0.0
-    var_a = np.var(a, ddof=1) if na > 1 else 0.0
-    pooled = ((ns - 1) * var_s + (na - 1) * var_a) / (ns + na - 2)
-    return float(np.sqrt(pooled * (1 / ns + 1 / na)))
-
-
-def test_wall_ratios_scale_and_margin_against_numpy():
-    r = adaptive.WallRatios()
-    assert r.scale("spec") == r.scale("ar") == 1.0
-    assert r.margin(0.17) == 0.17
-    with pytest.raises(ValueError, match="'spec' or 'ar'"):
-        r.add("fixed", 1.0, 1.0)
-    r.add("spec", 0.0, 5.0)  # not a measurement: skipped
-    assert r.spec == []
-    spec = [1.3, 1.1, 1.25]
-    ar = [0.9, 0.95, 0.97, 1.02, 0.88, 0.93, 0.99, 1.01, 0.96, 0.94]
-    for x in spec:
-        r.add("spec", 2.0 * x, 2.0)
-    assert r.margin(0.17) == 0.17  # the autoregressive program has not run
-    assert adaptive.WallRatios(spec=[1.0], ar=[1.1, 0.9]).margin(0.17) == 0.17  # one dof
-    r.add("ar", 3.0 * ar[0], 3.0)
-    for x in ar[1:]:
-        r.add("ar", x, 1.0)
-    window = ar[-adaptive.RATIO_WINDOW:]
-    np.testing.assert_allclose(r.scale("spec"), np.prod(spec) ** (1 / 3), rtol=1e-12)
-    np.testing.assert_allclose(r.scale("ar"), np.prod(window) ** (1 / len(window)),
-                               rtol=1e-12)
-    lo, hi = adaptive.MARGIN_RANGE
-    want = min(max(_pooled_se(spec, window), lo), hi)
-    assert lo < want < hi  # the case tests the formula, not the clamp
-    np.testing.assert_allclose(r.margin(0.17), want, rtol=1e-12)
-
-
-def test_choose_program_scales_probes_and_narrows_the_margin():
-    """The scaled predictions decide; a speculative program that never ran is probed
-    once after PROBE_AFTER fallbacks when within the calibrated margin, not when clearly
-    worse; after both have run the margin is the standard error of the scales."""
-    alpha = [0.8] * 3
-    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0,
-                             margin=0.2)
-    spec, ar = adaptive.predicted_ms(alpha, CHOICES, [1.0, 1.5, 2.0, 2.5], base, 12, 1)
-
-    def decide(ratios, spec_over_ar):
-        costs = np.asarray([1.0, 1.5, 2.0, 2.5]) * spec_over_ar * ar / spec
-        return adaptive.choose_program(alpha, CHOICES, costs, base, 12, 1, ratios)
-
-    r = adaptive.WallRatios()
-    assert decide(None, 0.79) == decide(r, 0.79) == "speculative"
-    assert decide(None, 0.9) == decide(r, 0.9) == "autoregressive"  # inside the margin
-    r.add("ar", 1.0, 1.0)
-    assert decide(r, 0.9) == "autoregressive"
-    r.add("ar", 1.0, 1.0)
-    assert decide(r, 0.9) == "probe" and decide(r, 1.15) == "probe"
-    assert decide(r, 1.25) == "autoregressive"  # clearly worse: no probe
-    # the probe measured the table 20% too dear: 0.9 predicted is 0.75 of AR in fact
-    r.add("spec", 0.8, 1.0)
-    assert decide(r, 0.9) == "speculative"
-    # the AR program measured twice as slow as its baseline: speculation pays
-    r2 = adaptive.WallRatios(ar=[2.0, 2.0])
-    assert decide(r2, 1.5) == "speculative"
-    # a quiet machine: both scales known to ~1%, so a 6% predicted gain is taken
-    r3 = adaptive.WallRatios(spec=[1.0, 1.01, 0.99], ar=[1.0, 0.99, 1.01])
-    assert r3.margin(0.2) < 0.05
-    assert decide(r3, 0.94) == "speculative"
-    assert decide(adaptive.WallRatios(spec=[1.0], ar=[1.0, 1.0]), 0.94) == "autoregressive"
-
-
-class _FixedRatios(adaptive.WallRatios):
-    """Records ratio 1 for every batch: the plumbing, without this machine's timing."""
-
-    def add(self, program, measured_ms, predicted_ms):
-        super().add(program, 1.0, 1.0)
-
-
-def test_engine_records_each_batchs_ratio_and_probes_once():
-    auto, _ = _engines()
-    ids, key = _ids(), jax.random.key(3)
-    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0,
-                             margin=0.25)
-    auto.alpha0 = np.full(3, 0.8, np.float32)
-    spec, ar = adaptive.predicted_ms(auto.alpha0, CHOICES, auto.costs, base, 12, 2)
-    # the AR prediction 10% under the speculative one: inside the margin
-    auto.baseline = dataclasses.replace(base, ar_ms_per_step=spec / 1.1 / 12)
-    # the ratios are each batch's wall against its prediction for the work it did
-    out = auto.run(ids, 12, key)
-    assert out.fallback and len(auto.wall_ratios.ar) == 1
-    want = 1e3 * out.wall_s / (auto.baseline.ar_ms_per_step * int(out.steps.max()))
-    np.testing.assert_allclose(auto.wall_ratios.ar[0], want, rtol=1e-9)
-    auto.baseline = auto.baseline  # a new baseline (or table) clears them
-    assert auto.wall_ratios.ar == [] and auto.wall_ratios.spec == []
-    auto.wall_ratios = _FixedRatios()
-    kinds = []
-    for _ in range(4):
-        auto.alpha0 = np.full(3, 0.8, np.float32)  # no drift: the ratios alone decide
-        kinds.append(auto.run(ids, 12, key))
-    assert [o.fallback for o in kinds] == [True, True, False, True]
-    assert auto.probe_batches == 1 and len(auto.wall_ratios.spec) == 1
-    probe = kinds[2]
-    costs = np.asarray(auto.costs, np.float64)
-    assert probe.chosen.sum() > 0 and costs @ probe.chosen > 0
-    real = adaptive.WallRatios()  # the speculative ratio from the same batch's record
-    real.add("spec", 1e3 * probe.wall_s, float(costs @ probe.chosen))
-    assert real.spec[0] > 0
-
-
-def test_fallback_table_ignores_the_measured_walls():
-    """fallback="table": no ratios are kept and none would change the choice; an
-    unknown mode is a one-line error."""
-    auto, _ = _engines()
-    auto.fallback = "table"
-    auto.baseline = adaptive.Baseline(prefill_ms=1e6, ar_prefill_ms=0.0, ar_ms_per_step=0.1)
-    assert auto.run(_ids(), 12, jax.random.key(3)).fallback
-    assert auto.wall_ratios.ar == []
-    auto.wall_ratios = adaptive.WallRatios(ar=[1e9] * 3)  # would make AR hopeless
-    assert not auto.speculates(2, 12)
-    target, _ = models()
-    with pytest.raises(SpecjaxError, match="--fallback='x' must be one of"):
-        Engine(target, max_length=TP + 24, prompt_width=TP, fallback="x")

@@ -135,7 +135,6 @@ def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
 
 # Engine.calibrate's orders of runs (its docstring)
 CALIBRATION_ORDERS = ("rounds", "ar last", "one after another")
-FALLBACKS = ("measured", "table")  # Engine(fallback=): what decides a batch's program
 
 
 class Engine:
@@ -170,16 +169,7 @@ class Engine:
         table, or never where the table is given without one) prices the batch without
         the drafter: a run whose batch `speculation_pays` says the autoregressive program
         finishes sooner runs that program instead (compiled on first use;
-        `BatchOutput.fallback`). Each batch's wall, measured against the wall the table
-        or the baseline predicts for the work it did, scales that program's later
-        predictions (`wall_ratios`, `adaptive.choose_program`); a speculative program
-        that never ran is probed once after a few fallbacks within the margin
-        (`probe_batches`).
-      fallback: "measured" (the default): the per-batch choice scales each program's
-        prediction by its measured batches and may probe (above); "table": the table
-        and baseline alone decide, so at T > 0 the same seed gives the same samples
-        whatever the machine's timing (which program runs a batch changes its samples,
-        each exact; greedy output is the same either way).
+        `BatchOutput.fallback`).
       partial: None, or a `specjax.decoding.partial.PartialVerify`: SpecPV partial
         verification, LOSSY (a drafter with one chain of fixed length; ignored without a
         drafter).
@@ -194,13 +184,9 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
                  prefill_min_chunk: int | None = None, num_drafts: int = 1,
-                 schedule=None, costs=None, baseline=None, partial=None,
-                 fallback: str = "measured"):
+                 schedule=None, costs=None, baseline=None, partial=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
-        if fallback not in FALLBACKS:
-            raise SpecjaxError(f"--fallback={fallback!r} must be one of {FALLBACKS}")
-        self.fallback = fallback
         self._fallback = None
         self.graphdef, self.params = nnx.split(target)
         self.params = decoding_params(self.params, layer_loop)
@@ -232,43 +218,14 @@ class Engine:
                               prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
                               schedule=schedule if drafter is not None else None,
                               partial=partial if drafter is not None else None)
-        self.costs = costs  # (and baseline) a new one clears wall_ratios
+        self.costs = None if costs is None else np.asarray(costs, np.float32)
         self.measured_costs = None  # calibrate's table before adaptive.fit_costs
         self.calibration_rounds, self.calibration_relative = 0, []  # calibrate's record
         self.baseline = baseline
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
-        self.probe_batches = 0  # speculative batches run to measure the program
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
-
-    @property
-    def costs(self):
-        """The adaptive schedule's cost table f32[n] (ms per loop step per choice) or
-        None; setting it (or `baseline`) clears `wall_ratios`, which were measured
-        against the old one."""
-        return self._table
-
-    @costs.setter
-    def costs(self, value):
-        self._table = None if value is None else np.asarray(value, np.float32)
-        self._clear_ratios()
-
-    @property
-    def baseline(self):
-        """The `adaptive.Baseline` that prices a batch without the drafter, or None."""
-        return self._baseline
-
-    @baseline.setter
-    def baseline(self, value):
-        self._baseline = value
-        self._clear_ratios()
-
-    def _clear_ratios(self):
-        from specjax.decoding import adaptive
-
-        # each program's measured / predicted batch walls (`adaptive.WallRatios`)
-        self.wall_ratios = adaptive.WallRatios()
 
     @property
     def gamma(self) -> int:
@@ -343,27 +300,14 @@ class Engine:
         """Whether `run` uses the speculative program for a batch of `rows` prompts:
         always without an adaptive schedule, a baseline (`calibrate`) or under the random
         policy; else `specjax.decoding.adaptive.speculation_pays` on the estimates this
-        engine carries (`alpha0`, the prior before the first run) and its cost table,
-        each program's prediction scaled by its measured batches (`wall_ratios`;
-        `adaptive.choose_program`, which may also probe the speculative program)."""
-        return self._program(rows, max_new_tokens) != "autoregressive"
-
-    def _online(self) -> bool:
+        engine carries (`alpha0`, the prior before the first run) and its cost table."""
         sched = self.cfg.schedule
-        return not (sched is None or self.baseline is None or self.costs is None
-                    or sched.policy != "auto")
-
-    def _measures(self) -> bool:  # batch walls feed the choice (fallback "measured")
-        return self.fallback == "measured" and self._online()
-
-    def _program(self, rows: int, max_new_tokens: int) -> str:
-        if not self._online():
-            return "speculative"
+        if sched is None or self.baseline is None or self.costs is None or sched.policy != "auto":
+            return True
         from specjax.decoding import adaptive
 
-        return adaptive.choose_program(np.asarray(self._alpha0()), self.cfg.schedule.choices,
-                                       self.costs, self.baseline, max_new_tokens, rows,
-                                       self.wall_ratios if self._measures() else None)
+        return adaptive.speculation_pays(np.asarray(self._alpha0()), sched.choices,
+                                         self.costs, self.baseline, max_new_tokens, rows)
 
     def reset_schedule(self) -> None:
         """Starts the next run's adaptive schedule from its prior again."""
@@ -561,10 +505,8 @@ class Engine:
         self.compile()
         if self.cfg.schedule is not None and self.costs is None:
             self.calibrate(prompts, max_new_tokens, key)
-        program = self._program(len(prompts), max_new_tokens)
-        if program == "autoregressive":
+        if not self.speculates(len(prompts), max_new_tokens):
             return self._run_fallback(prompts, max_new_tokens, key)
-        self.probe_batches += program == "probe"
         args = (*self._arrays(prompts, max_new_tokens), key)
         t0 = time.perf_counter()
         res = self.compiled(*self._dynamic(args))
@@ -577,11 +519,6 @@ class Engine:
         chosen = res.chosen if self.cfg.schedule is not None else None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
             self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
-        if self._measures():
-            from specjax.decoding import adaptive
-
-            self.wall_ratios.add("spec", 1e3 * wall, adaptive.speculative_wall_ms(
-                self.costs, res.chosen, self.baseline))
         verified = res.verified if self.cfg.partial is not None else None
         reused = res.reused if getattr(self.drafter, "reuse", False) else None
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
@@ -597,9 +534,6 @@ class Engine:
         from specjax.decoding import adaptive
 
         out = self.fallback_engine().run(prompts, max_new_tokens, key)
-        if self._measures():
-            self.wall_ratios.add("ar", 1e3 * out.wall_s, adaptive.autoregressive_wall_ms(
-                int(np.max(out.steps)), self.baseline))
         if self.alpha0 is not None:
             self.alpha0 = adaptive.drift_to_prior(self.alpha0, self.cfg.schedule.prior)
         n, G = len(prompts), max(self.gamma, 1)
