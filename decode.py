@@ -548,7 +548,9 @@ def run(args) -> int:
         import time
 
         t0 = time.perf_counter()
-        costs = engines["main"].calibrate([ids for _, ids in batches[0]], args.max_new_tokens,
+        # on the batch of median prompt length: costs grow with the context
+        cal = batches[adaptive.calibration_batch([[ids for _, ids in b] for b in batches])]
+        costs = engines["main"].calibrate([ids for _, ids in cal], args.max_new_tokens,
                                           base_key, baseline=True)
         calibrated_s = time.perf_counter() - t0
         if table is not None:

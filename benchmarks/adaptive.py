@@ -105,8 +105,11 @@ def _drop_programs() -> None:
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
-            table_ab: bool = False) -> dict:
-    """Runs the grid; returns the results record (see the module docstring)."""
+            table_ab: bool = False, calibration_ab: bool = False) -> dict:
+    """Runs the grid; returns the results record (see the module docstring). auto
+    calibrates on the batch of median prompt length (`adaptive.calibration_batch`, as
+    decode.py); with `calibration_ab` also "auto (first batch)": the same compiled loop
+    calibrated on the first batch (the rule before), interleaved with the rest."""
     import copy
 
     import jax
@@ -149,10 +152,18 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 compile_s = {k: e.compile() for k, e in engines.items()}
                 key0 = jax.random.key(0)
                 t0 = time.perf_counter()
-                costs = engines["auto"].calibrate(prompts[:B], new_tokens, key0, baseline=True)
+                cal = [prompts[i:i + B] for i in range(0, n, B)]
+                cal_at = adaptive.calibration_batch(cal) * B
+                costs = engines["auto"].calibrate(cal[cal_at // B], new_tokens, key0,
+                                                  baseline=True)
                 calibration_s = time.perf_counter() - t0
                 if stragglers:
                     engines["auto+stragglers"].costs = engines["auto"].costs
+                if calibration_ab:  # the same compiled loop, calibrated on the first batch
+                    first = copy.copy(engines["auto"])
+                    first.alpha0 = None  # as a fresh engine: seeded by its own calibration
+                    first.calibrate(prompts[:B], new_tokens, key0, baseline=True)
+                    engines["auto (first batch)"] = first
                 if table_ab:  # the same compiled loop, baseline and measurements, the
                     # table made non-decreasing entry by entry (the rule before fit_costs)
                     old = copy.copy(engines["auto"])
@@ -188,6 +199,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                        "baseline": (None if engines["auto"].baseline is None
                                     else dataclasses.asdict(engines["auto"].baseline)),
                        "calibration_s": calibration_s, "compile_s": compile_s,
+                       "calibration_batch": cal_at // B,
                        "order": "random", "systems": {}}
                 for k, st in stats.items():
                     if k == "AR":
@@ -609,7 +621,9 @@ def render(res: dict) -> str:
              "interleaved with every system's (in a seeded random order per batch where "
              "the JSON row says `order: random`; before that forwards, then backwards, "
              "which favoured the last system by 3-8%). auto's cost table was "
-             "measured on the first batch (calibration, not counted). \"AR program k/n\": "
+             "measured on one batch (calibration, not counted): the batch of median prompt "
+             "length where the JSON row records `calibration_batch`, else the first. "
+             "\"AR program k/n\": "
              "auto ran k of its n timed batches without the drafter "
              "(`adaptive.speculation_pays`; rows kept from earlier commits had no such "
              "choice).",
@@ -620,6 +634,14 @@ def render(res: dict) -> str:
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
              "(every choice at B=1, G above) | auto / best fixed | identical |",
              "|" + "---|" * 10]
+    ab = any("auto (first batch)" in r["systems"] for r in res["runs"])
+    if ab:  # --calibration-ab
+        lines[0] += (
+            " \"auto (first batch)\": the same compiled loop calibrated on the first "
+            "batch instead of the batch of median prompt length "
+            "(`adaptive.calibration_batch`), interleaved with the rest.")
+        lines[-2] += " auto (first batch) |"
+        lines[-1] += "---|"
     for r in res["runs"]:
         s = r["systems"]
         fixed, auto = s[f"G={r['gamma']}"], s["auto"]
@@ -633,6 +655,11 @@ def render(res: dict) -> str:
             f"**{auto['speedup']:.2f}x**{fell} | {auto['mean_draft_length']:.2f} | "
             f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
             f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
+        if ab:
+            t = s.get("auto (first batch)")
+            lines[-1] += (" - |" if t is None else
+                          f" {t['speedup']:.2f}x (AR program "
+                          f"{t['autoregressive_batches'][0]}/{t['autoregressive_batches'][1]}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -657,6 +684,9 @@ def main(argv=None) -> int:
     ap.add_argument("--table-ab", action="store_true",
                     help="also run auto with the measured table made non-decreasing entry "
                          "by entry (the rule before adaptive.fit_costs), same run")
+    ap.add_argument("--calibration-ab", action="store_true",
+                    help="also run auto calibrated on the first batch (the rule before "
+                         "adaptive.calibration_batch), interleaved")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -738,7 +768,8 @@ def main(argv=None) -> int:
         return 0
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
-                  stragglers=args.stragglers, table_ab=args.table_ab)
+                  stragglers=args.stragglers, table_ab=args.table_ab,
+                  calibration_ab=args.calibration_ab)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]

@@ -111,3 +111,23 @@ def test_calibration_rounds_doc_quotes_the_results_file():
         assert all(m[0] == 3 for m in three) and all(m[0] >= 3 for m in more)
         for _, rng, tb in three + more:
             assert lo <= rng <= hi and lo <= tb <= hi
+
+
+def test_calibration_batch_is_the_median_prompt_length():
+    """The batch of lower-median mean prompt length, against numpy's own ordering."""
+    import numpy as np
+
+    from specjax.decoding import adaptive
+
+    rng = np.random.default_rng(5)
+    for n, size in [(1, 1), (2, 1), (7, 1), (8, 1), (5, 4), (6, 3)]:
+        batches = [[[1] * int(rng.integers(1, 400)) for _ in range(size)] for _ in range(n)]
+        means = np.array([np.mean([len(p) for p in b]) for b in batches])
+        want = np.argsort(means, kind="stable")[(n - 1) // 2]
+        assert adaptive.calibration_batch(batches) == want
+    # the bundled demo's first eight prompts at batch 1: not the 30-token first one
+    lengths = [30, 8, 384, 176, 219, 279, 305, 281]
+    assert adaptive.calibration_batch([[[0] * k] for k in lengths]) == 4  # 219 tokens
+    for bad in ([], [[]]):
+        with pytest.raises(ValueError, match="non-empty"):
+            adaptive.calibration_batch(bad)

@@ -106,6 +106,20 @@ class GammaSchedule:
         return self.choices[-1]
 
 
+def calibration_batch(batches) -> int:
+    """The index of the batch to calibrate the cost table on: the one whose mean prompt
+    length (tokens) is the lower median over `batches` (lists of prompts, each a list of
+    token ids; ties: the earliest). A step's cost and both prefills grow with the
+    context, so a table priced on an unusually short or long batch misprices the rest
+    (the first bundled prompt has 30 tokens, the others up to 384: docs/adaptive.md).
+    Raises ValueError for no batches or an empty one."""
+    if not batches or not all(batches):
+        raise ValueError("calibration_batch needs non-empty batches")
+    means = [sum(len(p) for p in b) / len(b) for b in batches]
+    order = sorted(range(len(means)), key=lambda i: (means[i], i))
+    return order[(len(order) - 1) // 2]
+
+
 def default_choices(gamma: int) -> tuple[int, ...]:
     """The draft lengths `--gamma auto` chooses from for a drafter of draft length G: 0, 1,
     2, 3, 5 and G (those <= G). Each is a branch compiled into the loop, so the set is
