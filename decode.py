@@ -378,7 +378,7 @@ def _default_cost_table(args, cfg, loaded, dtype, schedule, max_length: int,
         max_length=max_length, prompt_width=prompt_width,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify,
         kernels=args.kernels, mesh=args.mesh, choices=schedule.choices,
-        table_version=5, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+        table_version=6, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
         jax=jax.__version__)
     # inside the compile cache: jax reads only its own *-cache files there
     return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
