@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-table", default=None, metavar="FILE",
                     help="--gamma auto: ms per step at each draft length and the "
                          "baseline a batch is priced against without the drafter (JSON); "
-                         "read if it exists, else measured on the first batch and written "
+                         "read if it exists, else measured on the batch of median prompt "
+                         "length and written "
                          "here "
                          "(default: measured once per setting, cached in the compile "
                          "cache)")
