@@ -104,10 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--gamma auto: ms per step at each draft length and the "
                          "baseline a batch is priced against without the drafter (JSON); "
                          "read if it exists, else measured on the batch of median prompt "
-                         "length and written "
-                         "here "
-                         "(default: measured once per setting, cached in the compile "
-                         "cache)")
+                         "length and written here (default: measured once per setting, "
+                         "cached in the compile cache)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")

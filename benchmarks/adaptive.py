@@ -153,8 +153,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 key0 = jax.random.key(0)
                 t0 = time.perf_counter()
                 cal = [prompts[i:i + B] for i in range(0, n, B)]
-                cal_at = adaptive.calibration_batch(cal) * B
-                costs = engines["auto"].calibrate(cal[cal_at // B], new_tokens, key0,
+                cal_at = adaptive.calibration_batch(cal)
+                costs = engines["auto"].calibrate(cal[cal_at], new_tokens, key0,
                                                   baseline=True)
                 calibration_s = time.perf_counter() - t0
                 if stragglers:
@@ -186,7 +186,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                         # a random order per batch (seeded): forwards-then-backwards
                         # put the last system after itself or after its own compiled
                         # loop every time, and that measured 3-8% faster at B = 1
-                        # (docs/adaptive.md, "The batches correct the table")
+                        # (docs/adaptive.md, "Each program's prediction scaled by its
+                        # own batches")
                         turn = [order[j] for j in shuffle.permutation(len(order))]
                         for k, e in turn:
                             out = e.run(prompts[i:i + B], new_tokens, key)
@@ -202,7 +203,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                        "baseline": (None if engines["auto"].baseline is None
                                     else dataclasses.asdict(engines["auto"].baseline)),
                        "calibration_s": calibration_s, "compile_s": compile_s,
-                       "calibration_batch": cal_at // B,
+                       "calibration_batch": cal_at,
                        "order": "random", "systems": {}}
                 for k, st in stats.items():
                     if k == "AR":
