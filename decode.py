@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "baseline a batch is priced against without the drafter (JSON); "
                          "read if it exists, else measured on the batch of median prompt "
                          "length and written here (default: measured once per setting, "
-                         "cached in the compile cache)")
+                         "cached in the compile cache, unless its repeated rounds spread "
+                         "more than 50%%: a busy machine)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -336,6 +337,11 @@ def _format_table(summary: dict) -> str:
                 rows.append(("autoregressive batches",
                              f"{sched['autoregressive_batches']} of {sched['batches']} "
                              "(speculation would not pay at this batch size)"))
+            if sched.get("calibration_s") is None and sched.get("cost_table"):
+                rows.append(("cost table", f"read from {sched['cost_table']}"
+                             + (f" (measured {sched['measured_at']})"
+                                if sched.get("measured_at") else "")
+                             + "; delete it to measure again"))
         rows.append(("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in summary["alpha"])))
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
@@ -515,6 +521,7 @@ def run(args) -> int:
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
     schedule, costs, table, baseline, alpha = None, None, None, None, None
+    measured_at, table_written = None, False  # the cost table's provenance, for the report
     if auto and drafter is not None:
         from specjax.decoding import adaptive
 
@@ -525,6 +532,8 @@ def run(args) -> int:
             costs = adaptive.read_table(table, schedule.choices)
             baseline = adaptive.read_baseline(table)
             alpha = adaptive.read_alpha(table, schedule.gamma)
+            with open(table) as f:  # read_table has checked that it is a JSON object
+                measured_at = json.load(f).get("measured_at")
     engines = {"main": Engine(target, drafter=drafter, drafter_params=dparams,
                               num_drafts=args.num_drafts if drafter is not None else 1,
                               schedule=schedule, costs=costs, baseline=baseline,
@@ -552,7 +561,16 @@ def run(args) -> int:
         costs = engines["main"].calibrate([ids for _, ids in cal], args.max_new_tokens,
                                           base_key, baseline=True)
         calibrated_s = time.perf_counter() - t0
-        if table is not None:
+        measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        spread = adaptive.calibration_spread(engines["main"].calibration_relative)
+        noisy = spread > adaptive.NOISY_SPREAD
+        if noisy:
+            print(f"decode.py: --gamma auto: the calibration's repeated runs spread "
+                  f"{spread:.0%} (a busy machine?); its cost table "
+                  + ("is written to --cost-table all the same" if args.cost_table
+                     else "is used for this run only, not cached")
+                  + ": measure it on a quiet machine", file=sys.stderr)
+        if table is not None and (args.cost_table is not None or not noisy):
             try:
                 adaptive.write_table(table, schedule.choices, costs, {
                     "measured_on": jax.devices()[0].device_kind,
@@ -561,10 +579,15 @@ def run(args) -> int:
                     "measured_ms_per_step": {
                         str(g): round(float(m), 4) for g, m in zip(
                             schedule.choices, engines["main"].measured_costs, strict=True)},
+                    # each round's AR wall over its speculative walls (the margin's input)
+                    "calibration_relative": [round(float(r), 4) for r in
+                                             engines["main"].calibration_relative],
+                    "measured_at": measured_at,
                     # the acceptance calibrate observed: the next run starts from it
                     **({} if engines["main"].alpha0 is None else {"alpha": [
                         round(float(a), 4) for a in engines["main"].alpha0]})},
                     baseline=engines["main"].baseline)
+                table_written = True
             except OSError as e:
                 if args.cost_table is not None:
                     raise SpecjaxError(f"--cost-table {table} cannot be written "
@@ -624,7 +647,11 @@ def run(args) -> int:
             "baseline": (None if engines["main"].baseline is None
                          else dataclasses.asdict(engines["main"].baseline)),
             "autoregressive_batches": st.fallback_batches, "batches": st.batches,
-            "cost_table": table, "calibration_s": calibrated_s}
+            "cost_table": table if calibrated_s is None or table_written else None,
+            "measured_at": measured_at, "calibration_s": calibrated_s,
+            "calibration_relative": ([round(float(r), 4) for r in
+                                      engines["main"].calibration_relative]
+                                     if calibrated_s is not None else None)}
     if args.compare_ar:
         ar = stats.get("ar", st)
         summary["ar_tokens_per_s"] = ar.tokens_per_s

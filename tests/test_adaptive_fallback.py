@@ -412,10 +412,48 @@ def test_decode_reports_autoregressive_batches(tmp_path, capsys):
     assert s["ar_identical"] is True
     assert sched["autoregressive_batches"] == sched["batches"] == 2
     assert sched["baseline"]["prefill_ms"] == 1e6
-    assert "autoregressive batches" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "autoregressive batches" in out and f"read from {table}" in out
     table.write_text(json.dumps({"ms_per_step": {str(g): 1.0 for g in range(5)},
                                  "baseline": {"prefill_ms": 1}}))
     assert decode.main(["--drafter", "ngram", "--gamma", "auto", "--prompts",
                         str(prompts_file), "--show", "0", "--compile-cache", "none",
                         "--cost-table", str(table)]) == 2
     assert "baseline" in capsys.readouterr().err
+
+
+def test_decode_does_not_cache_a_noisy_calibration(tmp_path, capsys, monkeypatch):
+    """A table calibrated while its repeated runs spread more than adaptive.NOISY_SPREAD
+    (a busy machine) serves its own run but is not cached at the default place, so the
+    next run measures again; a quiet calibration is cached with the time it was measured.
+    (The threshold is moved, not the machine: the spread itself is tested below.)"""
+    import decode
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "def f(x):\n    return x\n"}) + "\n")
+    cached = tmp_path / "specjax-costs" / "key.json"
+    monkeypatch.setattr(decode, "_default_cost_table", lambda *a, **k: str(cached))
+    argv = ["--drafter", "ngram", "--gamma", "auto", "--prompts", str(prompts_file),
+            "--max-new-tokens", "6", "--show", "0", "--compile-cache", "none"]
+    monkeypatch.setattr(adaptive, "NOISY_SPREAD", -1.0)  # every spread counts as noisy
+    summary = tmp_path / "noisy.json"
+    assert decode.main([*argv, "--summary", str(summary)]) == 0
+    err = capsys.readouterr().err
+    assert "used for this run only, not cached" in err and not cached.exists()
+    sched = json.loads(summary.read_text())["gamma_schedule"]
+    assert sched["cost_table"] is None and sched["calibration_s"] is not None
+    assert sched["calibration_relative"]  # the rounds whose spread was judged
+    monkeypatch.setattr(adaptive, "NOISY_SPREAD", float("inf"))
+    assert decode.main(argv) == 0
+    assert "not cached" not in capsys.readouterr().err
+    meta = json.loads(cached.read_text())
+    assert meta["measured_at"].endswith("UTC") and meta["calibration_relative"]
+
+
+def test_calibration_spread():
+    """adaptive.calibration_spread: max / min - 1, unclamped (measured_margin clamps)."""
+    assert adaptive.calibration_spread([1.0, 1.8, 1.2]) == pytest.approx(0.8)
+    assert adaptive.measured_margin([1.0, 1.8, 1.2]) == adaptive.MARGIN_RANGE[1]
+    assert adaptive.calibration_spread([0.7]) == 0.0 == adaptive.calibration_spread([])
+    with pytest.raises(ValueError, match="positive"):
+        adaptive.calibration_spread([1.0, 0.0])

@@ -340,6 +340,23 @@ def drift_to_prior(alpha, prior: float, rate: float = FALLBACK_DRIFT):
     return a + np.float32(rate) * (np.float32(prior) - a)
 
 
+# `calibration_spread` above which decode.py does not cache a table it measured: a quiet
+# 2-core CPU spread up to about 0.25-0.3 over three rounds at batch 1 (the margin's clamp
+# was hit by quiet calibrations), the demo's calibration beside a test run 0.80
+# (docs/adaptive.md, "A table measured on a busy machine")
+NOISY_SPREAD = 0.5
+
+
+def calibration_spread(walls) -> float:
+    """max / min - 1 of repeated walls of one batch (s, or relative to a reference
+    measured beside each, as `Engine.calibrate` records them), unclamped; 0.0 for fewer
+    than two walls. Raises ValueError for a wall that is not positive."""
+    w = [float(x) for x in walls]
+    if w and min(w) <= 0:
+        raise ValueError(f"calibration_spread needs positive walls, got {walls!r}")
+    return max(w) / min(w) - 1.0 if len(w) > 1 else 0.0
+
+
 def measured_margin(walls) -> float:
     """`Baseline.margin` from repeated walls (s, or walls relative to a reference measured
     beside each: `Engine.calibrate`) of one and the same batch: their spread,
