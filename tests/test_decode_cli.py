@@ -168,12 +168,16 @@ def test_compile_cache_is_written_then_loaded(tiny_demo, tmp_path):
         assert "compilation cache" not in proc.stderr, proc.stderr[-2000:]
         return (tmp_path / f"o{i}.jsonl").read_text()
 
+    def compiled():  # --gamma auto's cost table (specjax-costs/) is not cached when its
+        # calibration was noisy (a loaded machine), so the next run may write it
+        return sorted(e for e in os.listdir(cache) if e != "specjax-costs")
+
     first = decode_run(1, "--compile-cache", cache)
-    entries = sorted(os.listdir(cache))
+    entries = compiled()
     assert any("speculative_loop" in e for e in entries), entries
     assert any("autoregressive_loop" in e for e in entries), entries
     assert decode_run(2, "--compile-cache", cache) == first
-    assert sorted(os.listdir(cache)) == entries
+    assert compiled() == entries
     assert decode_run(3, "--compile-cache", "none") == first
     assert not env_cache.exists() or not os.listdir(env_cache)
     # the default directory under an unwritable XDG_CACHE_HOME: the cache is off, quietly
