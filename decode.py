@@ -538,7 +538,10 @@ def run(args) -> int:
                               num_drafts=args.num_drafts if drafter is not None else 1,
                               schedule=schedule, costs=costs, baseline=baseline,
                               partial=partial, **common)}
-    engines["main"].alpha0 = alpha  # the acceptance the table's calibration observed
+    # the acceptance the table's calibration observed: the first run's estimates, and
+    # where they drift while batches fall back
+    engines["main"].alpha0 = alpha
+    engines["main"].alpha_calibrated = None if alpha is None else list(alpha)
     if args.compare_ar and drafter is not None:
         # under --gamma auto the AR reference is the program auto falls back to (one
         # compilation for both)

@@ -105,11 +105,15 @@ def _drop_programs() -> None:
 
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
-            table_ab: bool = False, calibration_ab: bool = False) -> dict:
+            table_ab: bool = False, calibration_ab: bool = False,
+            drift_ab: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring). auto
     calibrates on the batch of median prompt length (`adaptive.calibration_batch`, as
     decode.py); with `calibration_ab` also "auto (first batch)": the same loop, compiled
-    apart, calibrated on the first batch (the rule before), interleaved with the rest."""
+    apart, calibrated on the first batch (the rule before), interleaved with the rest; with
+    `drift_ab` also "auto (drift to prior)": its own compiled loop with auto's table and
+    starting estimates, drifting toward the prior while batches fall back (the rule
+    before 2026-11-28)."""
     import copy
 
     import jax
@@ -167,6 +171,18 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     compile_s["auto (first batch)"] = first.compile()
                     first.calibrate(prompts[:B], new_tokens, key0, baseline=True)
                     engines["auto (first batch)"] = first
+                if drift_ab:  # the same table, baseline and starting estimates, its own
+                    # compiled loop; fallback batches drift toward the prior (the old rule)
+                    old = Engine(target.model, drafter=loaded.drafter,
+                                 drafter_params=loaded.params, schedule=sched, **common)
+                    compile_s["auto (drift to prior)"] = old.compile()
+                    a = engines["auto"]
+                    old.costs, old.baseline = a.costs.copy(), a.baseline
+                    old.measured_costs = a.measured_costs
+                    old.alpha0 = None if a.alpha0 is None else a.alpha0.copy()
+                    old.alpha_calibrated = a.alpha_calibrated
+                    old.drift_to = "prior"
+                    engines["auto (drift to prior)"] = old
                 if table_ab:  # the same compiled loop, baseline and measurements, the
                     # table made non-decreasing entry by entry (the rule before fit_costs)
                     old = copy.copy(engines["auto"])
@@ -615,6 +631,20 @@ def write_ar_doc(res: dict, doc: str = DOC) -> None:
     replace_doc_section(doc, "adaptive:ar_branch", render_ar_branch(res))
 
 
+# the twins of auto that an A/B run adds (each its own compiled loop), as render names them
+TWINS = {
+    "auto (first batch)": (
+        "\"auto (first batch)\": the same loop (compiled apart) calibrated on the first "
+        "batch instead of the batch of median prompt length "
+        "(`adaptive.calibration_batch`), interleaved with the rest."),
+    "auto (drift to prior)": (
+        "\"auto (drift to prior)\": the same loop (compiled apart) with auto's cost table "
+        "and starting estimates, whose estimates drift toward the prior (0.8) while "
+        "batches fall back, where auto's drift toward the acceptance its calibration "
+        "observed (`Engine.drift_to`), interleaved with the rest."),
+}
+
+
 def render(res: dict) -> str:
     """The markdown table of a results record."""
     lines = [f"Measured on this machine ({res['device']}, {res['cores']} cores, git "
@@ -638,13 +668,10 @@ def render(res: dict) -> str:
              "| drafter | T | B | AR tok/s | fixed G | auto | auto mean g | best fixed "
              "(every choice at B=1, G above) | auto / best fixed | identical |",
              "|" + "---|" * 10]
-    ab = any("auto (first batch)" in r["systems"] for r in res["runs"])
-    if ab:  # --calibration-ab
-        lines[0] += (
-            " \"auto (first batch)\": the same loop (compiled apart) calibrated on the first "
-            "batch instead of the batch of median prompt length "
-            "(`adaptive.calibration_batch`), interleaved with the rest.")
-        lines[-2] += " auto (first batch) |"
+    twins = [t for t in TWINS if any(t in r["systems"] for r in res["runs"])]
+    for t in twins:  # --calibration-ab, --drift-ab
+        lines[0] += " " + TWINS[t]
+        lines[-2] += f" {t} |"
         lines[-1] += "---|"
     for r in res["runs"]:
         s = r["systems"]
@@ -659,8 +686,8 @@ def render(res: dict) -> str:
             f"**{auto['speedup']:.2f}x**{fell} | {auto['mean_draft_length']:.2f} | "
             f"{best['speedup']:.2f}x ({r['best_fixed']}) | "
             f"{auto['speedup'] / best['speedup']:.2f} | {ident} |")
-        if ab:
-            t = s.get("auto (first batch)")
+        for name in twins:
+            t = s.get(name)
             lines[-1] += (" - |" if t is None else
                           f" {t['speedup']:.2f}x (AR program "
                           f"{t['autoregressive_batches'][0]}/{t['autoregressive_batches'][1]}) |")
@@ -691,6 +718,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-ab", action="store_true",
                     help="also run auto calibrated on the first batch (the rule before "
                          "adaptive.calibration_batch), interleaved")
+    ap.add_argument("--drift-ab", action="store_true",
+                    help="also run auto whose estimates drift toward the prior while "
+                         "batches fall back (the rule before 2026-11-28), same table, "
+                         "interleaved")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -773,7 +804,7 @@ def main(argv=None) -> int:
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
                   stragglers=args.stragglers, table_ab=args.table_ab,
-                  calibration_ab=args.calibration_ab)
+                  calibration_ab=args.calibration_ab, drift_ab=args.drift_ab)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]

@@ -193,6 +193,39 @@ def test_fallback_drifts_back_to_the_prior_and_probes_again():
         assert fallbacks < 30, "never speculated again"
 
 
+def test_fallback_drifts_toward_the_calibrated_acceptance():
+    """With an acceptance observed by the calibration (`alpha_calibrated`) below
+    break-even, fallback batches move the estimates toward it, not toward the optimistic
+    prior, so the engine stays with the AR program; `drift_to = "prior"` (the old rule)
+    re-opens speculation. A bad drift_to raises."""
+    auto, _ = _engines()
+    ids, key = _ids(), jax.random.key(3)
+    prior = auto.cfg.schedule.prior
+    low = np.full(3, 0.05, np.float32)
+    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0)
+    at_prior, _ = adaptive.predicted_ms([prior] * 3, CHOICES, auto.costs, base, 12, 2)
+    at_low, _ = adaptive.predicted_ms(low, CHOICES, auto.costs, base, 12, 2)
+    auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
+    calibrated = np.asarray([0.1, 0.08, 0.06], np.float32)
+    auto.alpha0, auto.alpha_calibrated = low.copy(), calibrated
+    r = adaptive.FALLBACK_DRIFT
+    want = low.copy()
+    for _ in range(12):
+        assert auto.run(ids, 12, key).fallback
+        want = want + r * (calibrated - want)
+        np.testing.assert_allclose(auto.alpha0, want, rtol=1e-5)
+    np.testing.assert_allclose(auto.alpha0, calibrated, atol=0.01)
+    auto.drift_to = "prior"
+    fallbacks = 0
+    while auto.run(ids, 12, key).fallback:
+        fallbacks += 1
+        assert fallbacks < 30, "never speculated again"
+    auto.drift_to = "calibrated "
+    auto.alpha0 = low.copy()
+    with pytest.raises(ValueError, match="drift_to"):
+        auto.run(ids, 12, key)
+
+
 def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     auto, _ = _engines()
     auto.costs = None
@@ -384,6 +417,9 @@ def test_calibrate_seeds_the_estimates_with_the_batchs_acceptance():
     auto.reset_schedule()
     auto.calibrate(ids, 12, key, repeats=1, baseline=False)
     np.testing.assert_allclose(auto.alpha0, want, rtol=1e-6)
+    # the fallback's drift target: a copy, not the estimates that later runs move
+    np.testing.assert_allclose(auto.alpha_calibrated, want, rtol=1e-6)
+    assert auto.alpha_calibrated is not auto.alpha0
     carried = np.asarray([0.3, 0.2, 0.1], np.float32)
     auto.alpha0 = carried.copy()
     auto.calibrate(ids, 12, key, repeats=1, baseline=False)

@@ -325,19 +325,21 @@ MARGIN_RANGE = (0.02, 0.25)  # measured_margin's clamp
 FALLBACK_DRIFT = 0.25
 
 
-def drift_to_prior(alpha, prior: float, rate: float = FALLBACK_DRIFT):
+def drift_to_prior(alpha, prior, rate: float = FALLBACK_DRIFT):
     """The carried estimates f32[G] after a batch that ran without the drafter: each moves
-    `rate` of the way back to the (optimistic) prior, alpha + rate (prior - alpha). Such a
-    batch observes nothing; without the drift, estimates that once fell below
-    break-even would send every later batch to the autoregressive program for good
-    (block at batch 1 ran 12 of 16 batches so, docs/adaptive.md). With it the engine
-    speculates again after a few batches where the prior says speculation pays, and
-    relearns; where even the prior says it does not (batch 32 on this CPU), nothing
-    changes. Returns float32 numpy."""
+    `rate` of the way toward `prior` (a float, the schedule's optimistic prior, or f32[G],
+    the acceptance the calibration observed: `Engine.alpha_calibrated`),
+    alpha + rate (prior - alpha). Such a batch observes nothing; without the drift,
+    estimates that once fell below break-even would send every later batch to the
+    autoregressive program for good (block at batch 1 ran 12 of 16 batches so,
+    docs/adaptive.md). With it the engine speculates again after a few batches where
+    `prior` says speculation pays, and relearns; where it says it does not (batch 32 on
+    this CPU; n-gram at T = 1 toward its calibrated acceptance), nothing changes.
+    Returns float32 numpy."""
     import numpy as np
 
     a = np.asarray(alpha, np.float32)
-    return a + np.float32(rate) * (np.float32(prior) - a)
+    return a + np.float32(rate) * (np.asarray(prior, np.float32) - a)
 
 
 # `calibration_spread` above which decode.py does not cache a table it measured: a quiet

@@ -164,7 +164,12 @@ class Engine:
         `alpha0` f32[G], the acceptance estimates the previous run ended with (averaged
         over its rows; the schedule's prior before the first run), so a long job of many
         short batches does not relearn its drafter's acceptance every batch;
-        `reset_schedule()` returns to the prior. `baseline`
+        `reset_schedule()` returns to the prior. A batch that runs without the drafter
+        (below) learns nothing; its estimates drift toward `alpha_calibrated`, the
+        acceptance the calibration observed (or the cost table recorded; the prior where
+        neither did), with `drift_to = "calibrated"` (the default), or toward the
+        optimistic prior with `drift_to = "prior"` (the rule before 2026-11-28, kept for
+        A/B runs: benchmarks/adaptive.py --drift-ab). `baseline`
         (`specjax.decoding.adaptive.Baseline`; None: measured by `calibrate` with the
         table, or never where the table is given without one) prices the batch without
         the drafter: a run whose batch `speculation_pays` says the autoregressive program
@@ -223,6 +228,10 @@ class Engine:
         self.calibration_rounds, self.calibration_relative = 0, []  # calibrate's record
         self.baseline = baseline
         self.alpha0 = None  # f32[G] carried between runs (adaptive schedule)
+        # f32[G]: the acceptance calibrate observed (or a table recorded), where the
+        # estimates drift while batches fall back; None: the prior
+        self.alpha_calibrated = None
+        self.drift_to = "calibrated"  # or "prior" (see the class docstring)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -292,7 +301,7 @@ class Engine:
             fb.drafter = fb.drafter_params = None
             fb.cfg = dataclasses.replace(self.cfg, schedule=None, partial=None, num_drafts=1)
             fb.compiled, fb.compile_s = None, 0.0
-            fb.costs = fb.baseline = fb.alpha0 = fb._fallback = None
+            fb.costs = fb.baseline = fb.alpha0 = fb.alpha_calibrated = fb._fallback = None
             self._fallback = fb
         return self._fallback
 
@@ -396,6 +405,7 @@ class Engine:
                 # the warm-up at the longest draft reaches every position: the batch's
                 # acceptance seeds the first run's estimates in place of the prior
                 self.alpha0 = self._observed_alpha(prompts, budgets[i], key, forced[i])
+                self.alpha_calibrated = self.alpha0.copy()
             else:
                 timed(forced[i], budgets[i])  # warm-up
         ar_budget = min(max_new_tokens, max_tokens)
@@ -529,13 +539,22 @@ class Engine:
         """The batch through `fallback_engine()`, reported in this engine's shapes: no
         drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True.
         Nothing is drafted, so nothing is learned: the carried estimates drift toward the
-        schedule's prior instead (`adaptive.drift_to_prior`), so that a later batch
-        probes the drafter again."""
+        acceptance the calibration observed (`alpha_calibrated`; the schedule's prior
+        without one, or with `drift_to = "prior"`: `adaptive.drift_to_prior`), so that a
+        later batch probes the drafter again where that acceptance says speculation pays,
+        and does not where it says it does not (the optimistic prior re-opened speculation
+        every few batches for n-gram at T = 1, whose acceptance is 0.08: docs/adaptive.md).
+        Raises ValueError for a `drift_to` other than "calibrated" or "prior"."""
         from specjax.decoding import adaptive
 
         out = self.fallback_engine().run(prompts, max_new_tokens, key)
+        if self.drift_to not in ("calibrated", "prior"):
+            raise ValueError(f"drift_to={self.drift_to!r} must be 'calibrated' or 'prior'")
         if self.alpha0 is not None:
-            self.alpha0 = adaptive.drift_to_prior(self.alpha0, self.cfg.schedule.prior)
+            target = (self.alpha_calibrated
+                      if self.drift_to == "calibrated" and self.alpha_calibrated is not None
+                      else self.cfg.schedule.prior)
+            self.alpha0 = adaptive.drift_to_prior(self.alpha0, target)
         n, G = len(prompts), max(self.gamma, 1)
         zeros = np.zeros((n, G), np.int32)
         return dataclasses.replace(
