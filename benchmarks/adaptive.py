@@ -106,14 +106,15 @@ def _drop_programs() -> None:
 def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
             sweep: bool = True, repeats: int = 2, stragglers: bool = False,
             table_ab: bool = False, calibration_ab: bool = False,
-            drift_ab: bool = False) -> dict:
+            drift_ab: bool = False, aa: bool = False) -> dict:
     """Runs the grid; returns the results record (see the module docstring). auto
     calibrates on the batch of median prompt length (`adaptive.calibration_batch`, as
     decode.py); with `calibration_ab` also "auto (first batch)": the same loop, compiled
     apart, calibrated on the first batch (the rule before), interleaved with the rest; with
     `drift_ab` also "auto (drift to prior)": its own compiled loop with auto's table and
     starting estimates, drifting toward the prior while batches fall back (the rule
-    before 2026-11-28)."""
+    before 2026-11-28); with `aa` also "auto (copy)": auto's rule and table in its own
+    compiled loop (an A/A control for the twins)."""
     import copy
 
     import jax
@@ -171,18 +172,24 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     compile_s["auto (first batch)"] = first.compile()
                     first.calibrate(prompts[:B], new_tokens, key0, baseline=True)
                     engines["auto (first batch)"] = first
-                if drift_ab:  # the same table, baseline and starting estimates, its own
-                    # compiled loop; fallback batches drift toward the prior (the old rule)
-                    old = Engine(target.model, drafter=loaded.drafter,
-                                 drafter_params=loaded.params, schedule=sched, **common)
-                    compile_s["auto (drift to prior)"] = old.compile()
+                # twins with auto's table, baseline and starting estimates, each its own
+                # compiled loop: fallback batches drift toward the prior (the old rule), or
+                # auto's rule itself (an A/A control: what a twin measures apart from
+                # auto when nothing differs but the compiled copy)
+                for label, on, drift in (("auto (drift to prior)", drift_ab, "prior"),
+                                         ("auto (copy)", aa, "calibrated")):
+                    if not on:
+                        continue
+                    twin = Engine(target.model, drafter=loaded.drafter,
+                                  drafter_params=loaded.params, schedule=sched, **common)
+                    compile_s[label] = twin.compile()
                     a = engines["auto"]
-                    old.costs, old.baseline = a.costs.copy(), a.baseline
-                    old.measured_costs = a.measured_costs
-                    old.alpha0 = None if a.alpha0 is None else a.alpha0.copy()
-                    old.alpha_calibrated = a.alpha_calibrated
-                    old.drift_to = "prior"
-                    engines["auto (drift to prior)"] = old
+                    twin.costs, twin.baseline = a.costs.copy(), a.baseline
+                    twin.measured_costs = a.measured_costs
+                    twin.alpha0 = None if a.alpha0 is None else a.alpha0.copy()
+                    twin.alpha_calibrated = a.alpha_calibrated
+                    twin.drift_to = drift
+                    engines[label] = twin
                 if table_ab:  # the same compiled loop, baseline and measurements, the
                     # table made non-decreasing entry by entry (the rule before fit_costs)
                     old = copy.copy(engines["auto"])
@@ -642,6 +649,10 @@ TWINS = {
         "and starting estimates, whose estimates drift toward the prior (0.8) while "
         "batches fall back, where auto's drift toward the acceptance its calibration "
         "observed (`Engine.drift_to`), interleaved with the rest."),
+    "auto (copy)": (
+        "\"auto (copy)\": auto's rule, table and starting estimates in a loop compiled "
+        "apart, built as the twins are (an A/A control: the difference from auto is the "
+        "measurement's, not a rule's), interleaved with the rest."),
 }
 
 
@@ -722,6 +733,9 @@ def main(argv=None) -> int:
                     help="also run auto whose estimates drift toward the prior while "
                          "batches fall back (the rule before 2026-11-28), same table, "
                          "interleaved")
+    ap.add_argument("--aa", action="store_true",
+                    help="also run a copy of auto (same rule and table, its own compiled "
+                         "loop, as the A/B twins): an A/A control, interleaved")
     ap.add_argument("--stragglers", action="store_true",
                     help="also run the rule that counts the batch's spread "
                          "(GammaSchedule.stragglers), on the same cost table")
@@ -804,7 +818,8 @@ def main(argv=None) -> int:
     res = measure(args.drafters, args.temperatures, args.batch_sizes, args.prompts,
                   args.new_tokens, sweep=not args.no_sweep, repeats=args.repeats,
                   stragglers=args.stragglers, table_ab=args.table_ab,
-                  calibration_ab=args.calibration_ab, drift_ab=args.drift_ab)
+                  calibration_ab=args.calibration_ab, drift_ab=args.drift_ab,
+                  aa=args.aa)
     if args.append and os.path.exists(args.json):
         def key(r):
             return r["drafter"], r["temperature"], r["batch"]
