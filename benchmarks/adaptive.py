@@ -177,7 +177,9 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 # auto's rule itself (an A/A control: what a twin measures apart from
                 # auto when nothing differs but the compiled copy)
                 for label, on, drift in (("auto (drift to prior)", drift_ab, "prior"),
-                                         ("auto (copy)", aa, "calibrated")):
+                                         ("auto (drift to calibrated)", drift_ab,
+                                          "calibrated"),
+                                         ("auto (copy)", aa, engines["auto"].drift_to)):
                     if not on:
                         continue
                     twin = Engine(target.model, drafter=loaded.drafter,
@@ -188,6 +190,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     twin.measured_costs = a.measured_costs
                     twin.alpha0 = None if a.alpha0 is None else a.alpha0.copy()
                     twin.alpha_calibrated = a.alpha_calibrated
+                    twin.pooled = a.pooled
                     twin.drift_to = drift
                     engines[label] = twin
                 if table_ab:  # the same compiled loop, baseline and measurements, the
@@ -647,8 +650,12 @@ TWINS = {
     "auto (drift to prior)": (
         "\"auto (drift to prior)\": the same loop (compiled apart) with auto's cost table "
         "and starting estimates, whose estimates drift toward the prior (0.8) while "
-        "batches fall back, where auto's drift toward the acceptance its calibration "
-        "observed (`Engine.drift_to`), interleaved with the rest."),
+        "batches fall back (the rule before 2026-11-28; `Engine.drift_to`), interleaved "
+        "with the rest."),
+    "auto (drift to calibrated)": (
+        "\"auto (drift to calibrated)\": the same, drifting toward the acceptance its "
+        "calibration observed on its one batch (the rule of git 6ed65cf), where auto's "
+        "drift toward the acceptance pooled over every batch it drafted for."),
     "auto (copy)": (
         "\"auto (copy)\": auto's rule, table and starting estimates in a loop compiled "
         "apart, built as the twins are (an A/A control: the difference from auto is the "

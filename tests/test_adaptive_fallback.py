@@ -195,10 +195,12 @@ def test_fallback_drifts_back_to_the_prior_and_probes_again():
 
 def test_fallback_drifts_toward_the_calibrated_acceptance():
     """With an acceptance observed by the calibration (`alpha_calibrated`) below
-    break-even, fallback batches move the estimates toward it, not toward the optimistic
-    prior, so the engine stays with the AR program; `drift_to = "prior"` (the old rule)
+    break-even and nothing pooled yet, fallback batches move the estimates toward it, not
+    toward the optimistic prior, so the engine stays with the AR program (drift_to
+    "pooled", the default, and "calibrated" alike); `drift_to = "prior"` (the old rule)
     re-opens speculation. A bad drift_to raises."""
     auto, _ = _engines()
+    assert auto.drift_to == "pooled" and auto.pooled is None
     ids, key = _ids(), jax.random.key(3)
     prior = auto.cfg.schedule.prior
     low = np.full(3, 0.05, np.float32)
@@ -224,6 +226,32 @@ def test_fallback_drifts_toward_the_calibrated_acceptance():
     auto.alpha0 = low.copy()
     with pytest.raises(ValueError, match="drift_to"):
         auto.run(ids, 12, key)
+
+
+def test_pooled_acceptance_sums_every_drafted_batch():
+    """`pooled` sums accepted and reached over every speculative run (fallback runs add
+    nothing), and drift_target() is their ratio, the calibrated acceptance where a
+    position was never reached; "calibrated" and "prior" ignore it."""
+    auto, _ = _engines(kind="draft_lm")
+    ids = _ids()
+    acc, reached = np.zeros(3), np.zeros(3)
+    for seed in range(3):
+        out = auto.run(ids, 12, jax.random.key(seed))
+        assert not out.fallback
+        acc += out.accepted.sum(0)
+        reached += out.reached.sum(0)
+    np.testing.assert_array_equal(auto.pooled[0], acc)
+    np.testing.assert_array_equal(auto.pooled[1], reached)
+    calibrated = np.asarray([0.11, 0.22, 0.33], np.float32)
+    auto.alpha_calibrated = calibrated
+    auto.pooled = (acc, np.where(np.arange(3) == 2, 0.0, reached))  # position 2 unseen
+    want = np.where(np.arange(3) == 2, 0.33, acc / np.maximum(reached, 1))
+    assert reached[:2].min() > 0
+    np.testing.assert_allclose(auto.drift_target(), want, rtol=1e-6)
+    auto.drift_to = "calibrated"
+    np.testing.assert_array_equal(auto.drift_target(), calibrated)
+    auto.drift_to = "prior"
+    assert auto.drift_target() == auto.cfg.schedule.prior
 
 
 def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
@@ -420,6 +448,8 @@ def test_calibrate_seeds_the_estimates_with_the_batchs_acceptance():
     # the fallback's drift target: a copy, not the estimates that later runs move
     np.testing.assert_allclose(auto.alpha_calibrated, want, rtol=1e-6)
     assert auto.alpha_calibrated is not auto.alpha0
+    np.testing.assert_array_equal(auto.pooled[0], acc)  # pooled starts from that run
+    np.testing.assert_array_equal(auto.pooled[1], reached)
     carried = np.asarray([0.3, 0.2, 0.1], np.float32)
     auto.alpha0 = carried.copy()
     auto.calibrate(ids, 12, key, repeats=1, baseline=False)

@@ -135,6 +135,8 @@ def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
 
 # Engine.calibrate's orders of runs (its docstring)
 CALIBRATION_ORDERS = ("rounds", "ar last", "one after another")
+# where the carried estimates drift while batches fall back (`Engine.drift_to`)
+DRIFT_TARGETS = ("pooled", "calibrated", "prior")
 
 
 class Engine:
@@ -165,11 +167,14 @@ class Engine:
         over its rows; the schedule's prior before the first run), so a long job of many
         short batches does not relearn its drafter's acceptance every batch;
         `reset_schedule()` returns to the prior. A batch that runs without the drafter
-        (below) learns nothing; its estimates drift toward `alpha_calibrated`, the
-        acceptance the calibration observed (or the cost table recorded; the prior where
-        neither did), with `drift_to = "calibrated"` (the default), or toward the
-        optimistic prior with `drift_to = "prior"` (the rule before 2026-11-28, kept for
-        A/B runs: benchmarks/adaptive.py --drift-ab). `baseline`
+        (below) learns nothing; its estimates drift toward a target set by `drift_to`:
+        "pooled" (the default), the drafter's acceptance pooled over every batch it has
+        drafted for (`pooled`: sum accepted / sum reached per position, from the
+        calibration's observation on), falling back to `alpha_calibrated` and then the
+        prior at positions never reached; "calibrated", the acceptance the calibration
+        observed on its one batch (or the cost table recorded); "prior", the optimistic
+        prior (the rule before 2026-11-28). The last two are kept for A/B runs
+        (benchmarks/adaptive.py --drift-ab). `baseline`
         (`specjax.decoding.adaptive.Baseline`; None: measured by `calibrate` with the
         table, or never where the table is given without one) prices the batch without
         the drafter: a run whose batch `speculation_pays` says the autoregressive program
@@ -231,7 +236,10 @@ class Engine:
         # f32[G]: the acceptance calibrate observed (or a table recorded), where the
         # estimates drift while batches fall back; None: the prior
         self.alpha_calibrated = None
-        self.drift_to = "calibrated"  # or "prior" (see the class docstring)
+        # (accepted f64[G], reached f64[G]) summed over every run that drafted, from the
+        # calibration's observation on; None before any
+        self.pooled = None
+        self.drift_to = "pooled"  # or "calibrated", "prior" (see the class docstring)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -302,6 +310,7 @@ class Engine:
             fb.cfg = dataclasses.replace(self.cfg, schedule=None, partial=None, num_drafts=1)
             fb.compiled, fb.compile_s = None, 0.0
             fb.costs = fb.baseline = fb.alpha0 = fb.alpha_calibrated = fb._fallback = None
+            fb.pooled = None
             self._fallback = fb
         return self._fallback
 
@@ -406,6 +415,7 @@ class Engine:
                 # acceptance seeds the first run's estimates in place of the prior
                 self.alpha0 = self._observed_alpha(prompts, budgets[i], key, forced[i])
                 self.alpha_calibrated = self.alpha0.copy()
+                self.pooled = self._last_counts
             else:
                 timed(forced[i], budgets[i])  # warm-up
         ar_budget = min(max_new_tokens, max_tokens)
@@ -480,6 +490,7 @@ class Engine:
         n = len(prompts)
         acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
         reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
+        self._last_counts = (acc, reached)  # calibrate starts `pooled` from them
         prior = np.full(acc.shape, self.cfg.schedule.prior)
         return np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
 
@@ -529,6 +540,10 @@ class Engine:
         chosen = res.chosen if self.cfg.schedule is not None else None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
             self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
+            acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
+            reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
+            self.pooled = ((acc, reached) if self.pooled is None else
+                           (self.pooled[0] + acc, self.pooled[1] + reached))
         verified = res.verified if self.cfg.partial is not None else None
         reused = res.reused if getattr(self.drafter, "reuse", False) else None
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
@@ -538,23 +553,21 @@ class Engine:
     def _run_fallback(self, prompts, max_new_tokens, key) -> BatchOutput:
         """The batch through `fallback_engine()`, reported in this engine's shapes: no
         drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True.
-        Nothing is drafted, so nothing is learned: the carried estimates drift toward the
-        acceptance the calibration observed (`alpha_calibrated`; the schedule's prior
-        without one, or with `drift_to = "prior"`: `adaptive.drift_to_prior`), so that a
-        later batch probes the drafter again where that acceptance says speculation pays,
-        and does not where it says it does not (the optimistic prior re-opened speculation
-        every few batches for n-gram at T = 1, whose acceptance is 0.08: docs/adaptive.md).
-        Raises ValueError for a `drift_to` other than "calibrated" or "prior"."""
+        Nothing is drafted, so nothing is learned: the carried estimates drift toward
+        `drift_target()` (by default the drafter's acceptance pooled over every batch it
+        drafted for: `adaptive.drift_to_prior`), so that a later batch probes the drafter
+        again where its long-run acceptance says speculation pays, and does not where it
+        says it does not (the optimistic prior re-opened speculation every few batches
+        for n-gram at T = 1, whose acceptance is 0.08; the calibration's one batch kept
+        block at T = 0, B = 1 autoregressive in 25 of 32 batches: docs/adaptive.md).
+        Raises ValueError for a `drift_to` not in DRIFT_TARGETS."""
         from specjax.decoding import adaptive
 
         out = self.fallback_engine().run(prompts, max_new_tokens, key)
-        if self.drift_to not in ("calibrated", "prior"):
-            raise ValueError(f"drift_to={self.drift_to!r} must be 'calibrated' or 'prior'")
+        if self.drift_to not in DRIFT_TARGETS:
+            raise ValueError(f"drift_to={self.drift_to!r} must be one of {DRIFT_TARGETS}")
         if self.alpha0 is not None:
-            target = (self.alpha_calibrated
-                      if self.drift_to == "calibrated" and self.alpha_calibrated is not None
-                      else self.cfg.schedule.prior)
-            self.alpha0 = adaptive.drift_to_prior(self.alpha0, target)
+            self.alpha0 = adaptive.drift_to_prior(self.alpha0, self.drift_target())
         n, G = len(prompts), max(self.gamma, 1)
         zeros = np.zeros((n, G), np.int32)
         return dataclasses.replace(
@@ -563,6 +576,20 @@ class Engine:
             verified=None if self.cfg.partial is None else np.zeros((2,), np.int32),
             reused=None if not getattr(self.drafter, "reuse", False) else np.zeros((4,), np.int32),
             fallback=True)
+
+    def drift_target(self):
+        """Where the carried estimates drift while batches fall back (f32[G], or the
+        prior as a float), by `drift_to` (see the class docstring)."""
+        prior = self.cfg.schedule.prior
+        if self.drift_to == "prior":
+            return prior
+        G = max(self.gamma, 1)
+        base = (np.full(G, prior, np.float32) if self.alpha_calibrated is None
+                else np.asarray(self.alpha_calibrated, np.float32))
+        if self.drift_to == "calibrated" or self.pooled is None:
+            return base
+        acc, reached = self.pooled
+        return np.where(reached > 0, acc / np.maximum(reached, 1), base).astype(np.float32)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:
