@@ -121,7 +121,7 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
     import numpy as np
 
     from specjax.decoding import adaptive
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
+    from specjax.decoding.engine import DRIFT_TARGETS, Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter
     from specjax.decoding.sampling import SamplingParams
 
@@ -176,10 +176,11 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 # compiled loop: fallback batches drift toward the prior (the old rule), or
                 # auto's rule itself (an A/A control: what a twin measures apart from
                 # auto when nothing differs but the compiled copy)
-                for label, on, drift in (("auto (drift to prior)", drift_ab, "prior"),
-                                         ("auto (drift to calibrated)", drift_ab,
-                                          "calibrated"),
-                                         ("auto (copy)", aa, engines["auto"].drift_to)):
+                own = engines["auto"].drift_to
+                for label, on, drift in (
+                        *[(f"auto (drift to {t})", drift_ab, t) for t in DRIFT_TARGETS
+                          if t != own],
+                        ("auto (copy)", aa, own)):
                     if not on:
                         continue
                     twin = Engine(target.model, drafter=loaded.drafter,
@@ -654,8 +655,10 @@ TWINS = {
         "with the rest."),
     "auto (drift to calibrated)": (
         "\"auto (drift to calibrated)\": the same, drifting toward the acceptance its "
-        "calibration observed on its one batch (the rule of git 6ed65cf), where auto's "
-        "drift toward the acceptance pooled over every batch it drafted for."),
+        "calibration observed on its one batch (the default since git 6ed65cf)."),
+    "auto (drift to pooled)": (
+        "\"auto (drift to pooled)\": the same, drifting toward the acceptance pooled "
+        "over every batch it drafted for (`Engine.pooled`; measured, not adopted)."),
     "auto (copy)": (
         "\"auto (copy)\": auto's rule, table and starting estimates in a loop compiled "
         "apart, built as the twins are (an A/A control: the difference from auto is the "

@@ -195,12 +195,12 @@ def test_fallback_drifts_back_to_the_prior_and_probes_again():
 
 def test_fallback_drifts_toward_the_calibrated_acceptance():
     """With an acceptance observed by the calibration (`alpha_calibrated`) below
-    break-even and nothing pooled yet, fallback batches move the estimates toward it, not
-    toward the optimistic prior, so the engine stays with the AR program (drift_to
-    "pooled", the default, and "calibrated" alike); `drift_to = "prior"` (the old rule)
+    break-even, fallback batches move the estimates toward it, not toward the optimistic
+    prior, so the engine stays with the AR program (drift_to "calibrated", the default;
+    "pooled" with nothing pooled yet does the same); `drift_to = "prior"` (the old rule)
     re-opens speculation. A bad drift_to raises."""
     auto, _ = _engines()
-    assert auto.drift_to == "pooled" and auto.pooled is None
+    assert auto.drift_to == "calibrated" and auto.pooled is None
     ids, key = _ids(), jax.random.key(3)
     prior = auto.cfg.schedule.prior
     low = np.full(3, 0.05, np.float32)
@@ -233,6 +233,7 @@ def test_pooled_acceptance_sums_every_drafted_batch():
     nothing), and drift_target() is their ratio, the calibrated acceptance where a
     position was never reached; "calibrated" and "prior" ignore it."""
     auto, _ = _engines(kind="draft_lm")
+    auto.drift_to = "pooled"
     ids = _ids()
     acc, reached = np.zeros(3), np.zeros(3)
     for seed in range(3):

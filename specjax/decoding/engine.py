@@ -136,7 +136,7 @@ def _drafter_heads(drafter, params, target_cfg) -> tuple[int, int]:
 # Engine.calibrate's orders of runs (its docstring)
 CALIBRATION_ORDERS = ("rounds", "ar last", "one after another")
 # where the carried estimates drift while batches fall back (`Engine.drift_to`)
-DRIFT_TARGETS = ("pooled", "calibrated", "prior")
+DRIFT_TARGETS = ("calibrated", "pooled", "prior")
 
 
 class Engine:
@@ -168,13 +168,14 @@ class Engine:
         short batches does not relearn its drafter's acceptance every batch;
         `reset_schedule()` returns to the prior. A batch that runs without the drafter
         (below) learns nothing; its estimates drift toward a target set by `drift_to`:
-        "pooled" (the default), the drafter's acceptance pooled over every batch it has
+        "calibrated" (the default), the acceptance the calibration observed on its batch
+        (`alpha_calibrated`, or the one the cost table recorded; the prior without
+        either); "pooled", the drafter's acceptance pooled over every batch it has
         drafted for (`pooled`: sum accepted / sum reached per position, from the
-        calibration's observation on), falling back to `alpha_calibrated` and then the
-        prior at positions never reached; "calibrated", the acceptance the calibration
-        observed on its one batch (or the cost table recorded); "prior", the optimistic
-        prior (the rule before 2026-11-28). The last two are kept for A/B runs
-        (benchmarks/adaptive.py --drift-ab). `baseline`
+        calibration's observation on; `alpha_calibrated` at positions never reached);
+        "prior", the optimistic prior (the rule before 2026-11-28). The last two are kept
+        for A/B runs (benchmarks/adaptive.py --drift-ab; docs/adaptive.md, "Fallback
+        batches drift toward the calibrated acceptance"). `baseline`
         (`specjax.decoding.adaptive.Baseline`; None: measured by `calibrate` with the
         table, or never where the table is given without one) prices the batch without
         the drafter: a run whose batch `speculation_pays` says the autoregressive program
@@ -239,7 +240,7 @@ class Engine:
         # (accepted f64[G], reached f64[G]) summed over every run that drafted, from the
         # calibration's observation on; None before any
         self.pooled = None
-        self.drift_to = "pooled"  # or "calibrated", "prior" (see the class docstring)
+        self.drift_to = "calibrated"  # or "pooled", "prior" (see the class docstring)
         self.batch_size = batch_size
         self.compiled = None
         self.compile_s = 0.0
@@ -554,12 +555,11 @@ class Engine:
         """The batch through `fallback_engine()`, reported in this engine's shapes: no
         drafts (accepted and reached zeros [rows, G], chosen zeros), fallback True.
         Nothing is drafted, so nothing is learned: the carried estimates drift toward
-        `drift_target()` (by default the drafter's acceptance pooled over every batch it
-        drafted for: `adaptive.drift_to_prior`), so that a later batch probes the drafter
-        again where its long-run acceptance says speculation pays, and does not where it
-        says it does not (the optimistic prior re-opened speculation every few batches
-        for n-gram at T = 1, whose acceptance is 0.08; the calibration's one batch kept
-        block at T = 0, B = 1 autoregressive in 25 of 32 batches: docs/adaptive.md).
+        `drift_target()` (by default the acceptance the calibration observed:
+        `adaptive.drift_to_prior`), so that a later batch probes the drafter again where
+        that acceptance says speculation pays, and does not where it says it does not
+        (the optimistic prior re-opened speculation every few batches for n-gram at
+        T = 1, whose acceptance is 0.08: docs/adaptive.md).
         Raises ValueError for a `drift_to` not in DRIFT_TARGETS."""
         from specjax.decoding import adaptive
 
