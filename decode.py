@@ -521,7 +521,8 @@ def run(args) -> int:
                   prompt_width=prompt_width, batch_size=args.batch_size, eos_token_ids=eos,
                   kernels=args.kernels, mesh=mesh)
     schedule, costs, table, baseline, alpha = None, None, None, None, None
-    measured_at, table_written = None, False  # the cost table's provenance, for the report
+    # the cost table's provenance, for the report
+    measured_at, table_written, relative = None, False, None
     if auto and drafter is not None:
         from specjax.decoding import adaptive
 
@@ -565,6 +566,8 @@ def run(args) -> int:
                                           base_key, baseline=True)
         calibrated_s = time.perf_counter() - t0
         measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        # each round's AR wall over its speculative walls (the margin's input)
+        relative = [round(float(r), 4) for r in engines["main"].calibration_relative]
         spread = adaptive.calibration_spread(engines["main"].calibration_relative)
         noisy = spread > adaptive.NOISY_SPREAD
         if noisy:
@@ -582,10 +585,7 @@ def run(args) -> int:
                     "measured_ms_per_step": {
                         str(g): round(float(m), 4) for g, m in zip(
                             schedule.choices, engines["main"].measured_costs, strict=True)},
-                    # each round's AR wall over its speculative walls (the margin's input)
-                    "calibration_relative": [round(float(r), 4) for r in
-                                             engines["main"].calibration_relative],
-                    "measured_at": measured_at,
+                    "calibration_relative": relative, "measured_at": measured_at,
                     # the acceptance calibrate observed: the next run starts from it
                     **({} if engines["main"].alpha0 is None else {"alpha": [
                         round(float(a), 4) for a in engines["main"].alpha0]})},
@@ -652,9 +652,7 @@ def run(args) -> int:
             "autoregressive_batches": st.fallback_batches, "batches": st.batches,
             "cost_table": table if calibrated_s is None or table_written else None,
             "measured_at": measured_at, "calibration_s": calibrated_s,
-            "calibration_relative": ([round(float(r), 4) for r in
-                                      engines["main"].calibration_relative]
-                                     if calibrated_s is not None else None)}
+            "calibration_relative": relative}
     if args.compare_ar:
         ar = stats.get("ar", st)
         summary["ar_tokens_per_s"] = ar.tokens_per_s

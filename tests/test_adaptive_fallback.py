@@ -167,6 +167,18 @@ def test_fallback_batches_are_the_autoregressive_program(temperature):
     assert st.accepted.shape == (3,)
 
 
+def _pays_at_prior_not_at(auto, low):
+    """Gives `auto` a baseline whose AR program (12 tokens, 2 rows) lies between the
+    speculative predictions at the prior and at the estimates `low`: speculation pays at
+    the prior, not at `low`."""
+    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0)
+    prior = [auto.cfg.schedule.prior] * 3
+    at_prior, _ = adaptive.predicted_ms(prior, CHOICES, auto.costs, base, 12, 2)
+    at_low, _ = adaptive.predicted_ms(low, CHOICES, auto.costs, base, 12, 2)
+    assert at_prior < at_low
+    auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
+
+
 def test_fallback_drifts_back_to_the_prior_and_probes_again():
     """Estimates below break-even send a batch to the AR program; each such batch moves
     them FALLBACK_DRIFT of the way back to the prior, so that after a few batches the
@@ -175,12 +187,7 @@ def test_fallback_drifts_back_to_the_prior_and_probes_again():
     ids, key = _ids(), jax.random.key(3)
     prior = auto.cfg.schedule.prior
     low = np.full(3, 0.05, np.float32)
-    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0)
-    at_prior, _ = adaptive.predicted_ms([prior] * 3, CHOICES, auto.costs, base, 12, 2)
-    at_low, _ = adaptive.predicted_ms(low, CHOICES, auto.costs, base, 12, 2)
-    assert at_prior < at_low
-    # the AR program's time between the two predictions: pays at the prior, not at `low`
-    auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
+    _pays_at_prior_not_at(auto, low)
     auto.alpha0 = low.copy()
     assert not auto.speculates(2, 12)
     out = auto.run(ids, 12, key)
@@ -202,12 +209,8 @@ def test_fallback_drifts_toward_the_calibrated_acceptance():
     auto, _ = _engines()
     assert auto.drift_to == "calibrated" and auto.pooled is None
     ids, key = _ids(), jax.random.key(3)
-    prior = auto.cfg.schedule.prior
     low = np.full(3, 0.05, np.float32)
-    base = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=0.0, ar_ms_per_step=1.0)
-    at_prior, _ = adaptive.predicted_ms([prior] * 3, CHOICES, auto.costs, base, 12, 2)
-    at_low, _ = adaptive.predicted_ms(low, CHOICES, auto.costs, base, 12, 2)
-    auto.baseline = dataclasses.replace(base, ar_ms_per_step=(at_prior + at_low) / 2 / 12)
+    _pays_at_prior_not_at(auto, low)
     calibrated = np.asarray([0.1, 0.08, 0.06], np.float32)
     auto.alpha0, auto.alpha_calibrated = low.copy(), calibrated
     r = adaptive.FALLBACK_DRIFT

@@ -342,10 +342,9 @@ def drift_to_prior(alpha, prior, rate: float = FALLBACK_DRIFT):
     return a + np.float32(rate) * (np.asarray(prior, np.float32) - a)
 
 
-# `calibration_spread` above which decode.py does not cache a table it measured: a quiet
-# 2-core CPU spread up to about 0.25-0.3 over three rounds at batch 1 (the margin's clamp
-# was hit by quiet calibrations), the demo's calibration beside a test run 0.80
-# (docs/adaptive.md, "A table measured on a busy machine")
+# `calibration_spread` above which decode.py does not cache a table it measured: twice the
+# margin's clamp, which quiet calibrations reach, and below what a calibration beside
+# other work spreads (docs/adaptive.md, "A table measured on a busy machine")
 NOISY_SPREAD = 0.5
 
 

@@ -139,6 +139,13 @@ CALIBRATION_ORDERS = ("rounds", "ar last", "one after another")
 DRIFT_TARGETS = ("calibrated", "pooled", "prior")
 
 
+def _counts(res, n: int):
+    """(accepted f64[G], reached f64[G]) of a `LoopResult` (host arrays), summed over its
+    first n rows."""
+    return (np.asarray(res.accepted)[:n].sum(0).astype(np.float64),
+            np.asarray(res.reached)[:n].sum(0).astype(np.float64))
+
+
 class Engine:
     """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
 
@@ -173,9 +180,9 @@ class Engine:
         either); "pooled", the drafter's acceptance pooled over every batch it has
         drafted for (`pooled`: sum accepted / sum reached per position, from the
         calibration's observation on; `alpha_calibrated` at positions never reached);
-        "prior", the optimistic prior (the rule before 2026-11-28). The last two are kept
-        for A/B runs (benchmarks/adaptive.py --drift-ab; docs/adaptive.md, "Fallback
-        batches drift toward the calibrated acceptance"). `baseline`
+        "prior", the optimistic prior, which re-opens speculation every few batches even
+        for a drafter whose acceptance does not pay. The last two are kept for A/B runs
+        (`python benchmarks/adaptive.py --drift-ab`; docs/adaptive.md). `baseline`
         (`specjax.decoding.adaptive.Baseline`; None: measured by `calibrate` with the
         table, or never where the table is given without one) prices the batch without
         the drafter: a run whose batch `speculation_pays` says the autoregressive program
@@ -414,9 +421,9 @@ class Engine:
             if g == max(choices) and g > 0 and self.alpha0 is None:
                 # the warm-up at the longest draft reaches every position: the batch's
                 # acceptance seeds the first run's estimates in place of the prior
-                self.alpha0 = self._observed_alpha(prompts, budgets[i], key, forced[i])
+                self.alpha0, self.pooled = self._observed_alpha(prompts, budgets[i], key,
+                                                                forced[i])
                 self.alpha_calibrated = self.alpha0.copy()
-                self.pooled = self._last_counts
             else:
                 timed(forced[i], budgets[i])  # warm-up
         ar_budget = min(max_new_tokens, max_tokens)
@@ -483,17 +490,16 @@ class Engine:
                 ar_ms_per_step=ms[AR], margin=adaptive.measured_margin(relative or full[AR]))
         return fitted
 
-    def _observed_alpha(self, prompts, budget, key, costs) -> np.ndarray:
-        """The per-position acceptance f32[G] of one run (costs: the cost table it runs
-        with), pooled over the prompts' rows: sum accepted[k] / sum reached[k]
-        (`LoopResult`), the schedule's prior where position k was never reached."""
+    def _observed_alpha(self, prompts, budget, key, costs):
+        """(alpha f32[G], counts) of one run (costs: the cost table it runs with): the
+        per-position acceptance pooled over the prompts' rows, sum accepted[k] / sum
+        reached[k] (`LoopResult`; the schedule's prior where position k was never
+        reached), and those sums (`_counts`)."""
         res = self._call((*self._arrays(prompts, budget), key), costs)
-        n = len(prompts)
-        acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
-        reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
-        self._last_counts = (acc, reached)  # calibrate starts `pooled` from them
+        acc, reached = counts = _counts(res, len(prompts))
         prior = np.full(acc.shape, self.cfg.schedule.prior)
-        return np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
+        alpha = np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
+        return alpha, counts
 
     def _call(self, args, costs=None):
         """The `LoopResult` of one compiled run (compiled already) on `args` = (prompt
@@ -541,8 +547,7 @@ class Engine:
         chosen = res.chosen if self.cfg.schedule is not None else None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
             self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
-            acc = np.asarray(res.accepted)[:n].sum(0).astype(np.float64)
-            reached = np.asarray(res.reached)[:n].sum(0).astype(np.float64)
+            acc, reached = _counts(res, n)
             self.pooled = ((acc, reached) if self.pooled is None else
                            (self.pooled[0] + acc, self.pooled[1] + reached))
         verified = res.verified if self.cfg.partial is not None else None
@@ -564,8 +569,6 @@ class Engine:
         from specjax.decoding import adaptive
 
         out = self.fallback_engine().run(prompts, max_new_tokens, key)
-        if self.drift_to not in DRIFT_TARGETS:
-            raise ValueError(f"drift_to={self.drift_to!r} must be one of {DRIFT_TARGETS}")
         if self.alpha0 is not None:
             self.alpha0 = adaptive.drift_to_prior(self.alpha0, self.drift_target())
         n, G = len(prompts), max(self.gamma, 1)
@@ -579,7 +582,10 @@ class Engine:
 
     def drift_target(self):
         """Where the carried estimates drift while batches fall back (f32[G], or the
-        prior as a float), by `drift_to` (see the class docstring)."""
+        prior as a float), by `drift_to` (see the class docstring). Raises ValueError for
+        a `drift_to` not in DRIFT_TARGETS."""
+        if self.drift_to not in DRIFT_TARGETS:
+            raise ValueError(f"drift_to={self.drift_to!r} must be one of {DRIFT_TARGETS}")
         prior = self.cfg.schedule.prior
         if self.drift_to == "prior":
             return prior
