@@ -104,7 +104,12 @@ def token_nll(model, ids):
     return np.concatenate(out)[:T - 1]
 
 
-def quality(rows: int, long_target: str = LONG, log=print) -> dict:
+def _targets(long_target: str, also=()) -> list[tuple[str, str]]:
+    """(name, HF dir) of every target measured: shipped, long, then `also`'s pairs."""
+    return [("shipped", SHIPPED), ("long", long_target), *also]
+
+
+def quality(rows: int, long_target: str = LONG, log=print, also=()) -> dict:
     import numpy as np
 
     from specjax.decoding.loading import load_target
@@ -112,7 +117,7 @@ def quality(rows: int, long_target: str = LONG, log=print) -> dict:
     n = BUCKETS[-1]
     stream = val_stream(rows * n)
     res = {}
-    for name, path in (("shipped", SHIPPED), ("long", long_target)):
+    for name, path in _targets(long_target, also):
         model = load_target(path, dtype="float32").model
         sums = np.zeros(len(BUCKETS) - 1)
         counts = np.zeros(len(BUCKETS) - 1)
@@ -130,7 +135,7 @@ def quality(rows: int, long_target: str = LONG, log=print) -> dict:
 
 
 def windowed_control(rows: int, long_target: str = LONG, lo: int = 16384, ctx: int = 4096,
-                     log=print) -> dict:
+                     log=print, also=()) -> dict:
     """The same tokens as the last bucket (positions lo..32k of each row), each window of
     `ctx` tokens read after only its `ctx` preceding tokens (positions below 2 * ctx, the
     range of the long target's training rows): the NLL the text has at short positions,
@@ -141,7 +146,7 @@ def windowed_control(rows: int, long_target: str = LONG, lo: int = 16384, ctx: i
     n = BUCKETS[-1]
     stream = val_stream(rows * n)
     out = {}
-    for name, path in (("shipped", SHIPPED), ("long", long_target)):
+    for name, path in _targets(long_target, also):
         model = load_target(path, dtype="float32").model
         total, count = 0.0, 0
         for r in range(rows):
@@ -377,6 +382,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2,
                     help="speed: runs per engine (the fastest counts)")
     ap.add_argument("--long-target", default=LONG, help="the long-context target's HF dir")
+    ap.add_argument("--also", nargs="+", default=[], metavar="NAME=DIR",
+                    help="quality and control: more targets measured beside the shipped "
+                         "and the long one (e.g. an earlier stage of the long target)")
     ap.add_argument("--drafter", default=EAGLE3,
                     help="an eagle3 drafter trained against --long-target")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
@@ -389,6 +397,12 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
+    also = []
+    for item in args.also:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not os.path.isdir(path):
+            ap.error(f"--also {item!r}: give NAME=DIR with an existing HF directory")
+        also.append((name, os.path.abspath(path)))
     if args.render_only:
         write_doc(json.load(open(args.json)))
         return 0
@@ -398,11 +412,12 @@ def main(argv=None) -> int:
     stamp = dict(git=git_rev(ROOT), date=time.strftime("%Y-%m-%d"), cores=os.cpu_count(),
                  jax=jax.__version__)
     if args.what in ("quality", "all"):
-        res["quality"] = {**quality(args.rows, args.long_target), **stamp}
+        res["quality"] = {**quality(args.rows, args.long_target, also=also), **stamp}
         res.update(stamp)
         save_results(args.json, res, RESULTS, write_doc)  # each part as soon as it is done
     if args.what in ("control", "quality", "all"):
-        res["quality"]["control"] = {**windowed_control(args.rows, args.long_target), **stamp}
+        res["quality"]["control"] = {**windowed_control(args.rows, args.long_target,
+                                                        also=also), **stamp}
         save_results(args.json, res, RESULTS, write_doc)
     if args.what in ("speed", "all"):
         new = {**speed(args.contexts, args.budgets, args.new_tokens,

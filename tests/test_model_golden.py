@@ -146,6 +146,31 @@ def test_prefill(golden):
     np.testing.assert_array_equal(out.cache.lengths, [T, T])
 
 
+@pytest.mark.parametrize("attention", ["jnp", "chunked"])
+def test_cache_free_forward_at_pose_positions(golden, attention):
+    """The training forward (no cache) at PoSE's skip-wise positions, on the jnp mask
+    path and with the chunked training attention, against transformers given the same
+    position_ids (the positions reach RoPE; the mask stays causal by index)."""
+    from specjax.train.kernels import causal_chunked_attention
+    from specjax.train.step import pose_positions
+
+    B, T = golden.tokens.shape
+    positions = np.asarray(pose_positions(jax.random.key(5), B, T,
+                                          golden.cfg.max_position_embeddings))
+    assert (positions[:, -1] >= T).all()  # both rows skip (seed chosen so)
+    fn = None if attention == "jnp" else (lambda q, k, v, lim: causal_chunked_attention(
+        q, k, v, lim, chunk=16))
+    graphdef, state = nnx.split(golden.model)
+    logits = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p, None, self_attention=fn)
+                     .logits)(state, jnp.asarray(golden.tokens, jnp.int32),
+                              jnp.asarray(positions, jnp.int32))
+    with torch.no_grad():
+        ref = golden.hf(torch.as_tensor(golden.tokens, dtype=torch.long),
+                        position_ids=torch.as_tensor(positions, dtype=torch.long)).logits.numpy()
+    assert np.abs(ref - golden.ref_logits).max() > 1e-2  # the skip changes the logits
+    assert_close(logits, ref, what=f"pose positions ({attention})")
+
+
 def test_prefill_logits_at(golden):
     B, T = golden.tokens.shape
     positions = np.broadcast_to(np.arange(T), (B, T))

@@ -235,7 +235,8 @@ class Transformer(nnx.Module):
             limit i32[B,T]) -> (o [B,T,N,H], lse), where query t sees keys s < limit[b,t],
             such as `pallas_kernels.attention.packed_attention` (flash attention: no
             [T, T] scores in memory). It gets limit = t + 1, which is the causal mask when
-            each row's positions are consecutive (as in training).
+            each row's positions increase along the row (as in training, PoSE's
+            skip-wise positions included).
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with

@@ -184,6 +184,11 @@ class TrainLoopConfig:
         chunk of queries at a time with recomputation: rows of many thousand tokens on
         CPU), or "auto" (pallas on TPU and GPU, reference on CPU). `train.py --kernels`
         sets it.
+      pose: objective lm: train at PoSE's skip-wise positions (Zhu et al., ICLR 2024,
+        arXiv 2309.10400; `specjax.train.step.pose_positions`): each row of
+        data.seq_len tokens is cut in two chunks and the second is moved to a random
+        offset, so the RoPE distances up to model.max_position_embeddings are trained
+        with short rows. Validation stays at positions 0..seq_len-1.
     """
 
     steps: int = 1000
@@ -200,6 +205,7 @@ class TrainLoopConfig:
     init_from: str | None = None
     init_from_other_target: bool = False
     kernels: str = "auto"
+    pose: bool = False
 
     def __post_init__(self):
         if self.kernels not in ("auto", "pallas", "reference", "chunked"):
@@ -390,7 +396,15 @@ class TrainConfig:
                 if getattr(self, name) is not None:
                     raise SpecjaxError(f"{name} is a drafter-training setting (objective ttt "
                                        "or block); remove it for objective lm")
+            if self.train.pose and self.model.max_position_embeddings <= self.data.seq_len:
+                raise SpecjaxError(
+                    f"train.pose needs model.max_position_embeddings "
+                    f"({self.model.max_position_embeddings}) above data.seq_len "
+                    f"({self.data.seq_len}): it trains the positions beyond the rows")
             return
+        if self.train.pose:
+            raise SpecjaxError(f"train.pose trains a target's positions (objective lm); "
+                               f"remove it for objective={self.objective}")
         if self.drafter is None:
             raise SpecjaxError(f"objective={self.objective} trains a drafter and needs a "
                                "drafter section (drafter.kind: ...); see configs/drafters/")

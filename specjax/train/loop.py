@@ -152,7 +152,9 @@ class _LMRun:
         T, B, A = cfg.data.seq_len, loop.batch_size, loop.grad_accum
         self.trainer = Trainer(model_cfg, dtype, tx, schedule, mesh, seed=loop.seed,
                                grad_accum=A, micro_batch=loop.micro_batch, eval_batch=B,
-                               seq_len=T, kernels=loop.kernels)
+                               seq_len=T, kernels=loop.kernels,
+                               pose_max_position=(model_cfg.max_position_embeddings
+                                                  if loop.pose else None))
         self.start_info = {"params": model_cfg.num_params}
         self.best = None
 

@@ -7,9 +7,10 @@ are closed over, and a pure loss function `nnx.merge`s them inside `jax.jit`
 
 The `lm` objective is next-token cross-entropy averaged over all B*T target tokens:
 inputs rows[:, :-1], targets rows[:, 1:] (with a loss mask, over the targets whose mask
-is 1; a batch is rows or (rows, mask): `split_batch`). The forward uses a throwaway KV cache of
-capacity T and positions 0..T-1: with S = T the cached attention is exactly causal
-self-attention, and the cache write costs one scatter per layer.
+is 1; a batch is rows or (rows, mask): `split_batch`). The forward is cache-free causal
+self-attention over the row at positions 0..T-1, or, with `pose_max_position`, at PoSE's
+skip-wise positions (`pose_positions`), which let rows of T tokens train the RoPE
+distances of a longer context window.
 """
 
 from __future__ import annotations
@@ -44,6 +45,31 @@ def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def pose_positions(key: jax.Array, batch: int, length: int, max_position: int) -> jax.Array:
+    """i32[batch, length]: PoSE's skip-wise position ids (Zhu et al., "PoSE: Efficient
+    Context Window Extension of LLMs via Positional Skip-wise Training", ICLR 2024,
+    arXiv 2309.10400, section 3.2, in the two-chunk form of its code,
+    dwzhu-pku/PoSE src/train_pose.py `train_preprocess_function_pose`).
+
+    Each row is cut in two chunks: the first holds l ~ U{1, ..., (length + 1) // 2}
+    tokens at positions 0..l-1; the second continues at t + u for a skip
+    u ~ U{0, ..., max_position - length}, so the last position is at most max_position - 1
+    and relative distances up to max_position - 1 occur while the row holds `length`
+    tokens. Positions increase strictly along a row, so index-causal attention stays
+    causal. The row's text stays contiguous (the code also samples the second chunk's
+    text from further on in the document; here the rows are already cut).
+
+    Raises: ValueError if max_position < length or length < 2."""
+    if length < 2 or max_position < length:
+        raise ValueError(f"pose_positions needs 2 <= length <= max_position, got "
+                         f"length={length}, max_position={max_position}")
+    k_cut, k_skip = jax.random.split(key)
+    first = jax.random.randint(k_cut, (batch, 1), 1, (length + 1) // 2 + 1)
+    skip = jax.random.randint(k_skip, (batch, 1), 0, max_position - length + 1)
+    t = jnp.arange(length, dtype=jnp.int32)[None, :]
+    return jnp.where(t < first, t, t + skip).astype(jnp.int32)
+
+
 def micro_batches(batch):
     """(A, first): the leading micro-batch count of a batch [A, B/A, T+1] (rows or a
     (rows, mask) pair) and its first micro-batch."""
@@ -56,7 +82,7 @@ class TrainState:
 
     step: i32[] optimizer steps taken; params: nnx.State of the Transformer's
     nnx.Param leaves; opt_state: optax state; rng: u32[2] raw PRNG key, split once
-    per step (the `lm` objective draws nothing from it; later objectives do).
+    per step (the `lm` objective draws its PoSE positions from it, when set).
     """
 
     step: jax.Array
@@ -86,6 +112,9 @@ class Trainer:
       grad_accum: A, micro-steps per optimizer step.
       kernels: "auto", "pallas", "reference" or "chunked": the attention of the training
         forward (`specjax.train.kernels`).
+      pose_max_position: train at PoSE positions (`pose_positions`) spread over
+        [0, pose_max_position), drawn from the step's key; None: positions 0..T-1.
+        Validation always uses 0..T-1.
     """
 
     # The lm objective's only attention is the target's causal forward over its own row,
@@ -93,8 +122,10 @@ class Trainer:
     causal_self_attention = True
 
     def __init__(self, model_cfg, dtype, tx, schedule, mesh, *, seed: int, grad_accum: int,
-                 micro_batch: int, eval_batch: int, seq_len: int, kernels: str = "auto"):
+                 micro_batch: int, eval_batch: int, seq_len: int, kernels: str = "auto",
+                 pose_max_position: int | None = None):
         self.model_cfg, self.dtype, self.tx, self.schedule = model_cfg, dtype, tx, schedule
+        self.pose_max_position = pose_max_position
         self.set_kernels(kernels, mesh)
         self.mesh, self.seed, self.grad_accum = mesh, seed, grad_accum
         abstract = nnx.eval_shape(lambda: Transformer(model_cfg, dtype=dtype,
@@ -178,42 +209,53 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss
 
-    def loss(self, params, batch) -> jax.Array:
+    def loss(self, params, batch, positions: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross-entropy (nats per token) of rows i32[B, T+1] (or of the
-        targets with mask 1 of a (rows, mask) pair)."""
+        targets with mask 1 of a (rows, mask) pair); positions i32[B, T] of the inputs
+        (strictly increasing along a row), default 0..T-1."""
         rows, mask = split_batch(batch)
         model = self.model(params)
         tokens, targets = rows[:, :-1], rows[:, 1:]
         B, T = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         logits = model(tokens, positions, None,  # f32[B,T,V], cache-free
                        self_attention=self.attention).logits
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         return masked_mean(ce, None if mask is None else mask[:, 1:])
 
-    def _grads(self, params, batch):
+    def _grads(self, params, batch, key: jax.Array | None = None):
         """Mean loss and gradient over A micro-batches: batch i32[A, B/A, T+1] (or a
-        (rows, mask) pair of them; each micro-batch's loss is its own masked mean)."""
+        (rows, mask) pair of them; each micro-batch's loss is its own masked mean). `key`
+        draws the PoSE positions when `pose_max_position` is set."""
         grad_fn = jax.value_and_grad(self.loss)
         num_micro, first = micro_batches(batch)
+        rows_shape = jax.tree.leaves(batch)[0].shape  # (A, B/A, T+1)
+        positions = None
+        if self.pose_max_position is not None:
+            A, Bm, T1 = rows_shape
+            positions = pose_positions(key, A * Bm, T1 - 1,
+                                       self.pose_max_position).reshape(A, Bm, T1 - 1)
         if num_micro == 1:
-            return grad_fn(params, first)
+            return grad_fn(params, first, None if positions is None else positions[0])
 
-        def micro(carry, rows):
+        def micro(carry, xs):
             loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, rows)
+            rows, pos = xs
+            loss, grads = grad_fn(params, rows, pos)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             grad_sum = jax.lax.with_sharding_constraint(grad_sum, self.param_shardings)
             return (loss_sum + loss, grad_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), batch)
+        (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
+                                        (batch, positions))
         scale = 1.0 / num_micro
         return loss * scale, jax.tree.map(lambda g: g * scale, grads)
 
     def _train_step(self, state: TrainState, batch: jax.Array):
-        rng, _step_key = jax.random.split(state.rng)  # _step_key: for stochastic objectives
-        loss, grads = self._grads(state.params, batch)
+        rng, step_key = jax.random.split(state.rng)  # PoSE positions (and later objectives)
+        loss, grads = self._grads(state.params, batch, step_key)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = Metrics(loss=loss, grad_norm=optax.tree.norm(grads),
