@@ -333,6 +333,21 @@ def render_quality(res: dict) -> str:
                   f"(positions below {2 * c['context']:,}; `python benchmarks/long_context.py "
                   f"control`, git {c['git']}): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in c["nll"].items()) + "."]
+    more = q.get("control_by_context")
+    if more:
+        ctxs = sorted(more["nll"], key=int)
+        names = list(more["nll"][ctxs[0]])
+        lines += ["", "The same tokens (positions 16,384-32,767), read in windows of C "
+                  "tokens, each after only its C preceding tokens (so C to 2C tokens of "
+                  f"context; `python benchmarks/long_context.py control --control-contexts "
+                  f"{' '.join(ctxs)}`, git {more['git']}), and after all of them (the "
+                  "table's last column):", "",
+                  "| target | " + " | ".join(f"C = {int(x):,}" for x in ctxs) + " | all |",
+                  "|---|" + "---|" * (len(ctxs) + 1)]
+        for name in names:
+            last = q["targets"].get(name, {}).get("nll", [math.nan])[-1]
+            cells = " | ".join(f"{more['nll'][x][name]:.3f}" for x in ctxs)
+            lines.append(f"| {name} | {cells} | {last:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -385,6 +400,10 @@ def main(argv=None) -> int:
     ap.add_argument("--also", nargs="+", default=[], metavar="NAME=DIR",
                     help="quality and control: more targets measured beside the shipped "
                          "and the long one (e.g. an earlier stage of the long target)")
+    ap.add_argument("--control-contexts", type=int, nargs="+", default=[], metavar="C",
+                    help="control: also read the last bucket's tokens in windows of C, each "
+                         "after only its C preceding tokens, for each C (a power of two, "
+                         "1,024-16,384)")
     ap.add_argument("--drafter", default=EAGLE3,
                     help="an eagle3 drafter trained against --long-target")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
@@ -403,6 +422,9 @@ def main(argv=None) -> int:
         if not sep or not name or not os.path.isdir(path):
             ap.error(f"--also {item!r}: give NAME=DIR with an existing HF directory")
         also.append((name, os.path.abspath(path)))
+    bad = [c for c in args.control_contexts if c < 1024 or c > 16384 or c & (c - 1)]
+    if bad:
+        ap.error(f"--control-contexts {bad}: each must be a power of two in 1,024-16,384")
     if args.render_only:
         write_doc(json.load(open(args.json)))
         return 0
@@ -418,6 +440,10 @@ def main(argv=None) -> int:
     if args.what in ("control", "quality", "all"):
         res["quality"]["control"] = {**windowed_control(args.rows, args.long_target,
                                                         also=also), **stamp}
+        if args.control_contexts:
+            res["quality"]["control_by_context"] = {"nll": {
+                str(c): windowed_control(args.rows, args.long_target, ctx=c, also=also)["nll"]
+                for c in args.control_contexts}, **stamp}
         save_results(args.json, res, RESULTS, write_doc)
     if args.what in ("speed", "all"):
         new = {**speed(args.contexts, args.budgets, args.new_tokens,

@@ -1,8 +1,9 @@
 """Golden tests: specjax's Transformer against transformers (torch, f32) on tiny random models.
 
-Two configurations cover both families and the shape corners that matter:
+Three configurations cover both families and the shape corners that matter:
   qwen3: tied embeddings, per-head q/k RMSNorm, head_dim H != D/N (D 48, N 4, H 16), GQA 2:1.
   llama: untied LM head, llama3 RoPE scaling (all three frequency bands hit), GQA 4:1.
+  qwen3_yarn: qwen3 with YaRN RoPE scaling (its frequency ramp and attention factor).
 
 Weights are re-drawn at O(1) scale (norm weights too) so that every parameter moves the
 logits well above the 1e-4 tolerance. Every forward runs through one cached `jax.jit`
@@ -48,6 +49,17 @@ CONFIGS = {
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64},
         tie_word_embeddings=False, max_position_embeddings=256,
+    ),
+    "qwen3_yarn": dict(
+        cls="Qwen3Config",
+        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
+        # H 16, theta 1e3, original 1024: beta_fast (32 turns) falls at dim 1.9 and
+        # beta_slow (1 turn) at 5.9, so dim 0-1 keep their frequency, 2-5 are on the ramp
+        # and 6-7 are divided by 8; attention factor 0.1 ln 8 + 1 = 1.208 on cos and sin.
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1_000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 1024},
+        tie_word_embeddings=True, max_position_embeddings=8192,
     ),
 }
 
@@ -112,13 +124,13 @@ def golden(request, tmp_path_factory):
 
 def test_config_matches_hf(golden):
     c, hc = golden.cfg, golden.hf.config
-    assert c.family == golden.family
+    assert c.family == golden.family.split("_")[0]
     assert (c.vocab_size, c.hidden_size, c.num_layers) == (VOCAB, hc.hidden_size, 3)
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (
         hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim)
     assert c.tie_word_embeddings == hc.tie_word_embeddings
     assert c.rms_norm_eps == hc.rms_norm_eps
-    if golden.family == "qwen3":
+    if c.family == "qwen3":
         assert c.head_dim * c.num_heads != c.hidden_size
     assert (golden.model.lm_head is None) == c.tie_word_embeddings
 
@@ -134,6 +146,16 @@ def test_rope_inv_freq_matches_hf(golden):
         assert ours[0] == pytest.approx(plain[0], rel=1e-6)
         assert np.sum(np.abs(ours / plain - 1) > 1e-3) >= 2
         assert ours[-1] == pytest.approx(plain[-1] / 8.0, rel=1e-6)
+    if golden.family == "qwen3_yarn":
+        c = golden.cfg
+        plain = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2) / c.head_dim))
+        ratio = ours / plain
+        assert ratio[0] == pytest.approx(1.0) and ratio[-1] == pytest.approx(1 / 8.0)
+        assert np.sum((ratio < 0.99) & (ratio > 1 / 8.0 + 1e-3)) >= 2  # the ramp
+    # YaRN's attention factor on cos and sin (1 without YaRN)
+    assert golden.cfg.attention_scaling == pytest.approx(
+        golden.hf.model.rotary_emb.attention_scaling, rel=1e-12)
+    assert (golden.cfg.attention_scaling != 1.0) == (golden.family == "qwen3_yarn")
 
 
 def test_prefill(golden):
@@ -155,8 +177,9 @@ def test_cache_free_forward_at_pose_positions(golden, attention):
     from specjax.train.step import pose_positions
 
     B, T = golden.tokens.shape
+    # positions below 256 (f32 RoPE angles of larger ones differ beyond ATOL)
     positions = np.asarray(pose_positions(jax.random.key(5), B, T,
-                                          golden.cfg.max_position_embeddings))
+                                          min(golden.cfg.max_position_embeddings, 256)))
     assert (positions[:, -1] >= T).all()  # both rows skip (seed chosen so)
     fn = None if attention == "jnp" else (lambda q, k, v, lim: causal_chunked_attention(
         q, k, v, lim, chunk=16))

@@ -191,7 +191,8 @@ def reselect(model, cfg: PartialVerify, hidden, positions, cache, win_lo):
     [L,B,K,S,H] as the pass left it -> i32[L,B,K,R_b]."""
     c = model.cfg
     weights = model.layer_weights()
-    cos, sin = rope_cos_sin(model.inv_freq[...], positions, hidden.dtype)
+    cos, sin = rope_cos_sin(model.inv_freq[...], positions, hidden.dtype,
+                            model.cfg.attention_scaling)
     out = []
     for i in range(c.num_layers):
         w = {name: arr[i] for name, arr in weights.items()}

@@ -49,8 +49,15 @@ from specjax.models.config import ModelConfig
 
 
 def _rope_json(target: ModelConfig) -> dict | None:
+    """The drafter's rope_scaling: the target's. Raises SpecjaxError for a YaRN target:
+    specjax's drafters rotate with the target's frequencies but without YaRN's attention
+    temperature, which the other engines' drafters would apply."""
     if target.rope_scaling is None:
         return None
+    if target.rope_type == "yarn":
+        raise SpecjaxError("exporting a drafter of a YaRN-scaled target is not supported: "
+                           "specjax's drafters leave out YaRN's attention temperature, which "
+                           "the other engines apply")
     return {"rope_type": "llama3", **dict(target.rope_scaling)}
 
 

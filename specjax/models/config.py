@@ -20,6 +20,55 @@ from specjax.fileio import read_config_json
 
 FAMILIES = ("qwen3", "llama")
 
+# RoPE scalings specjax computes: (required keys, optional keys) of each rope_type, as
+# transformers names them in `rope_parameters` (modeling_rope_utils).
+ROPE_TYPES = {
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+              "truncate")),
+}
+
+
+def rope_scaling_pairs(rope: dict, default: str = "default"):
+    """`ModelConfig.rope_scaling` from a HF `rope_parameters` / `rope_scaling` mapping:
+    None for plain RoPE, else (key, value) pairs: llama3's four fields as before (no
+    rope_type pair), or ("rope_type", "yarn") followed by YaRN's fields (floats; truncate
+    a bool). `default`: the type of a mapping without rope_type/type ("llama3" for a
+    train config's model section, which predates YaRN).
+
+    Raises: SpecjaxError for another rope_type, a missing field, or a non-numeric value."""
+    kind = rope.get("rope_type", rope.get("type", default))
+    if kind in ("default", None):
+        return None
+    if kind not in ROPE_TYPES:
+        raise SpecjaxError(f"unsupported rope_type {kind!r}; expected default, "
+                           f"{' or '.join(ROPE_TYPES)}")
+    required, optional = ROPE_TYPES[kind]
+    missing = [k for k in required if rope.get(k) is None]
+    if missing:
+        raise SpecjaxError(f"{kind} RoPE scaling needs {', '.join(missing)}")
+    pairs = [] if kind == "llama3" else [("rope_type", kind)]
+    for k in required + optional:
+        v = rope.get(k)
+        if v is None:
+            continue
+        if k == "truncate":
+            if not isinstance(v, bool):
+                raise SpecjaxError(f"rope scaling truncate={v!r} must be true or false")
+            pairs.append((k, v))
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise SpecjaxError(f"rope scaling {k}={v!r} must be a number")
+        pairs.append((k, float(v)))
+    return tuple(pairs)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * float(np.log(scale)) + 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -36,9 +85,12 @@ class ModelConfig:
       intermediate_size: F (SwiGLU width).
       rms_norm_eps: epsilon inside every RMSNorm.
       rope_theta: RoPE base.
-      rope_scaling: None, or the llama3 fields as a tuple of (key, value) pairs
+      rope_scaling: None, or the scaling's fields as a tuple of (key, value) pairs: llama3's
         (`factor`, `low_freq_factor`, `high_freq_factor`,
-        `original_max_position_embeddings`).
+        `original_max_position_embeddings`), or ("rope_type", "yarn") and YaRN's
+        (`factor`, `original_max_position_embeddings`, optionally `beta_fast`,
+        `beta_slow`, `attention_factor`, `mscale`, `mscale_all_dim`, `truncate`); see
+        `rope_scaling_pairs`.
       tie_word_embeddings: LM head shares the embedding matrix.
       attention_bias: q/k/v/o projections carry a bias.
       max_position_embeddings: the model's declared context length.
@@ -55,7 +107,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    rope_scaling: tuple[tuple[str, float | str | bool], ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 4096
@@ -101,15 +153,42 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else V * D
         return V * D + L * per_layer + D + head
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies f64[H/2], with llama3 scaling when configured.
+    @property
+    def rope_type(self) -> str:
+        """"default", "llama3" or "yarn"."""
+        if self.rope_scaling is None:
+            return "default"
+        return str(dict(self.rope_scaling).get("rope_type", "llama3"))
 
-        Source: transformers `modeling_rope_utils._compute_llama3_parameters`.
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on RoPE's cos and sin (so on every attention logit, squared): YaRN's
+        attention temperature, 1.0 for the other types. transformers
+        `modeling_rope_utils._compute_yarn_parameters`: `attention_factor` if given, else
+        mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+        0.1 ln(factor) + 1 (YaRN, arXiv 2309.00071, eq. 22)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        s = dict(self.rope_scaling)
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            return (_yarn_mscale(s["factor"], s["mscale"])
+                    / _yarn_mscale(s["factor"], s["mscale_all_dim"]))
+        return _yarn_mscale(s["factor"])
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies f64[H/2], with llama3 or YaRN scaling when configured.
+
+        Source: transformers `modeling_rope_utils._compute_llama3_parameters` and
+        `_compute_yarn_parameters`.
         """
         H = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
         if self.rope_scaling is None:
             return inv
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(inv)
         s = dict(self.rope_scaling)
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_ctx = s["original_max_position_embeddings"]
@@ -120,6 +199,28 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled)
+
+    def _yarn_inv_freq(self, inv: np.ndarray) -> np.ndarray:
+        """YaRN's blend (arXiv 2309.00071 section 3.2, "NTK-by-parts"): the dimensions that
+        turn more than beta_fast times over the original context keep their frequency,
+        those under beta_slow times are divided by `factor`, a linear ramp between."""
+        s = dict(self.rope_scaling)
+        H, base, factor = self.head_dim, self.rope_theta, s["factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        beta_fast, beta_slow = s.get("beta_fast") or 32.0, s.get("beta_slow") or 1.0
+
+        def dim_of(rotations):  # the dimension that turns `rotations` times over old_ctx
+            return H * np.log(old_ctx / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if s.get("truncate", True):
+            low, high = np.floor(low), np.ceil(high)
+        low, high = max(low, 0.0), min(high, H - 1.0)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(H // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        keep = 1.0 - ramp  # 1: the unscaled frequency (extrapolation)
+        return inv / factor * (1 - keep) + inv * keep
 
     # ------------------------------------------------------------------ HF I/O
 
@@ -134,14 +235,7 @@ class ModelConfig:
             )
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
-            scaling = tuple((k, float(rope[k])) for k in keys)
-        elif rope_type not in ("default", None):
-            raise SpecjaxError(f"unsupported rope_type {rope_type!r}; expected default or llama3")
+        scaling = rope_scaling_pairs(rope)
         if getattr(hf, "mlp_bias", False):
             raise SpecjaxError("mlp_bias=true is not supported")
         layer_types = getattr(hf, "layer_types", None) or ()
@@ -216,9 +310,9 @@ class ModelConfig:
         """Returns the matching `transformers.Qwen3Config` / `LlamaConfig`."""
         import transformers
 
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, **dict(self.rope_scaling)}
+            rope.update({k: v for k, v in self.rope_scaling if k != "rope_type"})
             rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
         common = dict(
             vocab_size=self.vocab_size,

@@ -32,11 +32,16 @@ def rms_norm(x, weight, eps):
     return weight * xf.astype(x.dtype)
 
 
-def rope_cos_sin(inv_freq, positions, dtype):
-    """cos, sin: [B,T,H] for i32[B,T] positions (rotate-half layout)."""
+def rope_cos_sin(inv_freq, positions, dtype, scale: float = 1.0):
+    """cos, sin: [B,T,H] for i32[B,T] positions (rotate-half layout), times `scale` (YaRN's
+    attention temperature, `ModelConfig.attention_scaling`; applied in f32 before the
+    cast, as transformers' rotary embeddings do)."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def rotate_half(x):

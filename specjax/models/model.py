@@ -251,7 +251,8 @@ class Transformer(nnx.Module):
             raise ValueError("tree_mask needs a cache (a draft tree's verify forward)")
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
-        cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype,
+                                c.attention_scaling)
         slots = positions
         if tree_mask is not None:
             slots = positions[:, :1] + jnp.arange(T, dtype=jnp.int32)[None, :]
