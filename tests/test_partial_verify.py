@@ -227,6 +227,11 @@ def test_long_context_benchmark_render_and_committed_doc():
                 "nll_lossless": 0.75}]}}
     q = lc.render_quality(res)
     assert "| long (`p`) | 1.500 | 1.250 |" in q
+    res["quality"]["control_by_context"] = {"git": "abc", "nll": {
+        "2048": {"long": 1.0}, "8192": {"long": 1.125}}}
+    q = lc.render_quality(res)
+    assert "--control-contexts 2048 8192" in q
+    assert "| long | 1.000 | 1.125 | 1.250 |" in q  # the last column: the full context
     s = lc.render_speed(res)
     assert "LOSSY" in s
     assert "| 4096 | eagle3 partial 1024 | 30.0 | 3.00x | 4.50 | 2 / 5 | NO | 6 | 0.500 (0.750) |" in s
