@@ -146,6 +146,14 @@ def _counts(res, n: int):
             np.asarray(res.reached)[:n].sum(0).astype(np.float64))
 
 
+def _acceptance(counts, where_unreached) -> np.ndarray:
+    """f32[G]: accepted / reached per position of `counts` (`_counts`), and
+    `where_unreached` (a scalar or f32[G]) at the positions never reached."""
+    acc, reached = counts
+    return np.where(reached > 0, acc / np.maximum(reached, 1),
+                    where_unreached).astype(np.float32)
+
+
 class Engine:
     """Runs autoregressive (drafter=None) or speculative generation in fixed-shape batches.
 
@@ -496,10 +504,8 @@ class Engine:
         reached[k] (`LoopResult`; the schedule's prior where position k was never
         reached), and those sums (`_counts`)."""
         res = self._call((*self._arrays(prompts, budget), key), costs)
-        acc, reached = counts = _counts(res, len(prompts))
-        prior = np.full(acc.shape, self.cfg.schedule.prior)
-        alpha = np.where(reached > 0, acc / np.maximum(reached, 1), prior).astype(np.float32)
-        return alpha, counts
+        counts = _counts(res, len(prompts))
+        return _acceptance(counts, self.cfg.schedule.prior), counts
 
     def _call(self, args, costs=None):
         """The `LoopResult` of one compiled run (compiled already) on `args` = (prompt
@@ -594,8 +600,7 @@ class Engine:
                 else np.asarray(self.alpha_calibrated, np.float32))
         if self.drift_to == "calibrated" or self.pooled is None:
             return base
-        acc, reached = self.pooled
-        return np.where(reached > 0, acc / np.maximum(reached, 1), base).astype(np.float32)
+        return _acceptance(self.pooled, base)
 
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:

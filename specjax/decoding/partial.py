@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.models.layers import layer_qkv, rope_cos_sin
+from specjax.models.layers import layer_qkv
 
 PLAIN, FULL, PARTIAL = 0, 1, 2
 _NO_SELECTION = -(2 ** 30)  # win_lo before the first full verification
@@ -191,8 +191,7 @@ def reselect(model, cfg: PartialVerify, hidden, positions, cache, win_lo):
     [L,B,K,S,H] as the pass left it -> i32[L,B,K,R_b]."""
     c = model.cfg
     weights = model.layer_weights()
-    cos, sin = rope_cos_sin(model.inv_freq[...], positions, hidden.dtype,
-                            model.cfg.attention_scaling)
+    cos, sin = model.rope(positions, hidden.dtype)
     out = []
     for i in range(c.num_layers):
         w = {name: arr[i] for name, arr in weights.items()}

@@ -66,7 +66,7 @@ from flax import nnx
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError
 from specjax.fileio import read_config_json
-from specjax.models.config import ModelConfig
+from specjax.models.config import ModelConfig, rope_scaling_pairs
 
 EAGLE3, DFLASH = "eagle3-hf", "dflash"
 LAYOUTS = (EAGLE3, DFLASH)
@@ -177,16 +177,13 @@ def rope_inv_freq(raw: dict, head_dim: int, where: str, default_theta: float | N
         raise SpecjaxError(f"{where}: rope_theta is missing (z-lab's code would take "
                            "Qwen3Config's 10000, vLLM 1000000); add it to config.json")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-        if any(k not in rope for k in keys):
-            raise SpecjaxError(f"{where}: llama3 rope_scaling needs {', '.join(keys)}")
-        scaling = tuple((k, float(rope[k])) for k in keys)
-    elif kind not in ("default", None):
+    if kind not in ("default", None, "llama3"):  # YaRN too: its temperature is left out
         raise SpecjaxError(f"{where}: rope_scaling type {kind!r} is not supported "
                            "(default or llama3)")
+    try:
+        scaling = rope_scaling_pairs(rope)
+    except SpecjaxError as e:
+        raise SpecjaxError(f"{where}: {e}") from None
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise SpecjaxError(f"{where}: rope_theta={theta!r} must be a positive number")
     return float(theta), dataclasses.replace(target, rope_theta=float(theta),

@@ -184,6 +184,11 @@ class Transformer(nnx.Module):
         c = self.cfg
         return KVCache.init(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, self.dtype)
 
+    def rope(self, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+        """cos, sin [B,T,H] of the target's RoPE at i32[B,T] positions, with its scaling's
+        attention factor (`ModelConfig.attention_scaling`: YaRN's temperature, else 1)."""
+        return rope_cos_sin(self.inv_freq[...], positions, dtype, self.cfg.attention_scaling)
+
     def layer_weights(self) -> dict:
         """Per-layer weights: name -> stacked array [L, ...], or a tuple of L arrays once
         unstacked (see `unstack_layers`)."""
@@ -251,8 +256,7 @@ class Transformer(nnx.Module):
             raise ValueError("tree_mask needs a cache (a draft tree's verify forward)")
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
-        cos, sin = rope_cos_sin(self.inv_freq[...], positions, self.dtype,
-                                c.attention_scaling)
+        cos, sin = self.rope(positions, self.dtype)
         slots = positions
         if tree_mask is not None:
             slots = positions[:, :1] + jnp.arange(T, dtype=jnp.int32)[None, :]

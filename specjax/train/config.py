@@ -472,11 +472,11 @@ def _coerce(tp, value, key: str):
         return _coerce(inner, value, key)
     if origin is tuple:
         if args and typing.get_origin(args[0]) is tuple and isinstance(value, dict):
-            if key.endswith("rope_scaling"):  # llama3 when rope_type is not given
-                from specjax.models.config import rope_scaling_pairs
+            # the one mapping of (key, value) pairs, model.rope_scaling: llama3 when the
+            # mapping gives no rope_type
+            from specjax.models.config import rope_scaling_pairs
 
-                return rope_scaling_pairs(value, default="llama3")
-            return tuple((str(k), float(v)) for k, v in value.items())
+            return rope_scaling_pairs(value, default="llama3")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]  # eos_token_ids: 0
         if isinstance(value, str) and args[0] is str:

@@ -72,7 +72,8 @@ def pose_positions(key: jax.Array, batch: int, length: int, max_position: int) -
 
 def micro_batches(batch):
     """(A, first): the leading micro-batch count of a batch [A, B/A, T+1] (rows or a
-    (rows, mask) pair) and its first micro-batch."""
+    (rows, mask) pair, or any tree of them, such as (batch, positions); None leaves stay
+    None) and its first micro-batch."""
     return jax.tree.leaves(batch)[0].shape[0], jax.tree.map(lambda x: x[0], batch)
 
 
@@ -229,15 +230,14 @@ class Trainer:
         (rows, mask) pair of them; each micro-batch's loss is its own masked mean). `key`
         draws the PoSE positions when `pose_max_position` is set."""
         grad_fn = jax.value_and_grad(self.loss)
-        num_micro, first = micro_batches(batch)
-        rows_shape = jax.tree.leaves(batch)[0].shape  # (A, B/A, T+1)
-        positions = None
+        positions = None  # i32[A, B/A, T] or None: 0..T-1 in `loss`
         if self.pose_max_position is not None:
-            A, Bm, T1 = rows_shape
+            A, Bm, T1 = jax.tree.leaves(batch)[0].shape
             positions = pose_positions(key, A * Bm, T1 - 1,
                                        self.pose_max_position).reshape(A, Bm, T1 - 1)
+        num_micro, (first, first_positions) = micro_batches((batch, positions))
         if num_micro == 1:
-            return grad_fn(params, first, None if positions is None else positions[0])
+            return grad_fn(params, first, first_positions)
 
         def micro(carry, xs):
             loss_sum, grad_sum = carry
