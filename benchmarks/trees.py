@@ -2,14 +2,18 @@
 Engine, as decode.py measures (speculative and autoregressive runs interleaved per
 batch of prompts, in one process), and projected to accelerators.
 
-    python benchmarks/trees.py                      # the full sweep (slow on 2 cores)
+    python benchmarks/trees.py                      # the full table (slow on 2 cores)
     python benchmarks/trees.py --quick              # 4 prompts x 32 tokens, T = 0 only
     python benchmarks/trees.py --render-only        # docs/trees.md's table from the JSON
+    python benchmarks/trees.py --sweep              # tree shapes (T = 0), K x G (T = 1)
 
 Systems (`SYSTEMS`): the shipped eagle3 drafter as one chain (its G = 7), as K = 2 and 4
 drafts per step (`--num-drafts`) and as EAGLE-2 dynamic trees (`--tree-topk K
 --tree-nodes N`); the shipped block drafter as a chain and as a tree of its per-position
 top-K; LogitSpec (its CPU defaults); n-gram lookup as a chain and as K = 3 drafts.
+`--sweep` (`SWEEP`): the eagle3 head as EAGLE-2 trees of every shape in TREE_SHAPES at
+T = 0, and as K drafts of G tokens (DRAFT_SHAPES) with block verification at T = 1, at
+batch 1, into benchmarks/results/trees_sweep.json and docs/img/trees_sweep.png.
 Settings: T = 0 (greedy), T = 1
 with token-level and with block verification (block only where the tree is K independent
 drafts), batch 1 and 4, on two prompt sets: the first --prompts bundled
@@ -48,7 +52,9 @@ from benchmarks import kernels as kb  # noqa: E402
 from benchmarks._common import git_rev, save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees.json")
+SWEEP_RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees_sweep.json")
 DOC = os.path.join(ROOT, "docs", "trees.md")
+SWEEP_PLOT = os.path.join(ROOT, "docs", "img", "trees_sweep.png")
 EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
 BLOCK = os.path.join(ROOT, "checkpoints", "demo", "drafters", "block")
 TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
@@ -69,13 +75,16 @@ KV_BYTES_PER_TOKEN = 2 * kb.QWEN3_8B["L"] * kb.QWEN3_8B["K"] * kb.QWEN3_8B["H"] 
 @dataclasses.dataclass(frozen=True)
 class System:
     """name; drafter: "eagle3" (the shipped head) or "ngram" / "logitspec"; num_drafts K;
-    tree: (topk, nodes) for an EAGLE-2 dynamic tree or None; rules it can verify at T > 0."""
+    tree: (topk, nodes) for an EAGLE-2 dynamic tree or None; rules it can verify at T > 0;
+    gamma: the draft length G (None: the drafter's own); greedy: whether it runs at T = 0."""
 
     name: str
     drafter: str
     num_drafts: int = 1
     tree: tuple[int, int] | None = None
     rules: tuple[str, ...] = ("token", "block")
+    gamma: int | None = None
+    greedy: bool = True
 
 
 SYSTEMS = (
@@ -90,6 +99,18 @@ SYSTEMS = (
     System("ngram chain", "ngram"),
     System("ngram K=3", "ngram", num_drafts=3),
 )
+
+# `--sweep`: the shipped eagle3 head over EAGLE-2 tree shapes (top-k x node budget N) at
+# T = 0, and over K independent drafts x draft length G with block verification at T = 1,
+# each beside the chain (K = 1 at the head's G = 7).
+TREE_SHAPES = ((2, 8), (2, 12), (2, 16), (2, 24), (4, 16), (4, 24), (4, 32), (4, 48),
+               (4, 64), (8, 32), (8, 64))
+DRAFT_SHAPES = tuple((k, g) for k in (1, 2, 3, 4) for g in (3, 5, 7))
+SWEEP = (System("eagle3 chain", "eagle3", rules=("block",)),
+         *(System(f"eagle3 tree {k}x{n}", "eagle3", tree=(k, n), rules=())
+           for k, n in TREE_SHAPES),
+         *(System(f"eagle3 K={k} G={g}", "eagle3", num_drafts=k, gamma=g, greedy=False,
+                  rules=("block",)) for k, g in DRAFT_SHAPES if (k, g) != (1, 7)))
 
 
 def step_seconds(params: float, rows: int, device: str, extra_bytes: float = 0.0) -> float:
@@ -134,7 +155,7 @@ def _drafter(system: System, target, sampling):
     from specjax.decoding.loading import load_drafter
 
     spec = {"eagle3": EAGLE3, "block": BLOCK}.get(system.drafter, system.drafter)
-    loaded = load_drafter(spec, target, sampling=sampling)
+    loaded = load_drafter(spec, target, sampling=sampling, gamma=system.gamma)
     drafter = loaded.drafter
     if system.tree is not None:
         from specjax.drafters.dynamic_tree import DynamicTree
@@ -152,11 +173,13 @@ def _prompt_sets(n: int, tokenizer, vocab: int):
 
 
 def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
-            timing: bool = True, warmup: int = 2, dtype: str = "auto") -> dict:
+            timing: bool = True, warmup: int = 2, dtype: str = "auto",
+            systems=SYSTEMS) -> dict:
     """Runs every (setting, batch, prompt set, system); returns the results record.
     warmup: untimed passes of every engine over the first batch before any timed run (the
     first calls of a compiled loop are several times slower on this CPU); dtype: the
-    target's (`load_target`: "auto" is float32 on CPU, bfloat16 on a GPU or TPU)."""
+    target's (`load_target`: "auto" is float32 on CPU, bfloat16 on a GPU or TPU);
+    systems: SYSTEMS or SWEEP (then the record says "sweep": True)."""
     import jax
     import numpy as np
 
@@ -169,7 +192,8 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     tokenizer = load_tokenizer(TARGET)
     target = load_target(TARGET, tokenizer=tokenizer, dtype=dtype)
     sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
-    systems = [s for s in SYSTEMS if not only or s.name in only]
+    sweep = systems is SWEEP
+    systems = [s for s in systems if not only or s.name in only]
     runs = []
     settings = [(0.0, "greedy")] * (0 in temps) + [(t, r) for t in temps if t > 0
                                                     for r in ("token", "block")]
@@ -185,7 +209,9 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                           batch_size=B, eos_token_ids=target.cfg.eos_token_ids)
             ar = Engine(target.model, **common)
             ar.compile()
-            chosen = [s for s in systems if rule == "greedy" or rule in s.rules]
+            chosen = [s for s in systems if (s.greedy if rule == "greedy" else rule in s.rules)]
+            if not chosen:
+                continue
             engines = {}
             for s in chosen:
                 drafter, params, G = _drafter(s, target, sampling)
@@ -218,7 +244,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                            "prompts": set_name, "tau": st.tau, "alpha": st.alpha,
                            "tokens_per_s": st.tokens_per_s, "ar_tokens_per_s": ar_tps,
                            "speedup": st.tokens_per_s / ar_tps, "nodes": nodes,
-                           "gamma": G, "compile_s": compile_s,
+                           "gamma": G, "num_drafts": s.num_drafts, "compile_s": compile_s,
                            "identical": outs[name] == outs["AR"] if temp == 0 else None,
                            "identical_prompts": sum(a == b for a, b in zip(
                                outs[name], outs["AR"], strict=True)) if temp == 0 else None,
@@ -241,7 +267,7 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "dtype": str(np.dtype(target.dtype)),
-            "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)]}
+            "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)], "sweep": sweep}
 
 
 def _row_key(r: dict) -> tuple:
@@ -251,7 +277,7 @@ def _row_key(r: dict) -> tuple:
 def _row_order(r: dict) -> tuple:
     """T = 0 first, then token before block verification, batch sizes ascending, the
     bundled prompts before the held-out ones, systems in SYSTEMS' order."""
-    names = [s.name for s in SYSTEMS]
+    names = list(dict.fromkeys(s.name for s in SYSTEMS + SWEEP))
     return (r["temperature"], r["verify"] != "token", r["batch"], r["prompts"] != "bundled",
             names.index(r["system"]) if r["system"] in names else len(names))
 
@@ -315,13 +341,70 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_doc(res: dict, doc: str = DOC) -> None:
+def write_doc(res: dict, doc: str = DOC, plot: str | None = SWEEP_PLOT) -> None:
     """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing),
-    or `<!-- trees:device -->` for a record measured on an accelerator."""
+    `<!-- trees:device -->` for a record measured on an accelerator, or
+    `<!-- trees:sweep -->` for a `--sweep` record (and then draws `plot`, if given)."""
     from benchmarks._common import replace_doc_section
 
-    section = "trees:results" if _on_cpu(res) else "trees:device"
+    if res.get("sweep"):
+        section = "trees:sweep"
+        if plot:
+            plot_sweep(res, plot)
+    else:
+        section = "trees:results" if _on_cpu(res) else "trees:device"
     replace_doc_section(doc, section, render(res), "# Draft trees\n\n")
+
+
+def plot_sweep(res: dict, path: str) -> None:
+    """A PNG of a `--sweep` record: speedup against the nodes verified per step for each
+    tree top-k at T = 0 (left), and speedup against tau for K drafts x G at T = 1 with
+    block verification (right); one marker style per prompt set, the chain marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"bundled": "-o", "held-out": "--s"}
+    rows = [r for r in res["runs"] if r["batch"] == min(x["batch"] for x in res["runs"])]
+    for prompts, style in styles.items():
+        greedy = [r for r in rows if r["temperature"] == 0 and r["prompts"] == prompts]
+        for k in sorted({int(r["system"].split()[2].split("x")[0]) for r in greedy
+                         if " tree " in r["system"]}):
+            pts = sorted((r["nodes"], r["speedup"]) for r in greedy
+                         if r["system"].startswith(f"eagle3 tree {k}x"))
+            left.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                      label=f"top-{k}, {prompts}")
+        for r in greedy:
+            if r["system"] == "eagle3 chain":
+                left.plot(r["nodes"], r["speedup"], "k*", markersize=12,
+                          label=f"chain (G = {r['gamma']}), {prompts}")
+        sampled = [r for r in rows if r["temperature"] > 0 and r["prompts"] == prompts]
+        for k in sorted({r.get("num_drafts", 1) for r in sampled}):
+            pts = sorted((r["tau"], r["speedup"], r["gamma"]) for r in sampled
+                         if r.get("num_drafts", 1) == k)
+            if pts:
+                right.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                           label=f"K = {k}, {prompts}")
+                for t, v, g in pts:
+                    right.annotate(f"G={g}", (t, v), fontsize=7, xytext=(3, 3),
+                                   textcoords="offset points")
+    left.set(xlabel="nodes verified per step (N)", ylabel="speedup over autoregressive",
+             title="T = 0: EAGLE-2 trees of the eagle3 head")
+    right.set(xlabel="tau (tokens per step)", ylabel="speedup over autoregressive",
+              title="T = 1, block verification: K drafts x G")
+    for ax in (left, right):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    where = f"CPU, {res['cores']} cores" if _on_cpu(res) else res["device"]
+    fig.suptitle(f"{where}, git {res['git']}, {res['date']}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path + ".tmp.png", dpi=110)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
 
 
 def main(argv=None) -> int:
@@ -339,11 +422,21 @@ def main(argv=None) -> int:
                     help="untimed passes of every engine before timing (default 2)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="the target's dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
-    ap.add_argument("--json", default=RESULTS)
+    ap.add_argument("--sweep", action="store_true",
+                    help="the eagle3 head over tree shapes at T=0 and over K drafts x G "
+                         "with block verification at T=1 (SWEEP; batch 1 unless "
+                         "--batch-sizes; results trees_sweep.json, docs/trees.md)")
+    ap.add_argument("--json", default=None,
+                    help="results file (default benchmarks/results/trees.json, or "
+                         "trees_sweep.json with --sweep)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other rows of --json: replace only the (setting, batch, "
                          "system) rows measured now, each tagged with its own git and date")
     args = ap.parse_args(argv)
+    if args.json is None:
+        args.json = SWEEP_RESULTS if args.sweep else RESULTS
+        if args.sweep and "--batch-sizes" not in (argv or sys.argv[1:]):
+            args.batch_sizes = [1]
     if args.render_only:
         write_doc(json.load(open(args.json)))
         return 0
@@ -351,10 +444,10 @@ def main(argv=None) -> int:
         args.prompts, args.new_tokens, args.temperatures, args.batch_sizes = 4, 32, [0.0], [1]
     res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
                   args.only, timing=not args.no_step_timing, warmup=args.warmup,
-                  dtype=args.dtype)
+                  dtype=args.dtype, systems=SWEEP if args.sweep else SYSTEMS)
     if args.merge and os.path.exists(args.json):
         res = merge(json.load(open(args.json)), res)
-    save_results(args.json, res, RESULTS, write_doc)
+    save_results(args.json, res, SWEEP_RESULTS if args.sweep else RESULTS, write_doc)
     print(render(res))
     return 0
 

@@ -103,3 +103,37 @@ def test_merge_replaces_only_the_rows_measured_again():
     assert "Rows T=1 token B=1: measured later (`--merge`), git new, d1" in text
     with pytest.raises(ValueError, match="prompts"):
         trees.merge(old, dict(new, prompts=3))
+
+
+def test_sweep_systems_and_its_own_doc_section_and_plot(tmp_path):
+    names = [s.name for s in trees.SWEEP]
+    assert len(names) == len(set(names))
+    # trees run greedy only, K x G drafts at T > 0 with block verification only, the
+    # chain at both (the reference of each panel)
+    greedy = {s.name for s in trees.SWEEP if s.greedy}
+    block = {s.name for s in trees.SWEEP if "block" in s.rules}
+    assert greedy & block == {"eagle3 chain"}
+    assert all(s.tree is not None for s in trees.SWEEP if s.name in greedy - block)
+    assert all(s.num_drafts * s.gamma + 1 >= 4 for s in trees.SWEEP if s.name in block - greedy)
+
+    def row(system, t, nodes, tau, speedup, k=1, g=7):
+        return {"system": system, "temperature": t, "verify": "block" if t else "greedy",
+                "batch": 1, "prompts": "bundled", "tau": tau, "alpha": [0.5],
+                "tokens_per_s": 1.0, "ar_tokens_per_s": 1.0, "speedup": speedup,
+                "nodes": nodes, "gamma": g, "num_drafts": k, "compile_s": 1.0,
+                "identical": True if t == 0 else None,
+                "projected": {"H100": 1.0, "TPU v5e": 1.0}}
+
+    runs = [row("eagle3 chain", 0.0, 8, 5.6, 1.5), row("eagle3 tree 2x8", 0.0, 8, 5.5, 1.6),
+            row("eagle3 tree 2x12", 0.0, 12, 5.8, 1.55),
+            row("eagle3 chain", 1.0, 8, 3.0, 1.0), row("eagle3 K=2 G=3", 1.0, 7, 2.9, 1.1, 2, 3)]
+    res = {"runs": runs, "prompts": 2, "new_tokens": 8, "git": "abc", "date": "d",
+           "machine": "x", "cores": 2, "numpy": "2", "jax": "0.10.2", "weights": ["w"],
+           "sweep": True}
+    doc, png = tmp_path / "trees.md", tmp_path / "img" / "sweep.png"
+    doc.write_text("# Draft trees\n\nprose\n<!-- trees:results -->\nold\n<!-- /trees:results -->\n")
+    trees.write_doc(res, str(doc), plot=str(png))
+    body = doc.read_text()
+    assert "<!-- trees:sweep -->" in body and "| T=1 block | 1 | bundled | eagle3 K=2 G=3 | 7 |" \
+        in body and "\nold\n" in body  # the main table is left alone
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
