@@ -270,3 +270,32 @@ def test_long_context_benchmark_render_and_committed_doc():
             assert lc.render_quality(committed) in doc
         if "speed" in committed:
             assert lc.render_speed(committed) in doc
+
+
+@pytest.mark.parametrize("system", ["AR", "draft_lm", "draft_lm partial"])
+def test_run_phases_equals_run(system):
+    """`Engine.run_phases` (prefill and decode as two programs, timed apart; what
+    benchmarks/long_context.py measures with) produces `run`'s output and counts."""
+    from specjax.decoding.engine import Engine
+    from tests.test_speculative_greedy import V, make_drafter, models
+
+    target, _ = models()
+    toks, lens = _long_prompts([48, 33], V)
+    prompts = [np.asarray(toks[b, :int(lens[b])]).tolist() for b in range(2)]
+    kw = dict(max_length=48 + 30, prompt_width=48, batch_size=2)
+    if system != "AR":
+        drafter, dparams = make_drafter("draft_lm", 3)
+        kw.update(drafter=drafter, drafter_params=dparams,
+                  partial=SMALL if "partial" in system else None)
+    eng = Engine(target, **kw)
+    ref = eng.run(prompts, 30, jax.random.key(3))
+    out, prefill_s, decode_s = eng.run_phases(prompts, 30, jax.random.key(3))
+    assert out.outputs == ref.outputs and prefill_s > 0 and decode_s > 0
+    assert out.wall_s == pytest.approx(prefill_s + decode_s)
+    np.testing.assert_array_equal(out.steps, ref.steps)
+    np.testing.assert_array_equal(out.accepted, ref.accepted)
+    if "partial" in system:
+        np.testing.assert_array_equal(out.verified, ref.verified)
+        assert int(out.verified[1]) >= 1  # partial steps ran
+    again, _, _ = eng.run_phases(prompts, 30, jax.random.key(3))  # donated state: reusable
+    assert again.outputs == ref.outputs

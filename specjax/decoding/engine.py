@@ -23,6 +23,7 @@ from flax import nnx
 from specjax.decoding.generate import (
     LoopConfig,
     autoregressive_loop,
+    phase_programs,
     speculative_loop,
     step_timing,
 )
@@ -258,6 +259,7 @@ class Engine:
         self.drift_to = "calibrated"  # or "pooled", "prior" (see the class docstring)
         self.batch_size = batch_size
         self.compiled = None
+        self._phases = None  # `run_phases`' two programs, compiled on first use
         self.compile_s = 0.0
 
     @property
@@ -545,10 +547,35 @@ class Engine:
         t0 = time.perf_counter()
         res = self.compiled(*self._dynamic(args))
         res = jax.tree.map(np.asarray, jax.block_until_ready(res))
-        wall = time.perf_counter() - t0
+        return self._output(res, len(prompts), time.perf_counter() - t0)
+
+    def run_phases(self, prompts: list[list[int]], max_new_tokens: int, key
+                   ) -> tuple[BatchOutput, float, float]:
+        """`run`, with the loop compiled as two programs (`generate.phase_programs`, on
+        first use) so that the prefill and the decoding are timed apart: (the output, its
+        `wall_s` the sum of both; prefill seconds; decode seconds). For benchmarks at long
+        context, where the prefill's spread between runs exceeds the decode's time.
+        Raises ValueError for an adaptive schedule (fixed draft length only)."""
+        if self.drafter is not None and self.cfg.schedule is not None:
+            raise ValueError("run_phases: a fixed draft length only (schedule None)")
+        args = (*self._arrays(prompts, max_new_tokens), key)
+        if self._phases is None:
+            fn = (self.drafter, self.drafter_params)
+            self._phases = phase_programs(self.graphdef, self.params, *fn, self.cfg, *args)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(self._phases.prefill(self.params, self.drafter_params,
+                                                           *args))
+        t1 = time.perf_counter()
+        res, state = self._phases.decode(self.params, self.drafter_params, state)
+        res = jax.tree.map(np.asarray, jax.block_until_ready(res))
+        del state
+        t2 = time.perf_counter()
+        return self._output(res, len(prompts), t2 - t0), t1 - t0, t2 - t1
+
+    def _output(self, res, n: int, wall: float) -> BatchOutput:
+        """The BatchOutput of a host copy of `LoopResult` res for the first n rows."""
         outs = [res.tokens[b, res.prompt_lengths[b]:res.lengths[b]].tolist()
-                for b in range(len(prompts))]
-        n = len(prompts)
+                for b in range(n)]
         G = max(self.gamma, 1)
         chosen = res.chosen if self.cfg.schedule is not None else None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one

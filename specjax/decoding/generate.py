@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -369,13 +369,25 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
       key: PRNG key.
     Returns: LoopResult.
     """
-    model = nnx.merge(graphdef, params)
-    state, _ = _prefill(model, cfg, prompts, prompt_lengths, budgets, key, 0, ())
-    B = prompts.shape[0]
-    rows = jnp.arange(B)
+    start, step = _autoregressive_phases(graphdef, cfg)
+    state = start(params, prompts, prompt_lengths, budgets, key)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(params, s), state)
+    return _result(final)
+
+
+def _autoregressive_phases(graphdef, cfg: LoopConfig):
+    """The autoregressive loop's two phases: start(params, prompts, prompt_lengths,
+    budgets, key) -> LoopState (prefill and first token) and step(params, s) -> LoopState
+    (one token per row)."""
     attention = cfg.target_attention()
 
-    def step(s: LoopState) -> LoopState:
+    def start(params, prompts, prompt_lengths, budgets, key) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        return _prefill(model, cfg, prompts, prompt_lengths, budgets, key, 0, ())[0]
+
+    def step(params, s: LoopState) -> LoopState:
+        model = nnx.merge(graphdef, params)
+        rows = jnp.arange(s.tokens.shape[0])
         key, k = jax.random.split(s.key)
         pos = (s.lengths - 1)[:, None]
         pending = jnp.take_along_axis(s.tokens, pos, axis=1)
@@ -390,8 +402,7 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
                          cache=out.cache.rewind(lengths - 1), key=key,
                          steps=s.steps + active.astype(jnp.int32))
 
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-    return _result(final)
+    return start, step
 
 
 def _emit(s: LoopState, cfg: LoopConfig, draft, tau, nxt):
@@ -783,6 +794,57 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
     return _result(final)
+
+
+class PhasePrograms(NamedTuple):
+    """The loop as two compiled programs (`phase_programs`): prefill(dynamic...) ->
+    LoopState, and decode(params, drafter_params, state) -> (LoopResult, the final
+    LoopState): the state's buffers are donated and become the final state's, so the
+    loop runs in them without a copy of the KV cache."""
+
+    prefill: Callable
+    decode: Callable
+
+
+def phase_programs(graphdef, params, drafter: Drafter | None, drafter_params,
+                   cfg: LoopConfig, prompts, prompt_lengths, budgets, key) -> PhasePrograms:
+    """The same loop as `autoregressive_loop` (drafter None) or `speculative_loop` (fixed
+    draft length: `cfg.schedule` None), compiled as two programs so that a caller can time
+    the prefill and the decoding apart: at long context the prefill takes ten times the
+    decode of a few hundred tokens, and its run-to-run spread is larger than the whole
+    decode (benchmarks/long_context.py). The arguments are those of the loops (shapes
+    only matter: they are compiled for). The decode program takes the state's buffers
+    (donated) and returns them as the final state (`PhasePrograms`). Raises ValueError
+    for an adaptive schedule."""
+    if drafter is None:
+        start, step = _autoregressive_phases(graphdef, cfg)
+
+        def prefill(params, drafter_params, prompts, prompt_lengths, budgets, key):
+            del drafter_params
+            return start(params, prompts, prompt_lengths, budgets, key)
+
+        def one(params, drafter_params, s):
+            del drafter_params
+            return step(params, s)
+    else:
+        if cfg.schedule is not None:
+            raise ValueError("phase_programs: a fixed draft length only (cfg.schedule None)")
+        prefill, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+
+        def one(params, drafter_params, s):
+            return finish(params, drafter_params, s, propose(params, drafter_params, s))
+
+    def decode(params, drafter_params, state):
+        final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                                   lambda s: one(params, drafter_params, s), state)
+        return _result(final), final  # the final state: the donated buffers' outputs
+
+    pre = jax.jit(prefill).lower(params, drafter_params, prompts, prompt_lengths, budgets,
+                                 key).compile()
+    state = jax.eval_shape(prefill, params, drafter_params, prompts, prompt_lengths,
+                           budgets, key)
+    dec = jax.jit(decode, donate_argnums=2).lower(params, drafter_params, state).compile()
+    return PhasePrograms(pre, dec)
 
 
 def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
