@@ -247,7 +247,10 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
                 rec.update(gamma=G, budget=budget, window=window,
                            tau=(1 + int(out.accepted.sum()) / steps) if steps else None,
                            lossy=pv is not None)
-                if pv is not None:
+                if pv is None:  # where the step's time goes at this context (exact only)
+                    rec.update(engines[label][0].step_timing([prompt], new_tokens,
+                                                             jax.random.key(0)))
+                else:
                     rec["threshold"] = pv.threshold_for(G)
                     rec["full_steps"], rec["partial_steps"] = (int(x) for x in out.verified)
                     rec.update(agreement([outs[label]], [outs["AR"]]))
@@ -356,19 +359,23 @@ def render_speed(res: dict) -> str:
              f"prompt of L held-out tokens, {s['new_tokens']} new tokens, T = 0, batch 1, on "
              f"this CPU ({res['cores']} cores, {_speed_provenance({'git': res['git'], 'date': res['date'], **s})}; "
              "`python benchmarks/long_context.py speed`). Prefill excluded: the decode is "
-             "timed as its own compiled program (`Engine.run_phases`). Partial rows are LOSSY: agreement and NLL compare them with AR's "
+             "timed as its own compiled program (`Engine.run_phases`). Draft / verify ms: "
+             "one step's parts timed outside the loop after the prefill "
+             "(`Engine.step_timing`), exact rows. Partial rows are LOSSY: agreement and NLL compare them with AR's "
              "output.", "",
-             "| L | system | decode tok/s | speedup | tau | full / partial steps | "
-             "identical to AR | tokens before first difference | NLL (AR's) |",
-             "|" + "---|" * 9]
+             "| L | system | decode tok/s | speedup | tau | draft / verify ms | "
+             "full / partial steps | identical to AR | tokens before first difference | "
+             "NLL (AR's) |",
+             "|" + "---|" * 10]
     for r in s["runs"]:
         tau = "-" if r.get("tau") is None else f"{r['tau']:.2f}"
         steps = (f"{r['full_steps']} / {r['partial_steps']}" if "full_steps" in r else "-")
         pre = f"{r['prefix_tokens']:.0f}" if "prefix_tokens" in r else "-"
         nll = (f"{r['nll']:.3f} ({r['nll_lossless']:.3f})" if r.get("nll") is not None
                else "-")
+        ms = f"{r['draft_ms']:.1f} / {r['verify_ms']:.1f}" if "draft_ms" in r else "-"
         lines.append(f"| {r['context']} | {r['system']} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {tau} | {steps} | "
+                     f"{r['speedup']:.2f}x | {tau} | {ms} | {steps} | "
                      f"{'yes' if r['identical'] else 'NO'} | {pre} | {nll} |")
     return "\n".join(lines) + "\n"
 

@@ -234,7 +234,8 @@ def test_long_context_benchmark_render_and_committed_doc():
     assert "| long | 1.000 | 1.125 | 1.250 |" in q  # the last column: the full context
     s = lc.render_speed(res)
     assert "LOSSY" in s
-    assert "| 4096 | eagle3 partial 1024 | 30.0 | 3.00x | 4.50 | 2 / 5 | NO | 6 | 0.500 (0.750) |" in s
+    assert ("| 4096 | eagle3 partial 1024 | 30.0 | 3.00x | 4.50 | - | 2 / 5 | NO | 6 | "
+            "0.500 (0.750) |") in s
     assert "git abc, d;" in s
     # --merge: a later run of one context keeps the other contexts' rows and their stamps
     old = {**res["speed"], "git": "abc", "date": "d", "contexts": [4096]}
@@ -252,8 +253,11 @@ def test_long_context_benchmark_render_and_committed_doc():
         {"context": 4096, "system": "AR", "decode_tokens_per_s": 11.0, "speedup": 1.0,
          "identical": True},
         {"context": 4096, "system": "eagle3 W=256", "decode_tokens_per_s": 20.0,
-         "speedup": 1.8, "identical": True, "tau": 3.0}]}
+         "speedup": 1.8, "identical": True, "tau": 3.0, "draft_ms": 2.5,
+         "verify_ms": 9.0}]}
     both = lc.merge_speed(merged, part)
+    assert "| 4096 | eagle3 W=256 | 20.0 | 1.80x | 3.00 | 2.5 / 9.0 | - | yes |" in \
+        lc.render_speed({**res, "speed": both})
     assert [(r["context"], r["system"], r["git"]) for r in both["runs"]] == [
         (4096, "AR", "w"), (4096, "eagle3 W=256", "w"), (4096, "eagle3 partial 1024", "abc"),
         (32000, "AR", "xyz")]
