@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a learned drafter's matmul inputs (decode.py's flag)")
     ap.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                     help="as decode.py: the drafter's hot vocabulary (auto) or all ids")
+    ap.add_argument("--num-drafts", type=int, default=1,
+                    help="K drafts per step, verified as one tree (decode.py's flag)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--verify", choices=("token", "block"), default="block",
+                    help="the rule at temperature > 0 (decode.py's flag)")
     ap.add_argument("--prompts", default=DEMO_PROMPTS)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -197,25 +202,28 @@ def run(args) -> dict:
     from specjax.decoding.loading import load_drafter, load_target
     from specjax.decoding.sampling import SamplingParams
 
-    if args.num_prompts < 1 or args.new_tokens < 1 or args.runs < 1:
-        raise SpecjaxError("--num-prompts, --new-tokens and --runs must be >= 1")
+    if min(args.num_prompts, args.new_tokens, args.runs, args.num_drafts) < 1:
+        raise SpecjaxError("--num-prompts, --new-tokens, --runs and --num-drafts must be >= 1")
+    if args.temperature < 0:
+        raise SpecjaxError(f"--temperature {args.temperature} must be >= 0")
     if args.json:  # before any work: a bad path fails now, not after the run
         check_output_file(args.json, "--json")
     loaded = load_target(args.target, dtype=jnp.float32, matmul_dtype=args.matmul_dtype)
     target = loaded.model
     prompts = prompt_ids(args.prompts, loaded.tokenizer, target.cfg.vocab_size,
                          args.num_prompts, args.target)
-    sampling = SamplingParams()
+    sampling = SamplingParams(temperature=args.temperature)
     drafter, dparams, name, _ = load_drafter(args.drafter, loaded, gamma=args.gamma,
                                              sampling=sampling,
                                              matmul_dtype=args.drafter_dtype,
-                                             draft_vocab=args.draft_vocab)
+                                             draft_vocab=args.draft_vocab,
+                                             verify=args.verify, num_drafts=args.num_drafts)
     if drafter is None:
         raise SpecjaxError("--drafter none has no speculative step to profile")
     longest = max(len(p) for p in prompts)
     max_length = longest + args.new_tokens
     engine = Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
-                    max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
+                    verify=args.verify, num_drafts=args.num_drafts, max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
                     batch_size=1, eos_token_ids=())
     log(f"compiling ({name}, G={drafter.gamma})")
     engine.compile()

@@ -74,6 +74,27 @@ def test_linear_weight_major_padding(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_linear_vmapped_over_drafts_is_weight_major():
+    """Under `vmapped_copies(K)` (propose_drafts' vmap over K drafts) the bf16 product is
+    taken weight-major, OI,MI->OM (row-major under vmap made XLA:CPU transpose every
+    weight once per decoding step), with the same values as the row-major product:
+    each against a float64 reference of the bf16-rounded inputs."""
+    rng = np.random.RandomState(7)
+    x = jnp.asarray(rng.standard_normal((3, 1, 64)), jnp.float32)  # K=3 copies of 1 row
+    w = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+    plain = jax.vmap(lambda x: model_lib.linear(x, w))
+    with model_lib.vmapped_copies(3):
+        text = str(jax.make_jaxpr(jax.vmap(lambda x: model_lib.linear(x, w)))(x))
+        wm = jax.vmap(lambda x: model_lib.linear(x, w))(x)
+    assert "transpose" in text and "transpose" not in str(jax.make_jaxpr(plain)(x))
+    assert model_lib._VMAPPED == [0]  # the context is left as it was
+    ref = (np.asarray(x.astype(jnp.bfloat16), np.float64)
+           @ np.asarray(w, np.float64).T)
+    for got in (wm, plain(x)):
+        assert got.shape == (3, 1, 32) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+
+
 def _run_prefill(chunk, width, lengths, capture=(0, 2), min_chunk=None):
     target, _ = models()
     V = target.cfg.vocab_size

@@ -33,6 +33,7 @@ from specjax.decoding.tree import DraftTree, ancestor_mask, path_tokens, tree_fr
 from specjax.decoding.verify import VERIFIERS, Verdict
 from specjax.drafters.base import Drafter, LoopView
 from specjax.models.kv_cache import KVCache
+from specjax.models.matmul import vmapped_copies
 from specjax.models.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
@@ -478,7 +479,8 @@ def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_dra
     def one(k, r):
         draft, q, _ = drafter.propose(params, state, view, k, first_rank=(r, num_drafts))
         return draft, (None if drafter.sampling.greedy else q)
-    drafts, q = jax.vmap(one)(keys, ranks)  # [K,B,G], [K,B,G,V] or None
+    with vmapped_copies(num_drafts):  # tells the CPU matmul tuning about the vmap
+        drafts, q = jax.vmap(one)(keys, ranks)  # [K,B,G], [K,B,G,V] or None
     if q is None:
         return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1))
     return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1))
