@@ -359,37 +359,43 @@ def write_doc(res: dict, doc: str = DOC, plot: str | None = SWEEP_PLOT) -> None:
 def plot_sweep(res: dict, path: str) -> None:
     """A PNG of a `--sweep` record: speedup against the nodes verified per step for each
     tree top-k at T = 0 (left), and speedup against tau for K drafts x G at T = 1 with
-    block verification (right); one marker style per prompt set, the chain marked."""
+    block verification (right, joined in order of G); one colour per top-k or K, solid
+    filled markers for the bundled prompts and dashed hollow ones for the held-out, the
+    chain a star."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"bundled": "-o", "held-out": "--s"}
+    styles = {"bundled": ("-", "o", "full"), "held-out": ("--", "s", "none")}
+    colour = {}  # one colour per top-k (left) and per K (right), shared by both prompt sets
+
+    def c(key):
+        return colour.setdefault(key, f"C{len(colour) % 10}")
+
     rows = [r for r in res["runs"] if r["batch"] == min(x["batch"] for x in res["runs"])]
-    for prompts, style in styles.items():
+    for prompts, (line, marker, fill) in styles.items():
         greedy = [r for r in rows if r["temperature"] == 0 and r["prompts"] == prompts]
         for k in sorted({int(r["system"].split()[2].split("x")[0]) for r in greedy
                          if " tree " in r["system"]}):
             pts = sorted((r["nodes"], r["speedup"]) for r in greedy
                          if r["system"].startswith(f"eagle3 tree {k}x"))
-            left.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                      label=f"top-{k}, {prompts}")
+            left.plot([p[0] for p in pts], [p[1] for p in pts], line, marker=marker,
+                      fillstyle=fill, color=c(("tree", k)), label=f"top-{k} tree, {prompts}")
         for r in greedy:
             if r["system"] == "eagle3 chain":
-                left.plot(r["nodes"], r["speedup"], "k*", markersize=12,
-                          label=f"chain (G = {r['gamma']}), {prompts}")
+                left.plot(r["nodes"], r["speedup"], "*", color="k", markersize=13,
+                          fillstyle=fill, label=f"chain (G = {r['gamma']}), {prompts}")
         sampled = [r for r in rows if r["temperature"] > 0 and r["prompts"] == prompts]
         for k in sorted({r.get("num_drafts", 1) for r in sampled}):
-            pts = sorted((r["tau"], r["speedup"], r["gamma"]) for r in sampled
+            pts = sorted((r["gamma"], r["tau"], r["speedup"]) for r in sampled
                          if r.get("num_drafts", 1) == k)
-            if pts:
-                right.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                           label=f"K = {k}, {prompts}")
-                for t, v, g in pts:
-                    right.annotate(f"G={g}", (t, v), fontsize=7, xytext=(3, 3),
-                                   textcoords="offset points")
+            right.plot([p[1] for p in pts], [p[2] for p in pts], line, marker=marker,
+                       fillstyle=fill, color=c(("drafts", k)), label=f"K = {k}, {prompts}")
+            for g, t, v in pts:
+                right.annotate(f"G={g}", (t, v), fontsize=7, xytext=(3, 3),
+                               textcoords="offset points")
     left.set(xlabel="nodes verified per step (N)", ylabel="speedup over autoregressive",
              title="T = 0: EAGLE-2 trees of the eagle3 head")
     right.set(xlabel="tau (tokens per step)", ylabel="speedup over autoregressive",

@@ -137,3 +137,11 @@ def test_sweep_systems_and_its_own_doc_section_and_plot(tmp_path):
     assert "<!-- trees:sweep -->" in body and "| T=1 block | 1 | bundled | eagle3 K=2 G=3 | 7 |" \
         in body and "\nold\n" in body  # the main table is left alone
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_committed_sweep_table_matches_its_results():
+    """docs/trees.md's sweep table is `--sweep --render-only` of the committed JSON, and
+    every greedy row of it was identical to autoregressive decoding."""
+    res = json.load(open(trees.SWEEP_RESULTS))
+    assert res["sweep"] and trees.render(res) in open(trees.DOC).read()
+    assert all(r["identical"] for r in res["runs"] if r["temperature"] == 0)
