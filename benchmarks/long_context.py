@@ -270,6 +270,39 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
             "budgets": list(budgets), "repeats": repeats}
 
 
+def step_timings(speed_res: dict, contexts, long_target: str = LONG, drafter: str = EAGLE3,
+                 stamp: dict | None = None, log=print) -> dict:
+    """`speed_res` with the draft / verify ms of its exact drafter rows at `contexts`
+    measured again (`Engine.step_timing` on the same prompt, after its prefill), each
+    row stamped `timing` = {git, date}; the decode figures are left as they are.
+    Raises ValueError when a context has no rows in `speed_res`."""
+    import jax
+
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter, load_target
+
+    new_tokens = speed_res["new_tokens"]
+    target = load_target(long_target, dtype="float32")
+    stream = val_stream(max(contexts))
+    runs = [dict(r) for r in speed_res["runs"]]
+    for L in contexts:
+        rows = [r for r in runs if r["context"] == L and r.get("tau") is not None
+                and not r.get("lossy")]
+        if not rows:
+            raise ValueError(f"no exact drafter rows at context {L} to time")
+        prompt = stream[:L].tolist()
+        for r in rows:
+            d = load_drafter(drafter, target, draft_window=r.get("window"))
+            eng = Engine(target.model, drafter=d.drafter, drafter_params=d.params,
+                         max_length=L + new_tokens,
+                         prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
+            r.update(eng.step_timing([prompt], new_tokens, jax.random.key(0)),
+                     timing=stamp or {})
+            log(f"[timing] L={L} {r['system']}: draft {r['draft_ms']:.1f} ms, verify "
+                f"{r['verify_ms']:.1f} ms")
+    return {**speed_res, "runs": runs}
+
+
 def _system_rank(name: str) -> int:
     """The table's order of systems within a context: AR, the exact ones, the lossy."""
     exact = "partial" not in name
@@ -293,6 +326,13 @@ def merge_speed(old: dict | None, new: dict) -> dict:
         rows += [r for r in stamped(old) if (r["context"], r["system"]) not in ran]
     rows.sort(key=lambda r: (r["context"], _system_rank(r["system"])))  # stable
     return {**new, "runs": rows, "contexts": sorted({r["context"] for r in rows})}
+
+
+def _timing_provenance(s: dict) -> str:
+    """", git X, date (`--timing-only`)" when the step timings were measured again."""
+    stamps = {(r["timing"].get("git"), r["timing"].get("date")) for r in s["runs"]
+              if r.get("timing")}
+    return "".join(f"; git {g}, {d} (`--timing-only`)" for g, d in sorted(stamps))
 
 
 def _speed_provenance(s: dict) -> str:
@@ -361,7 +401,7 @@ def render_speed(res: dict) -> str:
              "`python benchmarks/long_context.py speed`). Prefill excluded: the decode is "
              "timed as its own compiled program (`Engine.run_phases`). Draft / verify ms: "
              "one step's parts timed outside the loop after the prefill "
-             "(`Engine.step_timing`), exact rows. Partial rows are LOSSY: agreement and NLL compare them with AR's "
+             f"(`Engine.step_timing`{_timing_provenance(s)}), exact rows. Partial rows are LOSSY: agreement and NLL compare them with AR's "
              "output.", "",
              "| L | system | decode tok/s | speedup | tau | draft / verify ms | "
              "full / partial steps | identical to AR | tokens before first difference | "
@@ -418,6 +458,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="speed: keep the results file's rows for other contexts (each row "
                          "keeps its own git and date)")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="speed: measure again only the draft / verify ms of the exact "
+                         "drafter rows already in --json at --contexts (no decode runs)")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--json", default=RESULTS)
     args = ap.parse_args(argv)
@@ -450,6 +493,18 @@ def main(argv=None) -> int:
                 str(c): windowed_control(args.rows, args.long_target, ctx=c, also=also)["nll"]
                 for c in args.control_contexts}, **stamp}
         save_results(args.json, res, RESULTS, write_doc)
+    if args.timing_only:
+        if "speed" not in res:
+            ap.error(f"--timing-only: {args.json} has no speed table")
+        try:
+            res["speed"] = step_timings(res["speed"], args.contexts, args.long_target,
+                                        args.drafter, stamp={"git": stamp["git"],
+                                                             "date": stamp["date"]})
+        except ValueError as e:
+            ap.error(f"--timing-only: {e}")
+        save_results(args.json, res, RESULTS, write_doc)
+        print(render_speed(res))
+        return 0
     if args.what in ("speed", "all"):
         new = {**speed(args.contexts, args.budgets, args.new_tokens,
                        args.long_target, args.drafter, args.repeats,

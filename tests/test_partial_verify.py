@@ -258,6 +258,9 @@ def test_long_context_benchmark_render_and_committed_doc():
     both = lc.merge_speed(merged, part)
     assert "| 4096 | eagle3 W=256 | 20.0 | 1.80x | 3.00 | 2.5 / 9.0 | - | yes |" in \
         lc.render_speed({**res, "speed": both})
+    both["runs"][1]["timing"] = {"git": "t", "date": "g"}  # --timing-only stamps its rows
+    assert "(`Engine.step_timing`; git t, g (`--timing-only`))" in \
+        lc.render_speed({**res, "speed": both})
     assert [(r["context"], r["system"], r["git"]) for r in both["runs"]] == [
         (4096, "AR", "w"), (4096, "eagle3 W=256", "w"), (4096, "eagle3 partial 1024", "abc"),
         (32000, "AR", "xyz")]
@@ -303,3 +306,23 @@ def test_run_phases_equals_run(system):
         assert int(out.verified[1]) >= 1  # partial steps ran
     again, _, _ = eng.run_phases(prompts, 30, jax.random.key(3))  # donated state: reusable
     assert again.outputs == ref.outputs
+
+
+@pytest.mark.parametrize("num_drafts", [1, 2])
+def test_step_timing_donates_a_copy_and_leaves_the_engine_usable(num_drafts):
+    """`Engine.step_timing` times the proposal and the whole step (the latter on a donated
+    copy of the state); called twice it measures again, and the engine still decodes."""
+    from specjax.decoding.engine import Engine
+    from tests.test_speculative_greedy import V, make_drafter, models
+
+    target, _ = models()
+    toks, lens = _long_prompts([30], V)
+    prompt = np.asarray(toks[0, :30]).tolist()
+    drafter, dparams = make_drafter("draft_lm", 3)
+    eng = Engine(target, drafter=drafter, drafter_params=dparams, max_length=60,
+                 prompt_width=32, batch_size=1, num_drafts=num_drafts)
+    for _ in range(2):
+        t = eng.step_timing([prompt], 20, jax.random.key(0), repeats=2)
+        assert 0 < t["draft_ms"] < t["step_ms"]
+        assert t["verify_ms"] == pytest.approx(t["step_ms"] - t["draft_ms"])
+    assert len(eng.run([prompt], 20, jax.random.key(0)).outputs[0]) == 20
