@@ -880,7 +880,7 @@ def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopCon
                                donate_argnums=2), True)}
     out = {}
     for name, (fn, donates) in fns.items():
-        def arg():
+        def arg(donates=donates):
             return jax.block_until_ready(copy(state)) if donates else state
         jax.block_until_ready(fn(params, drafter_params, arg()))
         times = []
