@@ -193,13 +193,29 @@ def system_settings(systems, budgets) -> list[tuple]:
     return out
 
 
+def _engine(target, L: int, new_tokens: int, drafter: str | None = None,
+            window: int | None = None, partial=None):
+    """(Engine, its drafter's G or 0) for one prompt of L tokens and `new_tokens` more, batch
+    1: autoregressive without `drafter`, else the drafter directory with its draft window
+    and partial verification (None: off)."""
+    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.loading import load_drafter
+
+    common = dict(max_length=L + new_tokens,
+                  prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
+    if drafter is None:
+        return Engine(target.model, **common), 0
+    d = load_drafter(drafter, target, draft_window=window)
+    return Engine(target.model, drafter=d.drafter, drafter_params=d.params, partial=partial,
+                  **common), d.gamma
+
+
 def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: str = EAGLE3,
           repeats: int = 2, log=print, systems=SYSTEMS) -> dict:
     import jax
 
-    from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.fly import agreement
-    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.loading import load_target
     from specjax.decoding.partial import PartialVerify
 
     target = load_target(long_target, dtype="float32")
@@ -207,17 +223,13 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
     runs = []
     for L in contexts:
         prompt = stream[:L].tolist()
-        common = dict(max_length=L + new_tokens,
-                      prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
-        engines = {"AR": (Engine(target.model, **common), None)}
+        engines = {"AR": (_engine(target, L, new_tokens)[0], None)}
         for name, budget, window in system_settings(systems, budgets):
-            d = load_drafter(drafter, target, draft_window=window)
             pv = None if budget is None else PartialVerify(budget=budget)
             label = name + ("" if window is None else f" W={window}") + (
                 "" if pv is None else f" partial {budget}")
-            engines[label] = (Engine(target.model, drafter=d.drafter,
-                                     drafter_params=d.params, partial=pv, **common),
-                              (d.gamma, budget, window, pv))
+            eng, G = _engine(target, L, new_tokens, drafter, window, pv)
+            engines[label] = (eng, (G, budget, window, pv))
         for label, (e, _) in engines.items():
             t0 = time.perf_counter()
             e.run_phases([prompt], 2, jax.random.key(0))  # compiles both programs; warm-up
@@ -278,8 +290,7 @@ def step_timings(speed_res: dict, contexts, long_target: str = LONG, drafter: st
     Raises ValueError when a context has no rows in `speed_res`."""
     import jax
 
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.loading import load_target
 
     new_tokens = speed_res["new_tokens"]
     target = load_target(long_target, dtype="float32")
@@ -292,10 +303,7 @@ def step_timings(speed_res: dict, contexts, long_target: str = LONG, drafter: st
             raise ValueError(f"no exact drafter rows at context {L} to time")
         prompt = stream[:L].tolist()
         for r in rows:
-            d = load_drafter(drafter, target, draft_window=r.get("window"))
-            eng = Engine(target.model, drafter=d.drafter, drafter_params=d.params,
-                         max_length=L + new_tokens,
-                         prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
+            eng, _ = _engine(target, L, new_tokens, drafter, r.get("window"))
             r.update(eng.step_timing([prompt], new_tokens, jax.random.key(0)),
                      timing=stamp or {})
             log(f"[timing] L={L} {r['system']}: draft {r['draft_ms']:.1f} ms, verify "

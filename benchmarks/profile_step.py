@@ -223,8 +223,9 @@ def run(args) -> dict:
     longest = max(len(p) for p in prompts)
     max_length = longest + args.new_tokens
     engine = Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
-                    verify=args.verify, num_drafts=args.num_drafts, max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
-                    batch_size=1, eos_token_ids=())
+                    verify=args.verify, num_drafts=args.num_drafts, max_length=max_length,
+                    prompt_width=prompt_width_for(longest, max_length), batch_size=1,
+                    eos_token_ids=())
     log(f"compiling ({name}, G={drafter.gamma})")
     engine.compile()
     names = instruction_scopes(engine.compiled.as_text())

@@ -374,7 +374,8 @@ def plot_sweep(res: dict, path: str) -> None:
     def c(key):
         return colour.setdefault(key, f"C{len(colour) % 10}")
 
-    rows = [r for r in res["runs"] if r["batch"] == min(x["batch"] for x in res["runs"])]
+    smallest = min(r["batch"] for r in res["runs"])
+    rows = [r for r in res["runs"] if r["batch"] == smallest]
     for prompts, (line, marker, fill) in styles.items():
         greedy = [r for r in rows if r["temperature"] == 0 and r["prompts"] == prompts]
         for k in sorted({int(r["system"].split()[2].split("x")[0]) for r in greedy

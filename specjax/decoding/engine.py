@@ -560,15 +560,14 @@ class Engine:
             raise ValueError("run_phases: a fixed draft length only (schedule None)")
         args = (*self._arrays(prompts, max_new_tokens), key)
         if self._phases is None:
-            fn = (self.drafter, self.drafter_params)
-            self._phases = phase_programs(self.graphdef, self.params, *fn, self.cfg, *args)
+            self._phases = phase_programs(self.graphdef, self.params, self.drafter,
+                                          self.drafter_params, self.cfg, *args)
         t0 = time.perf_counter()
         state = jax.block_until_ready(self._phases.prefill(self.params, self.drafter_params,
                                                            *args))
         t1 = time.perf_counter()
-        res, state = self._phases.decode(self.params, self.drafter_params, state)
+        res, _ = self._phases.decode(self.params, self.drafter_params, state)
         res = jax.tree.map(np.asarray, jax.block_until_ready(res))
-        del state
         t2 = time.perf_counter()
         return self._output(res, len(prompts), t2 - t0), t1 - t0, t2 - t1
 

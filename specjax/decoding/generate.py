@@ -370,23 +370,36 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
       key: PRNG key.
     Returns: LoopResult.
     """
-    start, step = _autoregressive_phases(graphdef, cfg)
-    state = start(params, prompts, prompt_lengths, budgets, key)
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(params, s), state)
+    start, step = _fixed_phases(graphdef, None, cfg)
+    state = start(params, None, prompts, prompt_lengths, budgets, key)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(params, None, s),
+                               state)
     return _result(final)
 
 
-def _autoregressive_phases(graphdef, cfg: LoopConfig):
-    """The autoregressive loop's two phases: start(params, prompts, prompt_lengths,
-    budgets, key) -> LoopState (prefill and first token) and step(params, s) -> LoopState
-    (one token per row)."""
+def _whole_step(propose, finish):
+    """step(params, drafter_params, s) -> LoopState: `finish` of `propose`."""
+    def step(params, drafter_params, s: LoopState) -> LoopState:
+        return finish(params, drafter_params, s, propose(params, drafter_params, s))
+    return step
+
+
+def _fixed_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig):
+    """The two phases of a loop without an adaptive schedule, the same for autoregressive
+    decoding (drafter None; drafter_params ignored) and a fixed draft length:
+    start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState
+    (prefill, first token, drafter init) and step(params, drafter_params, s) -> LoopState
+    (one token per row, or propose then finish: `_speculative_phases`)."""
+    if drafter is not None:
+        start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+        return start, _whole_step(propose, finish)
     attention = cfg.target_attention()
 
-    def start(params, prompts, prompt_lengths, budgets, key) -> LoopState:
+    def start_ar(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState:
         model = nnx.merge(graphdef, params)
         return _prefill(model, cfg, prompts, prompt_lengths, budgets, key, 0, ())[0]
 
-    def step(params, s: LoopState) -> LoopState:
+    def step_ar(params, drafter_params, s: LoopState) -> LoopState:
         model = nnx.merge(graphdef, params)
         rows = jnp.arange(s.tokens.shape[0])
         key, k = jax.random.split(s.key)
@@ -403,7 +416,7 @@ def _autoregressive_phases(graphdef, cfg: LoopConfig):
                          cache=out.cache.rewind(lengths - 1), key=key,
                          steps=s.steps + active.astype(jnp.int32))
 
-    return start, step
+    return start_ar, step_ar
 
 
 def _emit(s: LoopState, cfg: LoopConfig, draft, tau, nxt):
@@ -788,10 +801,10 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
         def step(s: LoopState) -> LoopState:
             return adaptive_step(params, drafter_params, s, costs)
     else:
-        start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
+        start, one_step = _fixed_phases(graphdef, drafter, cfg)
 
         def step(s: LoopState) -> LoopState:
-            return finish(params, drafter_params, s, propose(params, drafter_params, s))
+            return one_step(params, drafter_params, s)
     state = start(params, drafter_params, prompts, prompt_lengths, budgets, key)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
@@ -818,23 +831,9 @@ def phase_programs(graphdef, params, drafter: Drafter | None, drafter_params,
     only matter: they are compiled for). The decode program takes the state's buffers
     (donated) and returns them as the final state (`PhasePrograms`). Raises ValueError
     for an adaptive schedule."""
-    if drafter is None:
-        start, step = _autoregressive_phases(graphdef, cfg)
-
-        def prefill(params, drafter_params, prompts, prompt_lengths, budgets, key):
-            del drafter_params
-            return start(params, prompts, prompt_lengths, budgets, key)
-
-        def one(params, drafter_params, s):
-            del drafter_params
-            return step(params, s)
-    else:
-        if cfg.schedule is not None:
-            raise ValueError("phase_programs: a fixed draft length only (cfg.schedule None)")
-        prefill, propose, finish = _speculative_phases(graphdef, drafter, cfg)
-
-        def one(params, drafter_params, s):
-            return finish(params, drafter_params, s, propose(params, drafter_params, s))
+    if drafter is not None and cfg.schedule is not None:
+        raise ValueError("phase_programs: a fixed draft length only (cfg.schedule None)")
+    prefill, one = _fixed_phases(graphdef, drafter, cfg)
 
     def decode(params, drafter_params, state):
         final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
@@ -862,9 +861,9 @@ def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopCon
     Neither program copies what the loop does not: the proposal's program returns the
     drafts and q only (not the drafter state, whose caches grow with the context), and
     the whole step takes the state donated (a fresh copy per call, made before the clock
-    starts), so it writes the KV cache in place as the loop does. Before 2026-11-28 both
-    returned copies: at 32k tokens of context that was about 200 ms of a "verify" of 8
-    tokens (benchmarks/long_context.py)."""
+    starts), so it writes the KV cache in place as the loop does: a returned copy grows
+    with the context (`python benchmarks/long_context.py speed --timing-only` times it at
+    32k tokens)."""
     import time
 
     start, propose, finish = _speculative_phases(graphdef, drafter, cfg)
@@ -876,8 +875,7 @@ def step_timing(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopCon
 
     copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
     fns = {"draft_ms": (jax.jit(draft_only), False),
-           "step_ms": (jax.jit(lambda p, d, s: finish(p, d, s, propose(p, d, s)),
-                               donate_argnums=2), True)}
+           "step_ms": (jax.jit(_whole_step(propose, finish), donate_argnums=2), True)}
     out = {}
     for name, (fn, donates) in fns.items():
         def arg(donates=donates):
