@@ -442,9 +442,9 @@ def run(args) -> int:
     import jax
     from tqdm import tqdm
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
-    from specjax.decoding.sampling import SamplingParams
     from specjax.errors import SpecjaxError
     from specjax.fileio import atomic_write_all
     from specjax.models.checkpoint import load_tokenizer

@@ -120,10 +120,10 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
     import jax
     import numpy as np
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
     from specjax.decoding.engine import DRIFT_TARGETS, Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter
-    from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)  # the code measured
     target, base, longest, max_length = _demo(new_tokens)
@@ -341,10 +341,10 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     import jax
     import numpy as np
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter
-    from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)
     baseline = baseline or bool(more_rounds)  # the margins need the AR program
@@ -526,10 +526,10 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
     import jax
     import numpy as np
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter
-    from specjax.decoding.sampling import SamplingParams
 
     rev = git_rev(ROOT)
     target, base, longest, max_length = _demo(new_tokens)

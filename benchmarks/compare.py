@@ -335,8 +335,8 @@ def _print_report(result: dict, args, target, draft, learned: dict, cores: int,
 
 
 def run(args) -> dict:
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.drafters.ngram import NgramDrafter
     from specjax.fileio import atomic_write

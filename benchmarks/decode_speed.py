@@ -60,8 +60,8 @@ from benchmarks._common import (  # noqa: E402
     usable_cores,
 )
 from specjax import cli  # noqa: E402
+from specjax.core.sampling import SamplingParams  # noqa: E402
 from specjax.decoding.engine import Engine  # noqa: E402
-from specjax.decoding.sampling import SamplingParams  # noqa: E402
 from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402

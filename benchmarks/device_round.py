@@ -534,8 +534,8 @@ def step_big_target(rec: dict, dry_run: bool, plan_spec: str = BIG_PLAN) -> None
     import numpy as np
     from flax import nnx
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine
-    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.draft_lm import DraftLMDrafter
     from specjax.models.model import Transformer
 

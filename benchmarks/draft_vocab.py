@@ -67,9 +67,9 @@ def _run(args) -> int:
     import numpy as np
     from tqdm import tqdm
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_learned_drafter
-    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters import make_drafter
     from specjax.drafters.vocab import corpus_counts, hot_ids, stream_counts
     from specjax.models.checkpoint import load_model, load_tokenizer

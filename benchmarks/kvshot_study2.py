@@ -337,9 +337,9 @@ def decode(target_dir: str, drafter_dir: str, prompts: list, new_tokens: int,
     """
     import jax
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
-    from specjax.decoding.sampling import SamplingParams
 
     dtype = resolve_dtype("auto")
     target = load_target(target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)

@@ -60,9 +60,9 @@ def step_engine(name: str):
     """(Engine, prompt ids, new tokens) for timing one step of run NAME-s0 at T = 0, batch
     1, on the first held-out prompt (decode.py's loading defaults)."""
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
-    from specjax.decoding.sampling import SamplingParams
 
     runs_root, config_dir = RUNS[name]
     cfg = k2.load_config_for(name, SEED, runs_root=runs_root, config_dir=config_dir)
@@ -145,9 +145,9 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
 
     import jax
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine
     from specjax.decoding.loading import load_drafter
-    from specjax.decoding.sampling import SamplingParams
 
     sizes = dict(k2.SIZES)
     cfg, dtype, target, prompts, common = medc_setup(sizes["prompts"])
@@ -217,9 +217,9 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
     import jax
     import numpy as np
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, Stats
     from specjax.decoding.loading import load_drafter
-    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.dynamic_tree import DynamicTree
 
     cfg, dtype, target, prompts, base = medc_setup(n_prompts)

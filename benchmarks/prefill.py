@@ -77,9 +77,9 @@ def _run(args) -> int:
     import jax
     from tqdm import tqdm
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.sampling import SamplingParams
 
     loaded = load_target(args.target, dtype="float32")
     target = loaded.model

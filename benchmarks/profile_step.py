@@ -198,9 +198,9 @@ def trace_op_times(log_dir: str, names: dict[str, str],
 def run(args) -> dict:
     import jax.numpy as jnp
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.sampling import SamplingParams
 
     if min(args.num_prompts, args.new_tokens, args.runs, args.num_drafts) < 1:
         raise SpecjaxError("--num-prompts, --new-tokens, --runs and --num-drafts must be >= 1")

@@ -65,9 +65,9 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
+from specjax.core.sampling import SamplingParams  # noqa: E402
 from specjax.decoding.engine import Engine, Stats  # noqa: E402
 from specjax.decoding.loading import DEMO_TARGET  # noqa: E402
-from specjax.decoding.sampling import SamplingParams  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 

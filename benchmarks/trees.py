@@ -183,9 +183,9 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     import jax
     import numpy as np
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_target
-    from specjax.decoding.sampling import SamplingParams
     from specjax.models.checkpoint import load_tokenizer
 
     rev = git_rev(ROOT)  # the code measured

@@ -68,8 +68,8 @@ def abstract_engine(args):
     import jax.numpy as jnp
     from flax import nnx
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
-    from specjax.decoding.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
     from specjax.drafters.io import read_config
     from specjax.drafters.ngram import NgramDrafter

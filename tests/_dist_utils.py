@@ -1,8 +1,8 @@
 """Float64 numpy references for the exact-distribution tests (tests/test_distribution.py).
 
-Nothing here calls `specjax.decoding.sampling` or `specjax.decoding.verify`: the filters (temperature,
+Nothing here calls `specjax.core.sampling` or `specjax.decoding.verify`: the filters (temperature,
 top-k, top-p) and the verification rules' exact outcome probabilities are written
-again from their documented semantics (specjax/decoding/sampling.py docstring, docs/design.md
+again from their documented semantics (specjax/core/sampling.py docstring, docs/design.md
 section 4), so a test compares the code under test against an independent reference.
 """
 

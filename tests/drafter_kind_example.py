@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.decoding.sampling import sample_logits
+from specjax.core.sampling import sample_logits
 from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.learned import LearnedDrafter

@@ -123,7 +123,7 @@ def test_acceptance_in_the_table_file(tmp_path):
 
 
 def _engines(temperature=0.0, batch=2, kind="self"):
-    from specjax.decoding.sampling import SamplingParams
+    from specjax.core.sampling import SamplingParams
 
     target, _ = models()
     drafter, dparams = simple_drafter(kind, 3)

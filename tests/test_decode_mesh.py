@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine
-from specjax.decoding.sampling import SamplingParams
 from specjax.decoding.sharding import cache_sharding, decode_mesh, parse_mesh
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.ngram import NgramDrafter

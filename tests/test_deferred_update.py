@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.core.drafter import LoopView
 from specjax.decoding.adaptive import GammaSchedule
 from specjax.decoding.generate import LoopConfig, _prefill
 from specjax.drafters import make_drafter
-from specjax.drafters.base import LoopView
 from tests.test_drafters import T1, net_for
 from tests.test_speculative_greedy import TP, models, prompts
 
@@ -69,8 +69,8 @@ def test_scripted_schedule_is_exact_and_catches_up():
     the target's, the buffer empties when full and before each speculative step."""
     from flax import nnx
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.generate import _adaptive_phases, autoregressive_loop
-    from specjax.decoding.sampling import SamplingParams
 
     target, _ = models()
     dcfg, net = net_for("eagle3", None)

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.generate import LoopConfig, speculative_loop
-from specjax.decoding.sampling import SamplingParams
 from specjax.decoding.verify import (
     Verdict,
     block_weights,

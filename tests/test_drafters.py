@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.core.drafter import LoopView
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.generate import LoopConfig, _prefill
-from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import DrafterConfig, build_network, make_drafter
-from specjax.drafters.base import LoopView
 from specjax.errors import SpecjaxError
 from specjax.train.objectives import Frozen
 from specjax.train.objectives.ttt import draft_outputs

@@ -18,10 +18,10 @@ import test_speculative_greedy as sg
 from flax import nnx
 from test_drafters import W, net_for
 
+from specjax.core.drafter import LoopView
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.generate import LoopConfig, _prefill, speculative_loop
-from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import make_drafter
-from specjax.drafters.base import LoopView
 from specjax.drafters.dynamic_tree import DynamicTree
 from specjax.errors import SpecjaxError
 from specjax.train.objectives import Frozen

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.fly import FlyVerify, fly_accept, top_k_entropy
 from specjax.decoding.generate import LoopConfig
-from specjax.decoding.sampling import SamplingParams
 
 
 def _rule_by_loops(native, entropy, window, threshold):

@@ -6,6 +6,8 @@ the test sees lazy imports that an import-time check of sys.modules would miss."
 import ast
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Everything `python decode.py` can run: the library outside specjax/train (and the corpus,
 # packing and regeneration of specjax/data/), the kernels.
@@ -46,12 +48,41 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     assert "specjax.train.config" in set(_imports(str(f)))
 
 
+def _package_imports(package):
+    """(file, imported module) for every import in specjax/<package>/, lazy ones too."""
+    for dirpath, _, names in os.walk(os.path.join(ROOT, "specjax", package)):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                yield from ((os.path.relpath(path, ROOT), m) for m in _imports(path))
+
+
+# The floor (issue 51): what drafters and decoding both need lives in specjax.core, so a
+# drafter never imports the loop that calls it, and data never imports decoding.
+@pytest.mark.parametrize("package, forbidden", [
+    ("core", ("specjax.decoding", "specjax.drafters", "specjax.data", "specjax.train")),
+    ("drafters", ("specjax.decoding",)),
+    ("data", ("specjax.decoding",)),
+    ("models", ("specjax.decoding", "specjax.drafters", "specjax.data", "specjax.train")),
+])
+def test_layers_import_only_below(package, forbidden):
+    bad = [(f, m) for f, m in _package_imports(package)
+           if any(m == x or m.startswith(x + ".") for x in forbidden)]
+    assert not bad, bad
+
+
+def test_the_layer_scan_can_fail():
+    """Every package the layering test names exists and has imports to check."""
+    for package in ("core", "drafters", "data", "models"):
+        assert any(True for _ in _package_imports(package)), package
+
+
 def test_generate_imports_no_drafter_implementation():
-    """The loop reaches drafters through the protocol of specjax/drafters/base.py only; the
+    """The loop reaches drafters through the protocol of specjax/core/drafter.py only; the
     kernel choice comes from specjax/decoding/kernel_policy.py, passed explicitly (issue 28)."""
     path = os.path.join(ROOT, "specjax", "decoding", "generate.py")
     bad = [m for m in _imports(path)
-           if m.startswith("specjax.drafters") and not m.startswith("specjax.drafters.base")]
+           if m.startswith("specjax.drafters") and not m.startswith("specjax.core.drafter")]
     assert not bad, bad
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import decode
 import specjax
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine, prompt_width_for
-from specjax.decoding.sampling import SamplingParams
 from specjax.testing.tiny import save_random_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

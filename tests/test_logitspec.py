@@ -15,9 +15,9 @@ import test_lossless_drafters as ld
 import test_speculative_greedy as sg
 from flax import nnx
 
+from specjax.core.drafter import LoopView
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.generate import LoopConfig, speculative_loop
-from specjax.decoding.sampling import SamplingParams
-from specjax.drafters.base import LoopView
 from specjax.drafters.logitspec import LogitSpecDrafter, branch_length, full_tree_nodes
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import SpecjaxError

@@ -43,9 +43,9 @@ from flax import nnx, struct
 from safetensors.numpy import save_file
 from test_distribution import BIASED
 
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
 from specjax.decoding.generate import LoopConfig, speculative_loop
-from specjax.decoding.sampling import SamplingParams
 from specjax.decoding.verify import Verdict, verify_block, verify_token
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.draft_lm import DraftLMDrafter

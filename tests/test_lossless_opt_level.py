@@ -30,8 +30,8 @@ def _greedy_identity(name="kv"):
     import test_lossless_drafters as tl
     from flax import nnx
 
+    from specjax.core.sampling import SamplingParams
     from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
-    from specjax.decoding.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     drafter, dparams = tl._drafter(name, greedy)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.core.drafter import LoopView
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
 from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
-from specjax.decoding.sampling import SamplingParams
 from specjax.drafters import make_drafter
-from specjax.drafters.base import LoopView
 from tests.test_drafters import T1, net_for, reference_q
 from tests.test_speculative_greedy import TP, V, models, prompts
 

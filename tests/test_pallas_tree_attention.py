@@ -197,7 +197,7 @@ def test_triangular_is_causal_and_all_true_is_block():
 def test_integer_masks_and_forced_diagonal():
     """int8 / int32 masks (nonzero = visible) equal the bool mask; a mask with its
     diagonal cleared, or unused nodes whose rows are all false (as
-    specjax.decoding.tree.ancestor_mask leaves them), equals the mask with the diagonal
+    specjax.core.tree.ancestor_mask leaves them), equals the mask with the diagonal
     set, and stays finite at length 0."""
     args = _inputs(2, 5, 4, 2, 40, 32, [0, 17], seed=6)
     q, kc, vc, ln, kn, vn, mask = args

@@ -14,9 +14,9 @@ import test_speculative_greedy as sg
 from flax import nnx
 
 import decode
+from specjax.core.tree import DraftTree, ancestor_mask, chain_tree, tree_from_drafts
 from specjax.decoding import generate
 from specjax.decoding.generate import LoopConfig, compact_path, speculative_loop
-from specjax.decoding.tree import DraftTree, ancestor_mask, chain_tree, tree_from_drafts
 from specjax.models.kv_cache import KVCache
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding import tree as dtree
+from specjax.core import tree as dtree
 from specjax.decoding.tree_verify import (
     TreeVerdict,
     children_table,

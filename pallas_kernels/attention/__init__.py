@@ -138,7 +138,7 @@ def decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, *, mode="causal
       tree_mask: mode "tree" only (required there, a ValueError in the other modes):
         [B, T, T] bool, or an integer array read as != 0; [b, t, u] = query t sees new
         token u (node u is node t or one of its ancestors, e.g.
-        `specjax.decoding.tree.ancestor_mask`). The diagonal is always visible whatever
+        `specjax.core.tree.ancestor_mask`). The diagonal is always visible whatever
         the mask holds (a node sees itself; so every query has a key, even with
         lengths[b] = 0, and unused nodes whose rows are all false stay finite). Per row,
         not per head: the kernels read it as one i32 [T*R, T] block per row (the folded

@@ -310,7 +310,7 @@ def regenerate(target_dir: str, out_dir: str, *, per_file: int = 4, seed: int = 
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         target = load_model(target_dir, dtype=parse_dtype(dtype))
-        from specjax.decoding.sampling import SamplingParams
+        from specjax.core.sampling import SamplingParams
 
         engine = Engine(target, max_length=max_length,
                         prompt_width=prompt_width_for(longest, max_length),

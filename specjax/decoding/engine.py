@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.generate import (
     LoopConfig,
     autoregressive_loop,
@@ -28,7 +29,6 @@ from specjax.decoding.generate import (
     step_timing,
 )
 from specjax.decoding.kernel_policy import resolve_kernels
-from specjax.decoding.sampling import SamplingParams
 from specjax.errors import SpecjaxError
 from specjax.models.model import decoding_params
 
@@ -160,7 +160,7 @@ class Engine:
 
     Args:
       target: the target `Transformer`.
-      drafter, drafter_params: a Drafter (see specjax.drafters.base) and its params, or
+      drafter, drafter_params: a Drafter (see specjax.core.drafter) and its params, or
         None for autoregressive decoding.
       sampling: SamplingParams for target and drafter.
       verify: "token" or "block" (greedy is used at temperature 0).

@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from specjax.core.drafter import Drafter, LoopView, take_rows
+from specjax.core.sampling import SamplingParams, filtered_probs, sample_logits
+from specjax.core.tree import DraftTree, ancestor_mask, path_tokens, tree_from_drafts
 from specjax.decoding import kernel_policy
 from specjax.decoding import partial as partial_lib
-from specjax.decoding.sampling import SamplingParams, filtered_probs, sample_logits
-from specjax.decoding.tree import DraftTree, ancestor_mask, path_tokens, tree_from_drafts
 from specjax.decoding.verify import VERIFIERS, Verdict
-from specjax.drafters.base import Drafter, LoopView
 from specjax.models.kv_cache import KVCache
 from specjax.models.matmul import vmapped_copies
 from specjax.models.prefill import pad_rows, padded_width, prefill_pieces, scan_prompt_pieces
@@ -81,7 +81,7 @@ class LoopConfig:
       propose). K > 1: K drafts of G tokens from the same state (at temperature 0 the
       top-K first tokens, each continued greedily; above it K independent samples),
       verified as one draft tree of N = 1 + K*G nodes in one target forward with a tree
-      mask (`specjax.decoding.tree`, `specjax.decoding.tree_verify`); the accepted path's
+      mask (`specjax.core.tree`, `specjax.decoding.tree_verify`); the accepted path's
       K/V are compacted into place (`compact_path`).
     cache_sharding: None (one device, or whatever XLA propagates), or the NamedSharding of
       the target cache's k and v [L,B,K,S,H] on a mesh (`specjax.decoding.sharding.cache_sharding`),
@@ -189,7 +189,7 @@ class LoopConfig:
 
     def tree_nodes(self, gamma: int, drafter=None) -> int:
         """N, the verify forward's tokens per row: G + 1 for a chain, 1 + K*G for K drafts,
-        a tree drafter's own `tree_nodes` (`specjax.drafters.base.TreeDrafter`)."""
+        a tree drafter's own `tree_nodes` (`specjax.core.drafter.TreeDrafter`)."""
         if drafter is not None and hasattr(drafter, "propose_tree"):
             return drafter.tree_nodes
         return gamma + 1 if self.num_drafts == 1 else 1 + self.num_drafts * gamma
@@ -456,17 +456,12 @@ def _advance(s: LoopState, tokens, lengths, done, act, cache, dstate, key, tau,
                      accepted=accepted.astype(jnp.int32), reached=reached.astype(jnp.int32))
 
 
-def _at_index(x, idx):
-    """x[b, idx[b]] for x [B,T,...] and idx i32[B]."""
-    return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-
-
 def compact_path(cache: KVCache, base, path) -> KVCache:
     """Moves the accepted path's K/V into place after a draft tree's verify forward: node
     path[b, j] was written at slot base[b] + path[b, j]; it goes to slot base[b] + j
     (j = 0..G, every layer), so the cache holds the committed tokens contiguously again
     and the rejected branches' entries sit past the row's length, stale.
-    cache k, v [L,B,K,S,H]; base i32[B]; path i32[B,G+1] (`specjax.decoding.tree`)."""
+    cache k, v [L,B,K,S,H]; base i32[B]; path i32[B,G+1] (`specjax.core.tree`)."""
     B, P = path.shape
     rows = jnp.arange(B)[:, None]
     src = base[:, None] + path
@@ -480,9 +475,9 @@ def compact_path(cache: KVCache, base, path) -> KVCache:
 def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_drafts: int,
                    pending) -> DraftTree:
     """K = num_drafts drafts of G tokens from one drafter state, as a tree of 1 + K*G nodes
-    (`specjax.decoding.tree.tree_from_drafts`): `drafter.propose` vmapped over K keys and
+    (`specjax.core.tree.tree_from_drafts`): `drafter.propose` vmapped over K keys and
     first_rank = (0..K-1, K): at temperature 0 the top-K first tokens, each continued
-    greedily (`specjax.decoding.sampling.ranked_choice`), above it K independent samples
+    greedily (`specjax.core.sampling.ranked_choice`), above it K independent samples
     (a deterministic drafter such as n-gram uses the rank at every temperature). The proposals' drafter states are
     dropped: the loop updates the drafter from the state before the step
     (`update_after_tree` where a drafter has it). pending: i32[B] the root tokens."""
@@ -586,7 +581,7 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
         tokens, lengths, done, act = _emit(s, cfg, draft, tau, nxt)
         cache = cache.rewind(lengths - 1)
         after = LoopView(tokens, lengths, cache, hidden, pos,
-                         logits=_at_index(logits, tau) if wants_logits else None)
+                         logits=take_rows(logits, tau) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = drafter.update(drafter_params, dstate, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau,
@@ -611,7 +606,7 @@ def _speculative_phases(graphdef, drafter: Drafter, cfg: LoopConfig):
             hidden = jnp.take_along_axis(out.hidden, path[None, :, :, None], axis=2)
         last = jnp.take_along_axis(path, tau[:, None], axis=1)[:, 0]  # the last accepted node
         after = LoopView(tokens, lengths, cache, hidden, base[:, None] + offsets[None, :],
-                         logits=_at_index(out.logits, last) if wants_logits else None)
+                         logits=take_rows(out.logits, last) if wants_logits else None)
         with jax.named_scope("drafter_update"):
             dstate = update_after_tree(drafter_params, s.drafter_state, after, tau)
         return _advance(s, tokens, lengths, done, act, cache, dstate, key, tau)
@@ -782,7 +777,7 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
     output follows the filtered target distribution (docs/design.md section 4).
     With `cfg.num_drafts` K > 1, or a drafter that proposes trees itself
-    (`specjax.drafters.base.TreeDrafter`), each step verifies a draft tree
+    (`specjax.core.drafter.TreeDrafter`), each step verifies a draft tree
     (`propose_drafts`, a tree-masked target forward, `LoopConfig.tree_verifier`,
     `compact_path`). The phases are `_speculative_phases`'.
     With `cfg.schedule` (an adaptive draft length, `_adaptive_phases`), costs f32[n] are

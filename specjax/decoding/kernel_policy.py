@@ -20,10 +20,8 @@ from collections.abc import Callable
 
 import jax
 
+from specjax.core.drafter import AttentionKernel
 from specjax.errors import SpecjaxError
-
-# fn(q [B,T,N,H], k [B,K,S,H], v [B,K,S,H], limit i32[B,T]) -> (o [B,T,N,H], lse f32[B,T,N])
-AttentionKernel = Callable
 
 KERNELS = ("auto", "off", "reference", "pallas")  # the user's choice (decode.py --kernels)
 LOOP_KERNELS = ("off", "reference", "pallas")  # resolved: `LoopConfig.kernels`

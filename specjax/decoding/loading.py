@@ -195,7 +195,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
       draft LM), draft_reuse for a drafter other than medc, or "logitspec" with verify
       "block" at temperature > 0 or num_drafts > 1.
     """
-    from specjax.decoding.sampling import SamplingParams
+    from specjax.core.sampling import SamplingParams
     from specjax.drafters.config import DrafterConfig
     from specjax.errors import SpecjaxError
 

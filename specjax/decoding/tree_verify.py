@@ -1,4 +1,4 @@
-"""Verification of a draft tree (`specjax.decoding.tree.DraftTree`): greedy, token-level
+"""Verification of a draft tree (`specjax.core.tree.DraftTree`): greedy, token-level
 recursive rejection sampling over siblings, and multi-draft block verification.
 
 Every rule takes the tree, the target's filtered distributions p f32[B,N,V] (p[b, i] is
@@ -89,9 +89,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sampling import sample
-from specjax.decoding.tree import DraftTree
-from specjax.decoding.verify import block_weights
+from specjax.core.drafter import take_rows
+from specjax.core.sampling import sample
+from specjax.core.tree import DraftTree
+from specjax.decoding.verify import (  # chains reproduce verify.py bit for bit
+    block_weights,
+    normalize_or,
+)
 from specjax.errors import SpecjaxError
 
 
@@ -105,18 +109,6 @@ class TreeVerdict(NamedTuple):
     num_accepted: jax.Array
     next_token: jax.Array
     path: jax.Array
-
-
-def _rows(x, idx):
-    """x[b, idx[b]] for x [B,N,...] and idx i32[B]."""
-    return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-
-
-def _normalize_or(residual, fallback):
-    """norm(residual) per row; rows whose residual mass is 0 use `fallback` (the same
-    arithmetic as verify.py, so chain trees reproduce its samples bit for bit)."""
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), fallback)
 
 
 def _check(tree: DraftTree, p, max_depth: int, need_q: bool):
@@ -174,12 +166,12 @@ def verify_tree_greedy(tree: DraftTree, p, key, *, max_depth: int) -> TreeVerdic
     tau = jnp.zeros((B,), jnp.int32)
     path = [cur]
     for _ in range(max_depth):
-        nxt = _rows(best, cur)
+        nxt = take_rows(best, cur)
         alive = alive & (nxt < N)
         cur = jnp.where(alive, nxt, cur)
         tau = tau + alive
         path.append(cur)
-    return TreeVerdict(tau, _rows(target, cur), jnp.stack(path, axis=1))
+    return TreeVerdict(tau, take_rows(target, cur), jnp.stack(path, axis=1))
 
 
 def verify_tree_token(tree: DraftTree, p, key, *, max_depth: int,
@@ -208,30 +200,30 @@ def verify_tree_token(tree: DraftTree, p, key, *, max_depth: int,
     rejected = jnp.zeros((B,), bool)  # r is a residual (some child of cur was rejected)
     path = [cur]
     for d in range(max_depth):
-        kids = _rows(children, cur)  # [B,C]
+        kids = take_rows(children, cur)  # [B,C]
         accepted = jnp.zeros((B,), bool)
         pick = cur
         for s in range(max_children):
             c = kids[:, s]
             tried = alive & ~accepted & (c >= 0)
             cc = jnp.maximum(c, 0)
-            x = _rows(tree.tokens, cc)
-            qc = _rows(tree.q, cc)  # [B,V]
+            x = take_rows(tree.tokens, cc)
+            qc = take_rows(tree.q, cc)  # [B,V]
             qx = jnp.take_along_axis(qc, x[:, None], axis=1)[:, 0]
             rx = jnp.take_along_axis(r, x[:, None], axis=1)[:, 0]
             ok = tried & (u[:, d, s] * qx < rx)  # u < r/q without dividing; never r(x) = 0
             no = tried & ~ok
             accepted = accepted | ok
             pick = jnp.where(ok, cc, pick)
-            r = jnp.where(no[:, None], _normalize_or(jnp.maximum(r - qc, 0.0), r), r)
+            r = jnp.where(no[:, None], normalize_or(jnp.maximum(r - qc, 0.0), r), r)
             rejected = rejected | no
         alive = alive & accepted
         cur = jnp.where(alive, pick, cur)
         tau = tau + alive
-        r = jnp.where(alive[:, None], _rows(p, cur), r)
+        r = jnp.where(alive[:, None], take_rows(p, cur), r)
         rejected = rejected & ~alive
         path.append(cur)
-    dist = jnp.where(rejected[:, None], r, _normalize_or(r, r))  # as verify_token's bonus
+    dist = jnp.where(rejected[:, None], r, normalize_or(r, r))  # as verify_token's bonus
     return TreeVerdict(tau, sample(k_next, dist), jnp.stack(path, axis=1))
 
 
@@ -285,9 +277,9 @@ def verify_tree_block(tree: DraftTree, p, key, *, max_depth: int,
         passed = (u[:, k] < h) & (j[None, :] < n_left[:, None])
         t = jnp.max(jnp.where(passed, j[None, :] + 1, 0), axis=1).astype(jnp.int32)
         w0 = jnp.concatenate([jnp.ones_like(w[:, :1]), w], axis=1)  # w_0..w_G
-        w_t, p_t = _rows(w0, t), _rows(p_s, t)
-        q_t = jnp.where((t == n_left)[:, None], 0.0, _rows(q_s, jnp.minimum(t, G - 1)))
-        res = _normalize_or(jnp.maximum(w_t[:, None] * p_t - q_t, 0.0), p_t)
+        w_t, p_t = take_rows(w0, t), take_rows(p_s, t)
+        q_t = jnp.where((t == n_left)[:, None], 0.0, take_rows(q_s, jnp.minimum(t, G - 1)))
+        res = normalize_or(jnp.maximum(w_t[:, None] * p_t - q_t, 0.0), p_t)
         grow = use & (t > 0)
         r = jnp.where(use[:, None], res, r)
         i = jnp.where(use, i + t, i)

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sampling import sample
+from specjax.core.drafter import take_rows
+from specjax.core.sampling import sample
 
 
 class Verdict(NamedTuple):
@@ -30,17 +31,12 @@ class Verdict(NamedTuple):
     next_token: jax.Array  # i32[B]
 
 
-def _at(x, idx):
-    """x[b, idx[b]] for x [B,T,...] and idx i32[B]."""
-    return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-
-
 def _token_probs(dist, draft):
     """dist[b, i, draft[b, i]] for dist [B,G,V], draft i32[B,G] -> f32[B,G]."""
     return jnp.take_along_axis(dist, draft[..., None], axis=-1)[..., 0]
 
 
-def _normalize_or(residual, fallback):
+def normalize_or(residual, fallback):
     """norm(residual) per row; rows whose residual mass is 0 use `fallback`."""
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), fallback)
@@ -53,7 +49,7 @@ def verify_greedy(draft, q, p, key) -> Verdict:
     target = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B,G+1]
     match = draft == target[:, :G]
     tau = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
-    return Verdict(tau, _at(target, tau))
+    return Verdict(tau, take_rows(target, tau))
 
 
 def verify_token(draft, q, p, key) -> Verdict:
@@ -66,8 +62,8 @@ def verify_token(draft, q, p, key) -> Verdict:
     accept = u * qx < px  # u < p/q without dividing; never accepts p(x) = 0
     tau = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
     q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)  # q_{G+1} = 0: bonus = p
-    p_t, q_t = _at(p, tau), _at(q_pad, tau)
-    dist = _normalize_or(jnp.maximum(p_t - q_t, 0.0), p_t)
+    p_t, q_t = take_rows(p, tau), take_rows(q_pad, tau)
+    dist = normalize_or(jnp.maximum(p_t - q_t, 0.0), p_t)
     return Verdict(tau, sample(k_next, dist))
 
 
@@ -108,8 +104,8 @@ def verify_block(draft, q, p, key) -> Verdict:
     tau = jnp.max(jnp.where(passed, idx[None, :], 0), axis=1).astype(jnp.int32)
     w0 = jnp.concatenate([jnp.ones_like(w[:, :1]), w], axis=1)  # w_0..w_G
     q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)
-    p_t, q_t, w_t = _at(p, tau), _at(q_pad, tau), _at(w0, tau)
-    dist = _normalize_or(jnp.maximum(w_t[:, None] * p_t - q_t, 0.0), p_t)
+    p_t, q_t, w_t = take_rows(p, tau), take_rows(q_pad, tau), take_rows(w0, tau)
+    dist = normalize_or(jnp.maximum(w_t[:, None] * p_t - q_t, 0.0), p_t)
     return Verdict(tau, sample(k_next, dist))
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.decoding.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 from specjax.drafters import registry
 from specjax.drafters.config import DrafterConfig
 from specjax.errors import SpecjaxError

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding.kernel_policy import AttentionKernel
+from specjax.core.drafter import AttentionKernel
 from specjax.models.attention import DEFAULT_CHUNK, cache_attention_stats
 
 NEG = -1e30

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
+from specjax.core.drafter import AttentionKernel
+from specjax.core.sampling import ranked_choice, sample_logits
+from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -209,7 +209,7 @@ class BlockDrafter(LearnedDrafter):
         position d's distribution does not depend on the tokens before it, the block was
         drafted from mask tokens); the K best of those K*K form the next frontier; the
         tree is the N - 1 best of all K + (G-1)*K*K candidates
-        (`specjax.decoding.tree.tree_from_candidates`). q: one-hot at each node's token
+        (`specjax.core.tree.tree_from_candidates`). q: one-hot at each node's token
         above temperature 0 (deterministic choices), None at 0. `key` is unused."""
         del key
         G, K = self.gamma, topk
@@ -228,7 +228,7 @@ class BlockDrafter(LearnedDrafter):
                 acc.append(x)
             start += K * K
         depth = candidate_depths(K, G)
-        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], 1)[:, 0]
+        pending = view.pending
         tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
                                     jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
                                     depth, nodes, None if self.sampling.greedy else V)

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.decoding.sampling import SamplingParams, ranked_choice, sample_logits
-from specjax.decoding.tree import (
+from specjax.core.sampling import SamplingParams, ranked_choice, sample_logits
+from specjax.core.tree import (
     DraftTree,
     ancestor_mask,
     candidate_depths,

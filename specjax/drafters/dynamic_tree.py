@@ -1,5 +1,5 @@
 """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858) as a
-`specjax.drafters.base.TreeDrafter`, around any drafter with `propose_tree_topk`: the
+`specjax.core.drafter.TreeDrafter`, around any drafter with `propose_tree_topk`: the
 eagle3 family (eagle3, hybrid, imported EAGLE-3 heads; `Eagle3Drafter`), kv and block.
 
     drafter = DynamicTree(eagle3_drafter, topk=4, nodes=32)

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
+from specjax.core.drafter import AttentionKernel
+from specjax.core.sampling import ranked_choice, sample_logits
+from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend, windowed
 from specjax.drafters.config import DrafterConfig
@@ -186,7 +186,7 @@ class Eagle3State:
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter(LearnedDrafter):
-    """Loop adapter (specjax.drafters.base.Drafter) for Eagle3, Medc and Hybrid networks;
+    """Loop adapter (specjax.core.drafter.Drafter) for Eagle3, Medc and Hybrid networks;
     fields and params as learned.LearnedDrafter, plus `reuse` (medc only,
     `--draft-reuse`): the next step starts its chain from this step's drafted hidden
     states where they cover the new positions (`propose`)."""
@@ -325,7 +325,7 @@ class Eagle3Drafter(LearnedDrafter):
 
     def propose(self, params, state, view, key, first_rank=None):
         """G draft tokens: the first from h_last (or the first_rank-th choice, see
-        `specjax.decoding.sampling.ranked_choice`), then G-1 one-token forwards. The draft
+        `specjax.core.sampling.ranked_choice`), then G-1 one-token forwards. The draft
         entries' keys and values go to a small [B,K,G-1,H] buffer beside the cache (the
         cache itself is read only: copying its S slots in and out of the loop cost more
         than the draft steps' attention on XLA:CPU); update() writes the committed
@@ -464,7 +464,7 @@ class Eagle3Drafter(LearnedDrafter):
 
     def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
         """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858; `topK_genrate`
-        of SafeAILab/EAGLE) as a `specjax.decoding.tree.DraftTree` of N = `nodes` nodes;
+        of SafeAILab/EAGLE) as a `specjax.core.tree.DraftTree` of N = `nodes` nodes;
         `specjax.drafters.dynamic_tree.DynamicTree` is the loop's TreeDrafter around it.
 
         Scores: the cumulative log-probability of a node's path under the drafter's
@@ -480,7 +480,7 @@ class Eagle3Drafter(LearnedDrafter):
             frontier node's top-K children are the K*K candidates of depth d (child
             score = parent score + log q(child)); the K best candidates by score are the
             next frontier.
-        The tree (`specjax.decoding.tree.tree_from_candidates`): the N-1 best of all
+        The tree (`specjax.core.tree.tree_from_candidates`): the N-1 best of all
         K + (G-1)*K*K candidates by score (`lax.top_k`, lower index first on ties;
         candidates are indexed depth by depth, so a parent, whose score is >= its
         child's, is always taken before it: the set is closed under ancestors), laid out
@@ -564,7 +564,7 @@ class Eagle3Drafter(LearnedDrafter):
         tok = flat(t1, ct)
         par = flat(jnp.full((B, K), -1, i32), cp)
         depth = candidate_depths(K, G)
-        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+        pending = view.pending
         tree = tree_from_candidates(pending, score, tok, par, depth, nodes,
                                     None if self.sampling.greedy else logp0.shape[-1])
         return tree, state
@@ -585,7 +585,7 @@ def _first_readout(net, h_last, params, view):
     through the network's readout with the pending token (position lengths-1)."""
     if not net.token_readout:
         return h_last
-    pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+    pending = view.pending
     return net.readout(h_last, jnp.take(params["embed"], pending, axis=0))
 
 

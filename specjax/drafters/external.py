@@ -506,7 +506,7 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
       the target vocabulary, q zero outside the hot set.
     Raises: SpecjaxError as `read_external`.
     """
-    from specjax.decoding.sampling import SamplingParams
+    from specjax.core.sampling import SamplingParams
     from specjax.drafters import build_network, make_drafter
 
     ext = read_external(path, target.cfg)

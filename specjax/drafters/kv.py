@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import ranked_choice, sample_logits
-from specjax.decoding.tree import candidate_depths, expand_frontier, tree_from_candidates
+from specjax.core.drafter import AttentionKernel
+from specjax.core.sampling import ranked_choice, sample_logits
+from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
 from specjax.drafters import registry
 from specjax.drafters.attend import Limit, attend, windowed
 from specjax.drafters.config import DrafterConfig, kv_layer_set
@@ -107,7 +107,7 @@ class KVDrafter(LearnedDrafter):
         mem_mask = windowed(limit, self.window)  # read up to the longest row only
         own_shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
         slots = jnp.arange(G)
-        pending = jnp.take_along_axis(view.tokens, (view.lengths - 1)[:, None], axis=1)[:, 0]
+        pending = view.pending
 
         def step(carry, inp):
             own_k, own_v, tok = carry
@@ -147,7 +147,7 @@ class KVDrafter(LearnedDrafter):
         own; each frontier node's top-K children (score = parent's + log q) are the
         K*K candidates of depth d+1, the K best of which form the next frontier. The
         tree is the N - 1 best candidates by cumulative log q
-        (`specjax.decoding.tree.tree_from_candidates`); scores from the draft
+        (`specjax.core.tree.tree_from_candidates`); scores from the draft
         distribution at temperature 1 whatever the loop's temperature. q: one-hot at
         each node's token above temperature 0 (deterministic choices), None at 0.
         `key` is unused; the state is returned as it is (`update` reads the path)."""

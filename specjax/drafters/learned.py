@@ -8,8 +8,8 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.decoding.kernel_policy import AttentionKernel
-from specjax.decoding.sampling import SamplingParams
+from specjax.core.drafter import AttentionKernel
+from specjax.core.sampling import SamplingParams
 from specjax.drafters.config import DrafterConfig
 from specjax.models.kv_cache import KVCache
 

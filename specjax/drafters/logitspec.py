@@ -6,7 +6,7 @@ of the last logit, the argmax (the next token itself) left out, are guesses for 
 *next-next* token. Each guess c, appended to the context, gives a sharper retrieval key
 than the context alone, and the continuation of that key's latest earlier occurrence
 in prompt + output becomes a draft branch. A training-free TreeDrafter
-(`specjax.drafters.base.TreeDrafter`): no parameters, no target hidden states, only
+(`specjax.core.drafter.TreeDrafter`): no parameters, no target hidden states, only
 the token buffer and `LoopView.logits`.
 
 The tree (N = tree_nodes nodes per row, static; depths at most G = gamma)
@@ -30,7 +30,7 @@ repeated), so branch 0 is always NgramDrafter's chain and, at temperature 0, the
 accepts at least what prompt lookup accepts from the same state (the root's children
 are distinct, so greedy verification follows the one branch whose first token is the
 target's). A budget N larger than the layout is padded with invalid nodes
-(`specjax.decoding.tree`'s convention: valid False, parent -1, depth 0, token p), never
+(`specjax.core.tree`'s convention: valid False, parent -1, depth 0, token p), never
 accepted.
 
 Candidates (init and update)
@@ -85,8 +85,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sampling import SamplingParams
-from specjax.decoding.tree import DraftTree
+from specjax.core.sampling import SamplingParams
+from specjax.core.tree import DraftTree
 from specjax.errors import SpecjaxError
 
 # (largest rank, branch length) of the authors' rule; ranks past the last entry: 1.

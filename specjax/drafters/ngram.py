@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

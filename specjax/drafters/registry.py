@@ -47,7 +47,7 @@ class DrafterKind:
         `logits(out, head)` (docs/design.md 6); for "block", `contexts` /
         `blocks(..., kernel=None)` / `logits` (objectives/block.py). kernel: the
         attention kernel its `attend` calls take (`specjax.decoding.kernel_policy`; None: jnp).
-      adapter: the loop adapter class (`specjax.drafters.base.Drafter`), constructed as
+      adapter: the loop adapter class (`specjax.core.drafter.Drafter`), constructed as
         `adapter(graphdef, dcfg, gamma, sampling, stop_below)`; a learned adapter
         (`learned.LearnedDrafter`) also has an `attention` field, the kernel the loop
         sets (`specjax.decoding.kernel_policy.with_drafter_attention`).

@@ -1,4 +1,5 @@
-"""The drafter interface the speculative loop calls (docs/design.md section 5).
+"""The drafter interface the speculative loop calls (docs/design.md section 5), in the
+floor package that drafters and decoding both import (`specjax.core`).
 
 A drafter is a frozen, hashable object (a static argument of `jax.jit`) plus a
 params pytree (a jit argument) and a state pytree it threads through the loop. The
@@ -17,13 +18,25 @@ read `view.hidden` and `view.target_cache` in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
-from specjax.decoding.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
 from specjax.models.kv_cache import KVCache
+
+# The attention kernel a learned drafter may attend with (`specjax.drafters.attend.attend`'s
+# `kernel`; `specjax.decoding.kernel_policy` chooses it):
+# fn(q [B,T,N,H], k [B,K,S,H], v [B,K,S,H], limit i32[B,T]) -> (o [B,T,N,H], lse f32[B,T,N])
+AttentionKernel = Callable
+
+
+def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]] for every row b: x [B,T,...], index i32[B] -> [B,...]."""
+    return jnp.take_along_axis(x, index.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
 
 
 @struct.dataclass
@@ -54,6 +67,11 @@ class LoopView:
     prefill_sizes: tuple[int, ...] = struct.field(pytree_node=False, default=())
     logits: jax.Array | None = None
 
+    @property
+    def pending(self) -> jax.Array:
+        """i32[B]: each row's pending token, tokens[b, lengths[b] - 1]."""
+        return take_rows(self.tokens, self.lengths - 1)
+
 
 class Drafter(Protocol):
     """Proposes G draft tokens with their (filtered) draft distributions q."""
@@ -78,7 +96,7 @@ class Drafter(Protocol):
 class TreeDrafter(Drafter, Protocol):
     """A drafter that proposes a draft tree itself (LogitSpec's retrieval tree, EAGLE-2's
     dynamic tree) instead of one chain: the loop calls `propose_tree` in place of
-    `propose` and verifies the tree (`specjax.decoding.tree`, `tree_verify`); `update`
+    `propose` and verifies the tree (`specjax.core.tree`, `tree_verify`); `update`
     then sees the accepted path as if it had been a chain (view.positions = the root's
     position + 0..G, view.hidden the path's hidden states)."""
 
