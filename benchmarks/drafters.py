@@ -25,7 +25,7 @@ Results are merged into benchmarks/results/drafters.json (--only measures some d
 and keeps the others' records) and written, with benchmarks/results/drafters.md and the
 marked sections of the documents (`<!-- drafters:NAME -->` ... `<!-- /drafters:NAME -->`
 in DOCS below; the prose around them is left alone), all or none after each drafter.
-tests/test_drafters_bench.py checks that the committed documents equal what
+tests/benchmarks/test_drafters_bench.py checks that the committed documents equal what
 --render-only makes of the committed JSON.
 """
 

@@ -4,7 +4,7 @@
     python notebooks/build_colab_tpu.py --check    # exit 1 if the notebook differs
 
 The .ipynb is what ships (Colab opens it); this script is its source, so that a change
-is a reviewable diff of Python text. tests/test_notebook.py checks that the two agree
+is a reviewable diff of Python text. tests/cli/test_notebook.py checks that the two agree
 and executes the notebook with SPECJAX_QUICK=1.
 """
 
@@ -46,7 +46,7 @@ entry point (`train.main`) instead of starting them with `!python`.
 
 With the environment variable `SPECJAX_QUICK=1` every step shrinks (2 prompts of 32 new
 tokens, 2 training steps on a 377 kB corpus) so that the whole notebook runs in a few
-minutes on a CPU; the project's tests execute it that way (`tests/test_notebook.py`)."""),
+minutes on a CPU; the project's tests execute it that way (`tests/cli/test_notebook.py`)."""),
     ("install-md", "md", """\
 ## 1. Install
 

@@ -19,7 +19,7 @@
 #
 # --dry-run runs every step on the CPU (Pallas interpret mode, tiny shapes; step 5
 # regenerates 4 prompts x 8 tokens);
-# tests/test_device_round.py runs it in CI. Environment: PYTHON (default python3),
+# tests/cli/test_device_round.py runs it in CI. Environment: PYTHON (default python3),
 # STUDY_S (least seconds left for step 5, default 120), STEP5 (regen | eagle3 | study | none).
 set -uo pipefail
 BUDGET=""; OUTD=""; DRY=0

@@ -3,7 +3,7 @@ compiler settings that make the suite fast (also inherited by the subprocesses i
 
 - XLA:CPU's LLVM backend at optimisation level 0: about 80% of the suite's time is
   compiling the many small programs of tiny models, and level 0 compiles them about 1.6x
-  faster (tests/test_drafters_decode.py: 185 s -> 113 s); run time of the tiny programs
+  faster (tests/drafters/test_drafters_decode.py: 185 s -> 113 s); run time of the tiny programs
   hardly matters. Results are the same programs' (no fast-math), and every comparison in
   the suite is between programs compiled alike or against references with tolerances.
 - jax's persistent compilation cache in `.jax_cache/` (gitignored): programs that the

@@ -4,7 +4,7 @@ Both walk the vocabulary in tiles of `tile` lanes and fold each tile into runnin
 per-position statistics in the same order, with the same operations, so the Pallas
 kernel (`kernel.py`) and the jnp reference (`reference.py`) give identical results.
 What is checked against an independent reference (specjax.decoding.verify and float64 numpy
-enumeration, tests/test_pallas_verify.py) is the rule these statistics implement.
+enumeration, tests/kernels/test_pallas_verify.py) is the rule these statistics implement.
 
 Arrays in a tile: rows are draft positions (G+1 target rows, G draft rows), lanes are
 token ids y = j * tile + lane. Lanes at or past V are masked (padding or, in a kernel,
