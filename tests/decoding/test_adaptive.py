@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoding import adaptive
-from specjax.decoding.loop import LoopConfig, speculative_loop
+from specjax.decoding.generate import LoopConfig, speculative_loop
 from specjax.drafters import make_drafter
 from specjax.errors import SpecjaxError
 from tests.decoding.test_speculative_greedy import BUDGETS, TP, models, prompts, rows, run_ar

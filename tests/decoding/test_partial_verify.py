@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoding import partial as pv
-from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
 
 
 def _select_by_loops(cfg, q, k, win_lo):

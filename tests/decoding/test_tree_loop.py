@@ -14,8 +14,8 @@ from flax import nnx
 
 import decode
 from specjax.core.tree import DraftTree, ancestor_mask, chain_tree, tree_from_drafts
-from specjax.decoding import loop as generate
-from specjax.decoding.loop import LoopConfig, compact_path, speculative_loop
+from specjax.decoding import generate
+from specjax.decoding.generate import LoopConfig, compact_path, speculative_loop
 from specjax.models.kv_cache import KVCache
 from tests.decoding import test_speculative_greedy as sg
 

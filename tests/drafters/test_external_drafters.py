@@ -18,8 +18,7 @@ from safetensors.numpy import save_file
 
 import decode
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
-from specjax.decoding.loop.prefill import prefill as _prefill
+from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.external import detect_layout, load_external
 from specjax.errors import SpecjaxError

@@ -43,7 +43,7 @@ from safetensors.numpy import save_file
 
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
-from specjax.decoding.loop import LoopConfig, speculative_loop
+from specjax.decoding.generate import LoopConfig, speculative_loop
 from specjax.decoding.verify import Verdict, verify_block, verify_token
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.draft_lm import DraftLMDrafter

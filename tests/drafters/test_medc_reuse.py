@@ -15,8 +15,7 @@ from flax import nnx
 from specjax.core.drafter import LoopView
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
-from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
-from specjax.decoding.loop.prefill import prefill as _prefill
+from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
 from specjax.drafters import make_drafter
 from tests.decoding.test_speculative_greedy import TP, V, models, prompts
 from tests.drafters.test_drafters import T1, net_for, reference_q
