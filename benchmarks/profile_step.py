@@ -5,7 +5,7 @@ loop, with every XLA op attributed to the part of the step it belongs to.
     python benchmarks/profile_step.py --drafter checkpoints/demo/drafters/block --runs 3 \
         --json out/profile.json
 
-`specjax.decoding.generate.speculative_loop` labels its parts with `jax.named_scope`:
+`specjax.decoding.loop.speculative_loop` labels its parts with `jax.named_scope`:
 drafter_propose, target_verify_forward, verify_rule, drafter_update, and outside the loop
 prefill and drafter_init (spread over the steps like the rest). The script compiles
 the loop (batch 1, EOS off, exactly --new-tokens per prompt), runs it once untimed, then

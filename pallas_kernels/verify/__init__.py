@@ -22,7 +22,7 @@ draft array at all.
 CPU), `impl="reference"` as jnp (`reference.py`); both compute the same tile functions
 (`tiles.py`) in the same order with the same randomness, so they return identical
 results for the same key. Top-k / top-p are not fused: callers filter with
-`specjax.decoding.verify` instead (specjax.decoding.generate does, with one log line).
+`specjax.decoding.verify` instead (specjax.decoding.loop does, with one log line).
 """
 
 from __future__ import annotations

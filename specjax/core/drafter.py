@@ -93,6 +93,14 @@ class Drafter(Protocol):
         ...
 
 
+def drafter_report(drafter: Any, state: Any) -> dict:
+    """{counter: array} a drafter reports about its own work at the end of a loop (its
+    optional `report(state)` method: medc's draft reuse counts), {} for a drafter without
+    one. The loop reads a drafter's state only through this."""
+    report = getattr(drafter, "report", None)
+    return {} if report is None else report(state)
+
+
 class TreeDrafter(Drafter, Protocol):
     """A drafter that proposes a draft tree itself (LogitSpec's retrieval tree, EAGLE-2's
     dynamic tree) instead of one chain: the loop calls `propose_tree` in place of

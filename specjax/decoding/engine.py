@@ -21,14 +21,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import (
-    LoopConfig,
-    autoregressive_loop,
-    phase_programs,
-    speculative_loop,
-    step_timing,
-)
 from specjax.decoding.kernel_policy import resolve_kernels
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, phase_programs, speculative_loop
+from specjax.decoding.timing import step_timing
 from specjax.errors import SpecjaxError
 from specjax.models.model import decoding_params
 
@@ -301,8 +296,14 @@ class Engine:
             # (a new compile-cache entry for a run that only reads its table)
             costs = (self._costs() if costs is None
                      else jnp.asarray(np.asarray(costs, np.float32)))
-            return (self.params, self.drafter_params, *args, costs, self._alpha0())
+            return (self.params, self.drafter_params, *args, self._inputs(costs))
         return (self.params, self.drafter_params, *args)
+
+    def _inputs(self, costs=None) -> dict:
+        """The adaptive schedule's run-time inputs of the loop (`speculative_loop`'s
+        `inputs`): the cost table and the acceptance estimates it starts from."""
+        return {"adaptive": {"costs": self._costs() if costs is None else costs,
+                             "alpha0": self._alpha0()}}
 
     def _costs(self):
         if self.costs is None:  # compile-time placeholder; run() calibrates first
@@ -530,7 +531,7 @@ class Engine:
         args = (*self._arrays([], 1), key)
         fn, full = self._fn_args(args)
         if self.drafter is not None and self.cfg.schedule is not None:
-            full = (*full, self._costs(), self._alpha0())
+            full = (*full, self._inputs())
         t0 = time.perf_counter()
         self.compiled = fn.lower(*full).compile()
         self.compile_s = time.perf_counter() - t0
@@ -576,14 +577,15 @@ class Engine:
         outs = [res.tokens[b, res.prompt_lengths[b]:res.lengths[b]].tolist()
                 for b in range(n)]
         G = max(self.gamma, 1)
-        chosen = res.chosen if self.cfg.schedule is not None else None
+        chosen = None
         if self.cfg.schedule is not None:  # what this run learned seeds the next one
-            self.alpha0 = res.alpha[:n].mean(axis=0).astype(np.float32)
+            chosen = res.ext["adaptive"]["chosen"]
+            self.alpha0 = res.ext["adaptive"]["alpha"][:n].mean(axis=0).astype(np.float32)
             acc, reached = _counts(res, n)
             self.pooled = ((acc, reached) if self.pooled is None else
                            (self.pooled[0] + acc, self.pooled[1] + reached))
-        verified = res.verified if self.cfg.partial is not None else None
-        reused = res.reused if getattr(self.drafter, "reuse", False) else None
+        verified = res.ext["partial"]["verified"] if self.cfg.partial is not None else None
+        reused = res.drafter.get("reused")
         return BatchOutput(outs, res.steps[:n], res.accepted[:n, :G], wall,
                            reached=res.reached[:n, :G], chosen=chosen, verified=verified,
                            reused=reused)
@@ -631,7 +633,7 @@ class Engine:
     def step_timing(self, prompts: list[list[int]], max_new_tokens: int, key,
                     repeats: int = 5) -> dict:
         """Milliseconds of one speculative step's parts on this batch's state after the
-        prefill: {"draft_ms", "verify_ms", "step_ms"} (`specjax.decoding.generate.step_timing`:
+        prefill: {"draft_ms", "verify_ms", "step_ms"} (`specjax.decoding.timing.step_timing`:
         compiled and timed outside the loop, an estimate). Raises ValueError without a
         drafter."""
         if self.drafter is None:

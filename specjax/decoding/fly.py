@@ -36,6 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.core.drafter import take_rows
 from specjax.decoding.verify import Verdict
 
 
@@ -65,9 +66,10 @@ def fly_accept(native, entropy, window: int, threshold: float):
 
 @dataclasses.dataclass(frozen=True)
 class FlyVerify:
-    """The FLy rule as a verification function of the loop (`LoopConfig.verify`):
+    """The FLy rule as a verification rule of the loop (`LoopConfig.verify`, a
+    `specjax.decoding.rules.Verifier`; as a function:
     __call__(draft i32[B,G], q (unused), p f32[B,G+1,V], key (unused)) -> Verdict, where
-    p is the target's full softmax at temperature 1 (`probs`), not the one-hot greedy p.
+    p is the target's full softmax at temperature 1 (`probs`), not the one-hot greedy p).
 
     window: W (the deferred window; >= 1). threshold: the entropy gate in nats (inf:
     every mismatch rejected, i.e. greedy). top_k: tokens in the gate's entropy (3).
@@ -89,6 +91,26 @@ class FlyVerify:
         """The p this rule reads: f32[..., V] softmax of the target's logits (T = 1)."""
         return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
+    name = "fly"
+
+    def for_sampling(self, sampling) -> FlyVerify:
+        """This rule at temperature 0; ValueError above it (a lossy rule never turns into
+        greedy verification, `specjax.decoding.rules.Verifier`)."""
+        if not sampling.greedy:
+            raise ValueError("a lossy verification rule (FLy) runs at temperature 0 only")
+        return self
+
+    def chain(self, draft, q, logits, key, sampling) -> Verdict:
+        """The rule on the target's softmax at temperature 1 (`probs`), whatever the
+        sampling filter (`specjax.decoding.rules.Verifier.chain`)."""
+        return self(draft, q, self.probs(logits), key)
+
+    def tree_rule(self, *, max_depth, max_children, drafts):
+        raise ValueError("--verify fly (lossy) verifies one chain, not a draft tree")
+
+    def fused(self, sampling, kernels, backend, interpret):
+        return None
+
     def __call__(self, draft, q, p, key) -> Verdict:
         del q, key
         G = draft.shape[1]
@@ -97,7 +119,7 @@ class FlyVerify:
         keep = fly_accept(native, top_k_entropy(p[:, :G], self.top_k), self.window,
                           self.threshold)
         tau = jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
-        nxt = jnp.take_along_axis(target, tau[:, None], axis=1)[:, 0]
+        nxt = take_rows(target, tau)
         return Verdict(tau, nxt)
 
 

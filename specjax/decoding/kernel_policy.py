@@ -5,7 +5,7 @@
     fn = drafter_attention(kernels, cache_sharding, "auto", None)  # attend(kernel=)
     drafter = with_drafter_attention(drafter, fn)   # a learned drafter attends with fn
 
-Every choice is made from static configuration (`specjax.decoding.generate.LoopConfig`, the
+Every choice is made from static configuration (`specjax.decoding.loop.LoopConfig`, the
 trainers' `train.kernels`, `specjax.train.kernels`) and passed explicitly: the target's
 forward takes `attention=`, a learned drafter carries its kernel in its `attention`
 field (a frozen dataclass, static under jit, so a jit cache entry never mixes the kernel
@@ -65,7 +65,7 @@ def target_attention(kernels: str, cache_sharding, pallas_backend: str,
     cache is not sharded over a mesh (the kernel is not partitioned: XLA would gather the
     cache), then the causal `pallas_kernels.attention.decode_attention` over the
     layer-major cache, read in place (its tree mode when the forward passes tree_mask=, a
-    draft tree's verify forward). See `specjax.decoding.generate.LoopConfig.target_attention`."""
+    draft tree's verify forward). See `specjax.decoding.loop.LoopConfig.target_attention`."""
     if kernels != "pallas" or cache_sharding is not None:
         return None
     from pallas_kernels.attention import decode_attention
@@ -89,7 +89,7 @@ def drafter_attention(kernels: str, cache_sharding, pallas_backend: str,
     """The kernel a learned drafter attends with (`specjax.drafters.attend.attend`'s
     `kernel`): None (the jnp path) unless kernels == "pallas" and no mesh, then
     `pallas_kernels.attention.packed_attention` for every source given by a per-query
-    limit. See `specjax.decoding.generate.LoopConfig.drafter_attention`."""
+    limit. See `specjax.decoding.loop.LoopConfig.drafter_attention`."""
     if kernels != "pallas" or cache_sharding is not None:
         return None
     from pallas_kernels.attention import packed_attention

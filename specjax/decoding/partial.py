@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.decoding.loop.extension import LoopExtension
 from specjax.models.layers import layer_qkv
 
 PLAIN, FULL, PARTIAL = 0, 1, 2
@@ -54,9 +55,12 @@ _NO_SELECTION = -(2 ** 30)  # win_lo before the first full verification
 
 
 @dataclasses.dataclass(frozen=True)
-class PartialVerify:
+class PartialVerify(LoopExtension):
     """Static settings of partial verification (defaults: TanZhendong/SpecPV
-    `specpv/speculate/configs.py`, except the budget).
+    `specpv/speculate/configs.py`, except the budget), and the loop extension that runs it
+    (`LoopConfig.partial`; `specjax.decoding.loop.extension`): it replaces a chain step's
+    verify forward (`verify_forward`) and reports {"verified": i32[2] the steps verified
+    in full and partially}. LOSSY.
 
     budget: tokens of partial cache per row and KV head: sink + retrieval + window.
     block: slots per retrieval block (16). sink_blocks: leading blocks always kept (2).
@@ -72,7 +76,9 @@ class PartialVerify:
     window: int = 128
     buffer: int = 20
     threshold: int | None = None
-    lossy = True  # read by LoopConfig and decode.py: the output may differ from the target's
+    name = "partial"
+    lossy = True  # the output may differ from the target's
+    replaces_forward = True
 
     def __post_init__(self):
         for name in ("budget", "block", "window", "buffer"):
@@ -86,6 +92,22 @@ class PartialVerify:
                 f"partial budget {self.budget} leaves no retrieval block: it must exceed "
                 f"sink {self.sink_blocks * self.block} + window {self.window} by at least "
                 f"one block of {self.block}")
+
+    def check(self, cfg, drafter, tree_mode: bool) -> None:
+        if tree_mode or cfg.num_drafts > 1 or cfg.schedule is not None:
+            raise ValueError("partial verification verifies one chain of a fixed draft "
+                             "length: num_drafts must be 1 and schedule None")
+
+    def init(self, model, cfg, drafter, state, inputs):
+        c = model.cfg
+        return init_state(self, c.num_layers, state.tokens.shape[0], c.num_kv_heads)
+
+    def report(self, ext_state) -> dict:
+        return {"verified": jnp.stack([ext_state.full, ext_state.partial])}
+
+    def verify_forward(self, model, ext_state, s, chain, positions, capture, attention):
+        return verify_forward(model, self, ext_state, s.tokens, s.lengths, s.cache, chain,
+                              ~s.done, capture, attention)
 
     @property
     def retrieval_blocks(self) -> int:
@@ -299,7 +321,7 @@ def verify_forward(model, cfg: PartialVerify, state: PartialState, tokens, lengt
 
     # Not `lax.switch`: XLA copies the KV cache in and out of a conditional's branches on
     # every step; a while loop that runs once or not at all updates its carry in place
-    # (as the adaptive schedule's branches do, specjax.decoding.generate).
+    # (as the adaptive schedule's branches do, specjax.decoding.adaptive.loop).
     shapes = jax.eval_shape(plain, (None, None, cache, state))
     carry = (jnp.zeros(shapes[0].shape, shapes[0].dtype),
              None if shapes[1] is None else jnp.zeros(shapes[1].shape, shapes[1].dtype),

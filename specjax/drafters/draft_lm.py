@@ -148,7 +148,7 @@ class DraftLMDrafter:
         return state.rewind(view.lengths - 2)
 
     def update_after_tree(self, params, state, view, num_accepted):
-        """The state after a draft-tree step (`specjax.decoding.generate`): `state` is the
+        """The state after a draft-tree step (`specjax.decoding.loop`): `state` is the
         one from before the step's proposals (their cache entries belong to branches the
         target may have rejected), so the accepted path is fed again: the draft model
         writes its entries for positions view.positions[:, 0] - 1 .. view.positions[:, -1]

@@ -252,6 +252,11 @@ class Eagle3Drafter(LearnedDrafter):
         state = self._chunked_init(net, params, cache, memory, view, nxt, sizes)
         return state.replace(chain=self._empty_chain(view, net.dtype))
 
+    def report(self, state: Eagle3State) -> dict:
+        """{"reused": i32[4]} with draft reuse (`DraftChain.counts`), {} without: what
+        the loop's result carries (`specjax.core.drafter.drafter_report`)."""
+        return {} if state.chain is None else {"reused": state.chain.counts}
+
     def _empty_chain(self, view, dtype) -> DraftChain | None:
         """No chain yet (valid 0): nothing to reuse at the first step."""
         if not self.reuse:

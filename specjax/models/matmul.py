@@ -20,7 +20,7 @@ _VMAPPED = [0]
 @contextlib.contextmanager
 def vmapped_copies(n: int):
     """Tells `linear`, while tracing, that its callers are vmapped over n copies (e.g.
-    `specjax.decoding.generate.propose_drafts`' K drafts). `linear` cannot see a vmapped
+    `specjax.decoding.loop.propose_drafts`' K drafts). `linear` cannot see a vmapped
     axis in x.shape; with bf16 weights the row-major product under vmap made XLA:CPU
     transpose every weight once per decoding step (1 ms of a 17 ms step for the demo's
     eagle3 head at K = 2, `benchmarks/profile_step.py --num-drafts 2`), and the

@@ -228,7 +228,7 @@ class Transformer(nnx.Module):
             lengths i32[B], k_new, v_new [B,T,K,H]) -> [B,T,N,H], causal attention over
             each row's slots < lengths plus the T new tokens, with the layer read in
             place, such as `pallas_kernels.attention.decode_attention(mode="causal",
-            layer=...)` (`specjax.decoding.generate.LoopConfig.target_attention` builds it). It
+            layer=...)` (`specjax.decoding.loop.LoopConfig.target_attention` builds it). It
             gets lengths = positions[:, 0] (the slots before a row's first new token)
             and the new tokens' K/V separately; they are also written into the cache
             (for later forwards) before the call, but at slots >= lengths, which it does

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoding import adaptive
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.drafters import make_drafter
 from specjax.errors import SpecjaxError
 from tests.decoding.test_speculative_greedy import BUDGETS, TP, models, prompts, rows, run_ar
@@ -142,8 +142,9 @@ def _run_sched(drafter, dparams, budgets, policy="random", key=0, costs=None, G=
     toks, lens = prompts()
     return speculative_loop(g, p, drafter, dparams, cfg, toks, lens,
                             jnp.asarray(budgets, jnp.int32), jax.random.key(key),
-                            None if costs is None else jnp.asarray(costs, jnp.float32),
-                            None if alpha0 is None else jnp.asarray(alpha0, jnp.float32))
+                            {"adaptive": {
+                                "costs": None if costs is None else jnp.asarray(costs, jnp.float32),
+                                "alpha0": None if alpha0 is None else jnp.asarray(alpha0, jnp.float32)}})
 
 
 LEARNED = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
@@ -170,7 +171,7 @@ def test_random_schedules_are_greedy_identical(kind, context):
     for key in (1, 2):
         res = _run_sched(drafter, dparams, BUDGETS, key=key)
         assert rows(res) == want, key
-        chosen = np.asarray(res.chosen)
+        chosen = np.asarray(res.ext["adaptive"]["chosen"])
         assert chosen.sum() > 0
         seen |= set(np.flatnonzero(chosen).tolist())
     assert seen == set(range(4)), seen  # every choice (0, 1, 2, 3) ran
@@ -186,7 +187,7 @@ def test_the_drafter_stays_in_sync_across_lengths():
     assert rows(res) == rows(run_ar(BUDGETS))
     acc, reach = np.asarray(res.accepted), np.asarray(res.reached)
     np.testing.assert_array_equal(acc, reach)  # alpha_k = 1 at every reached position
-    assert np.asarray(res.chosen)[0] > 0 and reach.sum() > 0
+    assert np.asarray(res.ext["adaptive"]["chosen"])[0] > 0 and reach.sum() > 0
 
 
 def test_the_schedule_starts_from_alpha0_and_returns_its_estimates():
@@ -200,8 +201,8 @@ def test_the_schedule_starts_from_alpha0_and_returns_its_estimates():
     sure = _run_sched(drafter, dparams, BUDGETS, "auto", costs=costs, alpha0=[1.0] * 3)
     doubt = _run_sched(drafter, dparams, BUDGETS, "auto", costs=costs, alpha0=[0.0] * 3)
     assert rows(sure) == want and rows(doubt) == want
-    assert np.asarray(sure.chosen)[0] == 0 and np.asarray(doubt.chosen)[0] > 0
-    alpha = np.asarray(sure.alpha)
+    assert np.asarray(sure.ext["adaptive"]["chosen"])[0] == 0 and np.asarray(doubt.ext["adaptive"]["chosen"])[0] > 0
+    alpha = np.asarray(sure.ext["adaptive"]["alpha"])
     assert alpha.shape == (len(BUDGETS), 3) and np.all(alpha > 0.99)
 
 
@@ -233,11 +234,11 @@ def test_auto_schedule_follows_the_costs():
     want = rows(run_ar(BUDGETS))
     cheap_ar = _run_sched(drafter, dparams, BUDGETS, "auto", costs=[1.0, 50.0, 60.0, 70.0])
     assert rows(cheap_ar) == want
-    assert np.asarray(cheap_ar.chosen).tolist()[1:] == [0, 0, 0]
+    assert np.asarray(cheap_ar.ext["adaptive"]["chosen"]).tolist()[1:] == [0, 0, 0]
     assert np.asarray(cheap_ar.accepted).sum() == 0 and np.asarray(cheap_ar.reached).sum() == 0
     dear_ar = _run_sched(drafter, dparams, BUDGETS, "auto", costs=[100.0, 1.0, 1.0, 1.0])
     assert rows(dear_ar) == want
-    chosen = np.asarray(dear_ar.chosen)
+    chosen = np.asarray(dear_ar.ext["adaptive"]["chosen"])
     assert chosen[0] == 0 and chosen.sum() == np.asarray(dear_ar.steps).max()
     # reached counts only drafted positions: alpha_k = accepted / reached stays in [0, 1]
     acc, reach = np.asarray(dear_ar.accepted).sum(0), np.asarray(dear_ar.reached).sum(0)
@@ -296,7 +297,7 @@ def test_branches_do_not_copy_the_kv_cache():
     fixed = copies(base)
     sched = adaptive.GammaSchedule((0, 1, 2, 3))
     adaptive_copies = copies(LoopConfig(max_length=TP + 24, prompt_width=TP, schedule=sched),
-                             jnp.ones(4, jnp.float32))
+                             {"adaptive": {"costs": jnp.ones(4, jnp.float32)}})
     assert adaptive_copies <= fixed, (adaptive_copies, fixed)
 
 

@@ -1,6 +1,6 @@
 """The CPU-only fast paths of the decoding loops: weight-major products of a few rows
 (`specjax.models.matmul.linear`) and chunked prefill that skips chunks past every prompt
-(`specjax.decoding.generate._prefill`). Both change how the same values are computed, never which:
+(`specjax.decoding.loop.prefill.prefill`). Both change how the same values are computed, never which:
 checked against float64 numpy and against the one-pass prefill."""
 
 import jax
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.decoding.generate import LoopConfig, _prefill
+from specjax.decoding.loop import LoopConfig
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.models import matmul as model_lib
 from tests.decoding.test_speculative_greedy import models
 

@@ -1,5 +1,5 @@
 """Autoregressive steps under an adaptive schedule put the drafter's update off
-(`specjax.decoding.generate.Deferred`): one update over the buffered features of m
+(`specjax.decoding.adaptive.loop.Deferred`): one update over the buffered features of m
 autoregressive steps (window G + 1, m - 1 "accepted") leaves the drafter proposing what
 m one-token updates leave it proposing; the loop's greedy output stays the target's and
 the catch-up really runs."""
@@ -11,7 +11,8 @@ import pytest
 
 from specjax.core.drafter import LoopView
 from specjax.decoding.adaptive import GammaSchedule
-from specjax.decoding.generate import LoopConfig, _prefill
+from specjax.decoding.loop import LoopConfig
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.drafters import make_drafter
 from tests.decoding.test_speculative_greedy import TP, models, prompts
 from tests.drafters.test_drafters import T1, net_for
@@ -70,7 +71,8 @@ def test_scripted_schedule_is_exact_and_catches_up():
     from flax import nnx
 
     from specjax.core.sampling import SamplingParams
-    from specjax.decoding.generate import _adaptive_phases, autoregressive_loop
+    from specjax.decoding.adaptive.loop import adaptive_phases
+    from specjax.decoding.loop import autoregressive_loop
 
     target, _ = models()
     dcfg, net = net_for("eagle3", None)
@@ -81,15 +83,15 @@ def test_scripted_schedule_is_exact_and_catches_up():
                      schedule=GammaSchedule((0, G), policy="random"))
     toks, lens = prompts()
     args = (toks, lens, jnp.full((4,), new, jnp.int32), jax.random.key(1))
-    start, branch, _ = _adaptive_phases(g, drafter, cfg)
+    start, _, branch = adaptive_phases(g, drafter, cfg)
     s = jax.jit(start)(params, dparams, *args)
-    assert s.adapt.deferred.hidden.shape[2] == G + 1
+    assert s.ext["adaptive"].deferred.hidden.shape[2] == G + 1
     step = jax.jit(branch)
     script = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1] + [0] * 3 + [1] * 60
     counts = []
     for index in script:
         s = step(params, dparams, s, jnp.int32(index))
-        counts.append(int(s.adapt.deferred.count))
+        counts.append(int(s.ext["adaptive"].deferred.count))
         if bool(s.done.all()):
             break
     # 2 buffered, emptied by the speculative step; 7 AR steps: full (5) -> emptied, 2

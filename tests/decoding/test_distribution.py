@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.decoding.verify import (
     Verdict,
     block_weights,

@@ -15,7 +15,7 @@ import pytest
 
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.fly import FlyVerify, fly_accept, top_k_entropy
-from specjax.decoding.generate import LoopConfig
+from specjax.decoding.loop import LoopConfig
 
 
 def _rule_by_loops(native, entropy, window, threshold):
@@ -86,7 +86,7 @@ def test_degenerate_fly_is_greedy_in_the_loop(fly):
     the autoregressive greedy output."""
     from flax import nnx
 
-    from specjax.decoding.generate import speculative_loop
+    from specjax.decoding.loop import speculative_loop
     from tests.decoding.test_speculative_greedy import (
         BUDGETS,
         TP,

@@ -30,7 +30,7 @@ def _greedy_identity(name="kv"):
     from flax import nnx
 
     from specjax.core.sampling import SamplingParams
-    from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+    from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
     from tests.drafters import test_lossless_drafters as tl
 
     greedy = SamplingParams(temperature=0.0)

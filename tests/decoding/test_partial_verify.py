@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from specjax.decoding import partial as pv
-from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
 
 
 def _select_by_loops(cfg, q, k, win_lo):
@@ -115,14 +115,14 @@ def _rows(res):
 
 def test_partial_covering_every_block_is_exact_in_the_loop():
     spec, ar = _run(COVER_ALL)
-    full, partial = (int(x) for x in spec.verified)
-    assert full >= 2 and partial >= 2, spec.verified  # both modes really ran
+    full, partial = (int(x) for x in spec.ext["partial"]["verified"])
+    assert full >= 2 and partial >= 2, spec.ext["partial"]["verified"]  # both modes really ran
     assert _rows(spec) == _rows(ar)
 
 
 def test_small_budget_verifies_partially_and_counts_steps():
     spec, _ = _run(SMALL)
-    full, partial = (int(x) for x in spec.verified)
+    full, partial = (int(x) for x in spec.ext["partial"]["verified"])
     assert full >= 1 and partial >= 1
     # every step is plain, full or partial: the counts never exceed the loop's steps
     assert full + partial <= int(np.asarray(spec.steps).max())

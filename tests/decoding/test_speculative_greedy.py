@@ -11,7 +11,7 @@ from flax import nnx
 
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine
-from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
 from specjax.drafters.draft_lm import DraftLMDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.config import ModelConfig

@@ -14,8 +14,8 @@ from flax import nnx
 
 import decode
 from specjax.core.tree import DraftTree, ancestor_mask, chain_tree, tree_from_drafts
-from specjax.decoding import generate
-from specjax.decoding.generate import LoopConfig, compact_path, speculative_loop
+from specjax.decoding.loop import LoopConfig, compact_path, speculative_loop
+from specjax.decoding.loop import step as loop_step
 from specjax.models.kv_cache import KVCache
 from tests.decoding import test_speculative_greedy as sg
 
@@ -126,7 +126,7 @@ def test_greedy_tree_equals_autoregressive(kind, K):
 def test_without_compaction_greedy_output_breaks(monkeypatch):
     """Power: if the accepted path's K/V stay where the tree put them, later tokens
     attend to the wrong entries and the output leaves the autoregressive one."""
-    monkeypatch.setattr(generate, "compact_path", lambda cache, base, path: cache)
+    monkeypatch.setattr(loop_step, "compact_path", lambda cache, base, path: cache)
     jax.clear_caches()
     try:
         res = _tree_run("draft_lm", 4)

@@ -83,7 +83,7 @@ def test_windowed_drafters_keep_greedy_output(monkeypatch, kind, context):
     """Every learned kind with a window of 2 passes windowed sources to its attention
     (recorded while tracing) and still decodes exactly the autoregressive output, on the
     chunked path too (ATTEND_CHUNK 8)."""
-    from specjax.decoding.generate import LoopConfig, speculative_loop
+    from specjax.decoding.loop import LoopConfig, speculative_loop
     from specjax.drafters import block, eagle3, hybrid, kv, make_drafter
     from tests.decoding.test_speculative_greedy import BUDGETS, TP, models, prompts, rows, run_ar
     from tests.drafters.test_drafters_decode import drafter_net

@@ -12,7 +12,8 @@ from flax import nnx
 
 from specjax.core.drafter import LoopView
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import LoopConfig, _prefill
+from specjax.decoding.loop import LoopConfig
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.errors import SpecjaxError
 from specjax.train.objectives import Frozen
@@ -262,7 +263,7 @@ def test_hybrid_with_gate_zero_is_eagle3():
     cfg = LoopConfig(max_length=TP + 12, prompt_width=TP)
     g, p = nnx.split(target)
     budgets = jnp.full((4,), 12, jnp.int32)
-    from specjax.decoding.generate import speculative_loop
+    from specjax.decoding.loop import speculative_loop
 
     outs = []
     for dcfg, net in ((e_cfg, e_net), (h_cfg, hybrid)):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from tests.decoding.test_speculative_greedy import (
     BUDGETS,
@@ -105,7 +105,7 @@ def trained(kind, context, G=3, steps=250):
     train and that acceptance in the loop follows, not generalisation)."""
     import optax
 
-    from specjax.decoding.generate import autoregressive_loop
+    from specjax.decoding.loop import autoregressive_loop
     from specjax.train.objectives import Frozen, summarize
     from specjax.train.objectives.block import block_loss
     from specjax.train.objectives.ttt import ttt_loss
@@ -192,7 +192,7 @@ def test_chunked_prefill_and_attention_keep_greedy_output(kind, context):
     then a piece of 1) and the target attending to its cache 8 slots at a time (specjax.models.attention): the greedy
     output is still autoregressive decoding's, for AR and for drafters that read the
     prefill's hidden states or the target cache."""
-    from specjax.decoding.generate import autoregressive_loop
+    from specjax.decoding.loop import autoregressive_loop
 
     target, _ = models()
     chunked = nnx.merge(*nnx.split(target))
@@ -220,7 +220,7 @@ def test_chunked_drafter_init_equals_one_pass(kind, sizes, end):
     and 3 write nothing; in pieces of (4, 2, 1), chunk 0 and a piece of 2 for entries 4
     and 5 run. Slots from `end` on stay empty; h_last and the entries 0..lengths-2 equal
     the one-pass init's."""
-    from specjax.decoding.generate import _prefill
+    from specjax.decoding.loop.prefill import prefill as _prefill
 
     target, _ = models()
     dcfg, net = drafter_net(kind, None)

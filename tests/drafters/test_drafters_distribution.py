@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.testing import distribution as du
 from tests.decoding.test_distribution import (

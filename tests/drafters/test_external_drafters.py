@@ -18,7 +18,8 @@ from safetensors.numpy import save_file
 
 import decode
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.external import detect_layout, load_external
 from specjax.errors import SpecjaxError
@@ -378,8 +379,8 @@ def test_greedy_equals_autoregressive(layout, G, tmp_path):
 
 @pytest.mark.parametrize("kind,layout", [("eagle3", "eagle3-hf"), ("block", "dflash")])
 def test_round_trip_keeps_draft_distributions(kind, layout, target_dir, tmp_path):
-    from specjax.drafters import convert
     from specjax.drafters.io import save_drafter
+    from specjax.tools import convert
 
     if kind == "eagle3":  # G 7: EAGLE-3 configs carry none; the engines run no q/k norms
         dcfg = dataclasses.replace(DrafterConfig.for_target(CFG4, "eagle3", qk_norm=False),
@@ -522,9 +523,9 @@ def test_eagle3_export_drafts_what_specjax_drafts_in_every_engine(target_dir, tm
     drafts with the source directory."""
     from safetensors.numpy import load_file
 
-    from specjax.drafters import convert
     from specjax.drafters.io import save_drafter
     from specjax.drafters.vocab import load_draft_vocab, save_draft_vocab
+    from specjax.tools import convert
 
     dcfg = dataclasses.replace(DrafterConfig.for_target(CFG4, "eagle3", qk_norm=False),
                                capture=tuple(AUX))
@@ -562,8 +563,8 @@ def test_eagle3_export_drafts_what_specjax_drafts_in_every_engine(target_dir, tm
 ])
 def test_eagle3_export_refuses_what_the_engines_would_misread(change, needle, target_dir,
                                                                tmp_path, capsys):
-    from specjax.drafters import convert
     from specjax.drafters.io import save_drafter
+    from specjax.tools import convert
 
     dcfg = dataclasses.replace(DrafterConfig.for_target(CFG4, "eagle3", qk_norm=False),
                                capture=tuple(AUX))

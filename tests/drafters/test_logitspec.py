@@ -14,7 +14,7 @@ from flax import nnx
 
 from specjax.core.drafter import LoopView
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.drafters.logitspec import LogitSpecDrafter, branch_length, full_tree_nodes
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import SpecjaxError

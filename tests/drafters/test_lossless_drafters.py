@@ -43,7 +43,7 @@ from safetensors.numpy import save_file
 
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
-from specjax.decoding.generate import LoopConfig, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
 from specjax.decoding.verify import Verdict, verify_block, verify_token
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.draft_lm import DraftLMDrafter
@@ -328,10 +328,10 @@ def _run(name, verify, sp, hot=None, kernels="off", stale=False, seed=0, batch=N
     assert steps.min() >= 2 or G + 1 >= N_NEW - 1
     if reuse and not schedule:  # the reuse path really ran (a random schedule may
         # never draft twice in a row; tests/drafters/test_medc_reuse.py covers reuse under one)
-        reused, drafted = (int(x) for x in res.reused[:2])
+        reused, drafted = (int(x) for x in res.drafter["reused"][:2])
         assert 0 < reused < drafted, (reused, drafted)
     if schedule:  # one schedule for the whole batch: at least two lengths in it
-        assert (np.asarray(res.chosen) > 0).sum() >= 2, np.asarray(res.chosen)
+        assert (np.asarray(res.ext["adaptive"]["chosen"]) > 0).sum() >= 2, res.ext
     return tokens[:, Tp:Tp + N_NEW], steps, np.asarray(res.accepted)
 
 

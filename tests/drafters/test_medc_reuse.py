@@ -15,7 +15,8 @@ from flax import nnx
 from specjax.core.drafter import LoopView
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.adaptive import GammaSchedule
-from specjax.decoding.generate import LoopConfig, _prefill, autoregressive_loop, speculative_loop
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.drafters import make_drafter
 from tests.decoding.test_speculative_greedy import TP, V, models, prompts
 from tests.drafters.test_drafters import T1, net_for, reference_q
@@ -123,10 +124,10 @@ def test_greedy_output_is_the_target_with_reuse(sched):
     np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(ar.lengths))
     for b, n in enumerate(np.asarray(ar.lengths)):
         np.testing.assert_array_equal(np.asarray(spec.tokens)[b, :n], np.asarray(ar.tokens)[b, :n])
-    reused, drafted, skipped, forwards = (int(x) for x in spec.reused)
-    assert 0 < reused < drafted and 0 <= skipped < forwards, spec.reused
+    reused, drafted, skipped, forwards = (int(x) for x in spec.drafter["reused"])
+    assert 0 < reused < drafted and 0 <= skipped < forwards, spec.drafter
     if sched is not None:
-        assert (np.asarray(spec.chosen)[1:] > 0).all(), spec.chosen  # both lengths ran
+        assert (np.asarray(spec.ext["adaptive"]["chosen"])[1:] > 0).all(), spec.ext  # both lengths ran
 
 
 def test_decode_draft_reuse(tiny_demo, tmp_path, capsys):

@@ -13,7 +13,8 @@ from flax import nnx
 
 from specjax.core.drafter import LoopView
 from specjax.core.sampling import SamplingParams
-from specjax.decoding.generate import LoopConfig, _prefill, speculative_loop
+from specjax.decoding.loop import LoopConfig, speculative_loop
+from specjax.decoding.loop.prefill import prefill as _prefill
 from specjax.drafters import make_drafter
 from specjax.drafters.dynamic_tree import DynamicTree
 from specjax.testing import distribution as du

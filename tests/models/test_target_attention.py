@@ -37,7 +37,7 @@ from flax import nnx
 from pallas_kernels.attention import decode_attention
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine
-from specjax.decoding.generate import LoopConfig, autoregressive_loop, speculative_loop
+from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
 from specjax.drafters import DrafterConfig, build_network, make_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.model import decoding_params

@@ -1,9 +1,9 @@
-"""Adaptive draft length (`decode.py --gamma auto`; docs/adaptive.md).
+"""Adaptive draft length, the in-loop policy (`decode.py --gamma auto`; docs/adaptive.md).
 
 Every step of the speculative loop picks its draft length g from a static set of choices
 (0 = a plain autoregressive step, up to the drafter's G) inside the one compiled
-`lax.while_loop`: each choice is a branch of a `lax.switch` with its own static shapes
-(g drafts, a verify forward over g + 1 positions), so nothing recompiles.
+`lax.while_loop`: each choice is a branch with its own static shapes (g drafts, a verify
+forward over g + 1 positions; `specjax.decoding.adaptive.loop`), so nothing recompiles.
 
 The rule (`choose`) minimises the expected time to finish the batch, as if the
 length chosen now were kept: a compiled batch runs until its last row is done and every
@@ -44,23 +44,26 @@ aim at (SEEDS.md); the EMA and the cost table are this project's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.decoding.loop.extension import LoopExtension
 from specjax.errors import SpecjaxError
 
 POLICIES = ("auto", "random")
 
 
 @dataclasses.dataclass(frozen=True)
-class GammaSchedule:
-    """Static settings of an adaptive schedule (part of the compiled loop's key).
+class GammaSchedule(LoopExtension):
+    """Static settings of an adaptive schedule (part of the compiled loop's key), and the
+    loop extension that runs it (`LoopConfig.schedule`; `specjax.decoding.loop.extension`):
+    it replaces the loop's step by a choice among steps of each draft length
+    (`specjax.decoding.adaptive.loop`) and reports {"chosen": i32[n] steps at each choice,
+    "alpha": f32[B,G] the acceptance estimates at the end (the next run can start from
+    them)}.
 
     choices: sorted distinct draft lengths, 0 <= g <= G; 0 is an autoregressive step.
     policy: "auto" (the rule above) or "random" (uniform over the choices, from the
@@ -77,7 +80,7 @@ class GammaSchedule:
       waits for its unluckiest row, and only speculation makes rows unlucky.
     defer_update: autoregressive steps buffer the drafter's update and the drafter
       catches up in one update per G + 1 such steps, or before the next speculative step
-      (`specjax.decoding.generate.Deferred`); False: one update per autoregressive step
+      (`specjax.decoding.adaptive.loop.Deferred`); False: one update per autoregressive step
       (as before the buffer; kept for A/B measurements, benchmarks/adaptive.py
       --ar-branch).
     """
@@ -100,10 +103,35 @@ class GammaSchedule:
             raise ValueError(f"ema={self.ema} must be in (0, 1], prior={self.prior} and "
                              f"recover={self.recover} in [0, 1]")
 
+    name = "adaptive"
+    owns_step = True
+
     @property
     def gamma(self) -> int:
         """G, the longest choice."""
         return self.choices[-1]
+
+    def check(self, cfg, drafter, tree_mode: bool) -> None:
+        if cfg.num_drafts > 1:
+            raise ValueError("an adaptive schedule drafts chains: num_drafts must be 1")
+        if drafter is not None and hasattr(drafter, "propose_tree"):
+            raise ValueError("an adaptive schedule drafts chains; this drafter proposes trees")
+        if drafter is not None and self.gamma > drafter.gamma:
+            raise ValueError(f"schedule choices {self.choices} exceed the drafter's G "
+                             f"{drafter.gamma}")
+
+    def init(self, model, cfg, drafter, state, inputs):
+        from specjax.decoding.adaptive.loop import init_adapt
+
+        return init_adapt(self, model, cfg, drafter, state, inputs)
+
+    def report(self, ext_state) -> dict:
+        return {"chosen": ext_state.chosen, "alpha": ext_state.alpha}
+
+    def phases(self, graphdef, drafter, cfg, inputs=None):
+        from specjax.decoding.adaptive.loop import adaptive_phases
+
+        return adaptive_phases(graphdef, drafter, cfg, inputs)[:2]
 
 
 def calibration_batch(batches) -> int:
@@ -133,7 +161,7 @@ def default_choices(gamma: int) -> tuple[int, ...]:
 class AdaptState:
     """alpha f32[B,G]: per-row EMA of per-position acceptance; chosen i32[n]: steps taken
     at each choice (batch-level); deferred: the drafter update that autoregressive steps
-    put off (`specjax.decoding.generate.Deferred`; None where the loop updates every
+    put off (`specjax.decoding.adaptive.loop.Deferred`; None where the loop updates every
     step)."""
 
     alpha: jax.Array
@@ -386,7 +414,7 @@ def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, bud
     `expected_tokens` and `token_variance`; z_rows the expected largest of `rows`
     standard normals (the batch runs until its unluckiest row is done: `finish_time`
     with stragglers, whose estimates are within 6% of a simulation in
-    tests/test_adaptive.py). The straggler term errs toward the autoregressive program,
+    tests/decoding/test_adaptive.py). The straggler term errs toward the autoregressive program,
     the direction in which a wrong call costs least. EOS is not modelled: both programs
     stop at the same rows' ends."""
     import statistics
@@ -413,100 +441,6 @@ def speculation_pays(alpha, choices: tuple[int, ...], costs, baseline: Baseline,
     program."""
     spec, ar = predicted_ms(alpha, choices, costs, baseline, budget, rows)
     return spec < (1.0 - baseline.margin) * ar
-
-
-# ------------------------------------------------------------------------ the cost table
-
-def table_key(**parts) -> str:
-    """A stable hex key of everything a cost table depends on (the target's and drafter's
-    shapes and dtypes, batch size, lengths, choices, sampling, kernels, device)."""
-    text = json.dumps({k: str(v) for k, v in sorted(parts.items())}, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
-
-
-def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
-    """Milliseconds per step for `choices` from a cost-table JSON file
-    ({"ms_per_step": {"0": ms, "1": ms, ...}}, written by `write_table` or by hand).
-
-    Raises: SpecjaxError (one line) for an unreadable file, missing choices or values
-      that are not positive numbers."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-        table = raw["ms_per_step"]
-        if not isinstance(table, dict):
-            raise TypeError("ms_per_step is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e}); "
-                           'write {"ms_per_step": {"0": MS, "1": MS, ...}}') from None
-    out = []
-    for g in choices:
-        v = table.get(str(g))
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise SpecjaxError(f"--cost-table {path} needs a positive ms_per_step for draft "
-                               f"length {g} (choices {list(choices)}), got {v!r}")
-        out.append(float(v))
-    return out
-
-
-def _optional_field(path: str, name: str):
-    """The cost table's top-level `name` (None where absent). Raises: SpecjaxError (one
-    line) for an unreadable file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f).get(name)
-    except (OSError, ValueError, AttributeError) as e:
-        raise SpecjaxError(f"--cost-table {path} is unreadable ({type(e).__name__}: {e})") \
-            from None
-
-
-def read_baseline(path: str) -> Baseline | None:
-    """The table's optional "baseline" object ({"prefill_ms", "ar_prefill_ms",
-    "ar_ms_per_step"} and optionally "margin", see `Baseline`), or None where the table
-    has none (a table written by hand, or by an older specjax): then every batch runs
-    the speculative program. Raises: SpecjaxError (one line) for a baseline that is not
-    three numbers >= 0 (and a margin in [0, 1))."""
-    raw = _optional_field(path, "baseline")
-    if raw is None:
-        return None
-    try:
-        # a field with a default (margin) may be left out; the others are required
-        return Baseline(**{f.name: raw[f.name] for f in dataclasses.fields(Baseline)
-                           if f.name in raw or f.default is dataclasses.MISSING})
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpecjaxError(f"--cost-table {path}: baseline needs prefill_ms, ar_prefill_ms "
-                           f"and ar_ms_per_step, numbers >= 0, and an optional margin in "
-                           f"[0, 1) ({type(e).__name__}: {e})") from None
-
-
-def read_alpha(path: str, gamma: int):
-    """The table's optional "alpha": the per-position acceptance f32[G] that
-    `Engine.calibrate` observed on its batch (G = `gamma`, the schedule's longest draft),
-    which seeds `Engine.alpha0` in place of the prior; None where the table has none.
-    Raises: SpecjaxError (one line) for an unreadable file or an alpha that is not G
-    numbers in [0, 1]."""
-    raw = _optional_field(path, "alpha")
-    if raw is None:
-        return None
-    if (not isinstance(raw, list) or len(raw) != max(gamma, 1)
-            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1
-                       for a in raw)):
-        raise SpecjaxError(f"--cost-table {path}: alpha needs {max(gamma, 1)} acceptance "
-                           f"rates in [0, 1], got {raw!r}")
-    return [float(a) for a in raw]
-
-
-def write_table(path: str, choices: tuple[int, ...], ms: list[float], meta: dict,
-                baseline: Baseline | None = None) -> None:
-    """Writes a cost table atomically (see `read_table`, `read_baseline`), with `meta`
-    for the reader."""
-    from specjax.fileio import atomic_write
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data = {"ms_per_step": {str(g): float(m) for g, m in zip(choices, ms, strict=True)},
-            **({} if baseline is None else {"baseline": dataclasses.asdict(baseline)}),
-            **meta}
-    atomic_write(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))
 
 
 def with_gamma(drafter, gamma: int):
