@@ -25,7 +25,13 @@ from flax import nnx
 
 from specjax.core.drafter import Drafter, LoopView, take_rows
 from specjax.core.sampling import filtered_probs, sample_logits
-from specjax.core.tree import DraftTree, ancestor_mask, path_tokens, tree_from_drafts
+from specjax.core.tree import (
+    DraftTree,
+    ancestor_mask,
+    chain_tree,
+    path_tokens,
+    tree_from_drafts,
+)
 from specjax.decoding import kernel_policy
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.prefill import is_eos, prefill
@@ -140,7 +146,7 @@ UpdateFn = Callable[[Any, LoopState, LoopView, jax.Array], LoopState]
 
 def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
                 gamma: int | None = None, update: UpdateFn | None = None,
-                inputs: dict | None = None) -> Phases:
+                inputs: dict | None = None, chain_as_tree: bool = False) -> Phases:
     """The phases of one loop step (`Phases`).
 
     graphdef: the target's `nnx.split` graph; drafter: None for autoregressive decoding
@@ -150,7 +156,9 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
     update: replaces the drafter's update after the step, fn(drafter_params, s, view, tau)
     -> LoopState, where s is the advanced state holding the proposal's drafter state and
     view the accepted path (the adaptive schedule defers updates with it); inputs: the
-    caller's run-time inputs per loop extension ({name: value}; `LoopExtension.init`).
+    caller's run-time inputs per loop extension ({name: value}; `LoopExtension.init`);
+    chain_as_tree: verify a chain as the tree with one child per node, without the chain's
+    fast path (the measurement behind it: benchmarks/chain_fast_path.py).
     Raises ValueError for a combination a rule or an extension refuses."""
     G = 0 if drafter is None else (drafter.gamma if gamma is None else gamma)
     attention = cfg.target_attention()
@@ -159,7 +167,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         drafter = kernel_policy.with_drafter_attention(drafter, cfg.drafter_attention())
         capture = drafter.capture
     own_tree = drafter is not None and hasattr(drafter, "propose_tree")  # a TreeDrafter
-    tree_mode = G > 0 and (cfg.num_drafts > 1 or own_tree)
+    tree_mode = G > 0 and (cfg.num_drafts > 1 or own_tree or chain_as_tree)
     reads_logits = getattr(drafter, "reads_logits", False)
     # a mode extends speculation; autoregressive decoding runs without (as the fallback
     # program of an adaptive engine, built from the same config)
@@ -206,7 +214,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         with jax.named_scope("drafter_propose"):
             if own_tree:
                 return drafter.propose_tree(drafter_params, s.drafter_state, view, k_draft)[0]
-            if tree_mode:
+            if tree_mode and not chain_as_tree:
                 return propose_drafts(drafter, drafter_params, s.drafter_state, view,
                                       k_draft, cfg.num_drafts, view.pending)
             return Chain(*drafter.propose(drafter_params, s.drafter_state, view, k_draft))
@@ -215,12 +223,17 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         model = nnx.merge(graphdef, params)
         key, _, k_verify = keys(s)
         base = s.lengths - 1  # the pending token's (the root's) position and slot
+        drafter_state = s.drafter_state if tree_mode else proposal.state
+        if chain_as_tree:  # the chain as the tree with one child per node (a measurement)
+            drafter_state = proposal.state
+            proposal = chain_tree(take_rows(s.tokens, base), proposal.draft,
+                                  None if cfg.sampling.greedy else proposal.q)
         if tree_mode:
             fed, positions = proposal.tokens, base[:, None] + proposal.depths
-            mask, drafter_state = ancestor_mask(proposal, G), s.drafter_state
+            mask = ancestor_mask(proposal, G)
         else:
             fed = jnp.concatenate([take_rows(s.tokens, base)[:, None], proposal.draft], axis=1)
-            positions, mask, drafter_state = base[:, None] + offsets[None, :], None, proposal.state
+            positions, mask = base[:, None] + offsets[None, :], None
         with jax.named_scope("target_verify_forward"):
             if forward_ext is None:
                 out = model(fed, positions, s.cache, capture=capture, attention=attention,
@@ -262,7 +275,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         with jax.named_scope("drafter_update"):
             if update is not None:
                 return update(drafter_params, new, after, tau)
-            fn = tree_update if tree_mode else drafter.update
+            fn = tree_update if tree_mode and not chain_as_tree else drafter.update
             return new.replace(drafter_state=fn(drafter_params, new.drafter_state, after, tau))
 
     return Phases(start, propose, finish)

@@ -1,0 +1,158 @@
+"""The engines of a decoding session for one shape: the speculative engine ("main"), the
+autoregressive reference ("ar", with compare_ar and a drafter), their statistics and
+outputs, and the adaptive schedule's cost table (read, or measured once and cached)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from specjax.compile_cache import DEFAULT_COMPILE_CACHE
+from specjax.decoding import adaptive
+from specjax.decoding.engine import Engine, Stats
+from specjax.errors import SpecjaxError
+
+
+def default_cost_table(session, schedule, max_length: int, prompt_width: int) -> str | None:
+    """Where --gamma auto caches its measured cost table when --cost-table is not given:
+    COMPILE_CACHE/specjax-costs/KEY.json, keyed by everything the costs depend on (None:
+    no cache, with --compile-cache none)."""
+    import jax
+
+    c = session.cfg
+    if c.compile_cache == "none":
+        return None
+    base = c.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
+    key = adaptive.table_key(
+        target=session.model_cfg, dtype=session.dtype, drafter=session.loaded.name,
+        drafter_gamma=session.loaded.gamma, drafter_dtype=c.drafter_dtype,
+        matmul_dtype=c.matmul_dtype, draft_vocab=c.draft_vocab, draft_stop=c.draft_stop,
+        draft_window=c.draft_window, draft_reuse=c.draft_reuse, batch=c.batch_size,
+        max_length=max_length, prompt_width=prompt_width, temperature=c.temperature,
+        top_k=c.top_k, top_p=c.top_p, verify=c.verify, kernels=c.kernels, mesh=c.mesh,
+        choices=schedule.choices, table_version=6, backend=jax.default_backend(),
+        device=jax.devices()[0].device_kind, jax=jax.__version__)
+    # inside the compile cache: jax reads only its own *-cache files there
+    return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
+
+
+class EngineSet:
+    """The engines of one shape (`build_engines`). engines: {"main": ..., "ar": ...};
+    stats, outputs: per engine; schedule: the GammaSchedule under --gamma auto (else
+    None); table: the cost table's path; mesh: the device mesh or None; measured_at, table_written, relative,
+    calibrated_s: its provenance for the report."""
+
+    def __init__(self, session, engines: dict, schedule, table, max_new_tokens: int,
+                 mesh=None):
+        self.session, self.engines, self.schedule, self.table = session, engines, schedule, table
+        self.mesh = mesh
+        self.max_new_tokens = max_new_tokens
+        self.stats = {name: Stats() for name in engines}
+        self.outputs = {name: [] for name in engines}
+        self.measured_at, self.table_written, self.relative = None, False, None
+        self.calibrated_s = None
+        if table is not None and os.path.isfile(table):
+            with open(table) as f:  # read_table has checked that it is a JSON object
+                self.measured_at = json.load(f).get("measured_at")
+
+    @property
+    def main(self) -> Engine:
+        return self.engines["main"]
+
+    def compile(self) -> None:
+        for name, eng in self.engines.items():
+            self.stats[name].compile_s = eng.compile()
+
+    def calibrate(self, batches, key) -> None:
+        """--gamma auto without a cost table: measures it once, on the batch of median
+        prompt length (costs grow with the context), and caches it unless its rounds spread
+        too much (a busy machine) or --cost-table names the file."""
+        if self.schedule is None or self.main.costs is not None:
+            return
+        c, eng = self.session.cfg, self.main
+        t0 = time.perf_counter()
+        cal = batches[adaptive.calibration_batch([[ids for _, ids in b] for b in batches])]
+        costs = eng.calibrate([ids for _, ids in cal], self.max_new_tokens, key, baseline=True)
+        self.calibrated_s = time.perf_counter() - t0
+        self.measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        # each round's AR wall over its speculative walls (the margin's input)
+        self.relative = [round(float(r), 4) for r in eng.calibration_relative]
+        spread = adaptive.calibration_spread(eng.calibration_relative)
+        noisy = spread > adaptive.NOISY_SPREAD
+        if noisy:
+            print(f"decode.py: --gamma auto: the calibration's repeated runs spread "
+                  f"{spread:.0%} (a busy machine?); its cost table "
+                  + ("is written to --cost-table all the same" if c.cost_table
+                     else "is used for this run only, not cached")
+                  + ": measure it on a quiet machine", file=sys.stderr)
+        if self.table is None or (c.cost_table is None and noisy):
+            return
+        import jax
+
+        try:
+            adaptive.write_table(self.table, self.schedule.choices, costs, {
+                "measured_on": jax.devices()[0].device_kind, "batch_size": c.batch_size,
+                "drafter": self.session.loaded.name,
+                # before adaptive.fit_costs (ms_per_step is the fitted table)
+                "measured_ms_per_step": {str(g): round(float(m), 4) for g, m in zip(
+                    self.schedule.choices, eng.measured_costs, strict=True)},
+                "calibration_relative": self.relative, "measured_at": self.measured_at,
+                # the acceptance calibrate observed: the next run starts from it
+                **({} if eng.alpha0 is None else {"alpha": [round(float(a), 4)
+                                                            for a in eng.alpha0]})},
+                baseline=eng.baseline)
+            self.table_written = True
+        except OSError as e:
+            if c.cost_table is not None:
+                raise SpecjaxError(f"--cost-table {self.table} cannot be written "
+                                   f"({e.strerror})") from None
+            # the default place is in the compile cache: where that cannot be written the
+            # cache is off, and so is this one (the next run measures again)
+
+    def run(self, prompts: list[list[int]], key) -> None:
+        """One batch through every engine, interleaved (both see the same machine state)."""
+        for name, eng in self.engines.items():
+            out = eng.run(prompts, self.max_new_tokens, key)
+            self.stats[name].add(out)
+            self.outputs[name].extend(out.outputs)
+
+
+def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, ...]
+                  ) -> EngineSet:
+    """The EngineSet of a session (weights loaded) for one shape."""
+    c = session.cfg
+    mesh = None
+    if c.mesh:
+        from specjax.decoding.sharding import check_batch, decode_mesh
+
+        mesh = decode_mesh(c.mesh)
+        check_batch(mesh, c.batch_size)
+    drafter, loaded = session.drafter, session.loaded
+    common = dict(sampling=session.sampling, verify=session.rule(), max_length=max_length,
+                  prompt_width=prompt_width, batch_size=c.batch_size, eos_token_ids=eos,
+                  kernels=c.kernels, mesh=mesh)
+    schedule = table = costs = baseline = alpha = None
+    if c.adaptive and drafter is not None:
+        schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
+        table = c.cost_table or default_cost_table(session, schedule, max_length, prompt_width)
+        if table is not None and os.path.isfile(table):
+            costs = adaptive.read_table(table, schedule.choices)
+            baseline = adaptive.read_baseline(table)
+            alpha = adaptive.read_alpha(table, schedule.gamma)
+    target = session.target.model
+    main = Engine(target, drafter=drafter, drafter_params=loaded.params,
+                  num_drafts=c.num_drafts if drafter is not None else 1, schedule=schedule,
+                  costs=costs, baseline=baseline, partial=session.partial(), **common)
+    # the acceptance the table's calibration observed: the first run's estimates, and
+    # where they drift while batches fall back
+    main.alpha0 = alpha
+    main.alpha_calibrated = None if alpha is None else list(alpha)
+    engines = {"main": main}
+    if c.compare_ar and drafter is not None:
+        # under --gamma auto the AR reference is the program auto falls back to (one
+        # compilation for both)
+        engines["ar"] = main.fallback_engine() if schedule is not None else Engine(target,
+                                                                                   **common)
+    return EngineSet(session, engines, schedule, table, c.max_new_tokens, mesh)

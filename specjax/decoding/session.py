@@ -1,0 +1,223 @@
+"""A decoding session: what decode.py does, as a library call that benchmarks and notebooks
+share.
+
+    from specjax.decoding.options import DecodeConfig
+    from specjax.decoding.session import build
+
+    session = build(DecodeConfig(drafter="checkpoints/demo/drafters/eagle3"))
+    prompts, chat = session.read_prompts(path="checkpoints/demo/prompts.jsonl")
+    report = session.run(prompts, chat=chat)
+    print(format_summary(report.summary))        # specjax.decoding.report
+
+`build` reads configs and the tokenizer only; the first `run` checks memory against the
+prompts' shapes, then loads the weights (once per session) and compiles the engines (once
+per shape). With a drafter and `compare_ar`, autoregressive decoding of the same prompts
+runs too, interleaved batch by batch, and the summary reports the speedup and whether the
+outputs are identical.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NamedTuple
+
+from specjax.compile_cache import enable_compile_cache
+from specjax.decoding import report as report_lib
+from specjax.decoding.loading import DEFAULT_GAMMA, load_drafter, load_target, resolve_dtype
+from specjax.decoding.options import DecodeConfig
+from specjax.errors import SpecjaxError
+
+
+class Report(NamedTuple):
+    """records: one dict per prompt, in input order (id, prompt_ids, output_ids, text when
+    the target has a tokenizer); summary: the run's figures (`specjax.decoding.report`)."""
+
+    records: list[dict]
+    summary: dict
+
+
+def check_memory(cfg: DecodeConfig, model_cfg, dtype, max_length: int, prompt_width: int) -> None:
+    """Raises SpecjaxError, before anything is allocated, when the target's weights, the
+    KV caches of the engines a session builds (speculative and, with compare_ar,
+    autoregressive), the drafter and the prefill's activations need more than the device
+    has free (`specjax.plan`; estimates from config.json and file sizes)."""
+    from specjax import plan
+    from specjax.models.config import ModelConfig
+
+    B, G = cfg.batch_size, cfg.draft_length or DEFAULT_GAMMA
+    nodes = G + 1 if cfg.num_drafts == 1 else 1 + cfg.num_drafts * G
+    S = max_length + max(nodes, cfg.tree_nodes or 0)  # room for the verified drafts
+    c = model_cfg
+    cache = plan.kv_cache_bytes(c.num_layers, B, c.num_kv_heads, S, c.head_dim, dtype)
+    parts = {"target weights": plan.weight_bytes(c, dtype),
+             "KV cache": cache * (2 if cfg.compare_ar and cfg.drafter != "none" else 1),
+             "prefill activations": plan.prefill_activation_bytes(c, B, prompt_width, S)}
+    d = cfg.drafter
+    if d not in ("none", "ngram") and d is not None and os.path.isdir(d):
+        files = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors")]
+        parts["drafter"] = 2 * sum(os.path.getsize(f) for f in files)  # bf16 on disk -> f32
+        if os.path.isfile(os.path.join(d, "config.json")):
+            try:  # a draft LM: its own cache; a learned drafter: about Ld + 1 caches
+                dc = ModelConfig.from_dir(d)
+                parts["drafter"] += plan.kv_cache_bytes(dc.num_layers, B, dc.num_kv_heads, S,
+                                                        dc.head_dim, dtype)
+            except SpecjaxError:
+                parts["drafter"] += 3 * cache // max(c.num_layers, 1)
+    need = sum(parts.values())
+    free, where = plan.available_bytes()
+    if free is not None and need > free:
+        detail = ", ".join(f"{k} {plan.fmt_bytes(v)}" for k, v in parts.items())
+        raise SpecjaxError(
+            f"decoding needs about {plan.fmt_bytes(need)} ({detail}) but {where} has "
+            f"{plan.fmt_bytes(free)} free; lower --max-length (now {max_length}) or "
+            f"--batch-size (now {B})")
+
+
+class Session:
+    """One target (and drafter) with the options of a `DecodeConfig`; see the module
+    docstring. Attributes: cfg, model_cfg (the target's ModelConfig), tokenizer (or
+    None), dtype; after the first run: target, loaded (the `LoadedDrafter`), engines."""
+
+    def __init__(self, cfg: DecodeConfig):
+        from specjax.models.checkpoint import load_tokenizer
+        from specjax.models.config import ModelConfig
+
+        self.cfg = cfg
+        enable_compile_cache(cfg.compile_cache)
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.model_cfg = ModelConfig.from_dir(cfg.target)  # config.json only: no weights
+        self.tokenizer = load_tokenizer(cfg.target)
+        self.target = self.loaded = self.drafter = None
+        self._engines: dict[tuple, Any] = {}
+
+    def read_prompts(self, prompt: str | None = None, path: str | None = None,
+                     chat: bool = False) -> tuple[list[tuple[Any, list[int]]], bool]:
+        """(prompts as (id, token ids), chat: whether they were rendered with the chat
+        template) from one text prompt, a JSONL file or the bundled demo prompts
+        (`specjax.decoding.prompts.read_prompt_set`)."""
+        from specjax.decoding.prompts import read_prompt_set
+
+        return read_prompt_set(self.tokenizer, self.model_cfg.vocab_size, prompt=prompt,
+                               path=path, target=self.cfg.target, chat=chat)
+
+    def _shapes(self, prompts) -> tuple[int, int]:
+        """(max_length, prompt_width) for these prompts; SpecjaxError where they do not fit."""
+        from specjax.decoding.engine import prompt_width_for
+
+        c, mc = self.cfg, self.model_cfg
+        longest = max(len(ids) for _, ids in prompts)
+        max_length = c.max_length or longest + c.max_new_tokens
+        for pid, ids in prompts:
+            if len(ids) + c.max_new_tokens > max_length:
+                raise SpecjaxError(
+                    f"prompt {pid}: {len(ids)} prompt tokens + --max-new-tokens "
+                    f"{c.max_new_tokens} > --max-length {max_length}; raise --max-length or "
+                    "shorten the prompt")
+        if max_length > mc.max_position_embeddings and not c.allow_long_context:
+            raise SpecjaxError(
+                f"--max-length {max_length} exceeds the target's max_position_embeddings "
+                f"{mc.max_position_embeddings} (positions it was not trained for); lower "
+                "--max-length, --max-new-tokens or the prompt length, or pass "
+                "--allow-long-context to run anyway")
+        return max_length, prompt_width_for(longest, max_length)
+
+    def _load(self) -> None:
+        """The target's and the drafter's weights, once per session."""
+        if self.target is not None:
+            return
+        c = self.cfg
+        self.target = load_target(c.target, dtype=self.dtype, matmul_dtype=c.matmul_dtype,
+                                  cfg=self.model_cfg, tokenizer=self.tokenizer)
+        self.loaded = load_drafter(
+            c.drafter, self.target, gamma=c.draft_length, sampling=self.sampling,
+            dtype=self.dtype, matmul_dtype=c.drafter_dtype, draft_vocab=c.draft_vocab,
+            draft_stop=c.draft_stop, draft_window=c.draft_window, draft_reuse=c.draft_reuse,
+            verify=c.verify, num_drafts=c.num_drafts,
+            tree_nodes=c.tree_nodes if c.tree_topk is None else None)
+        self.drafter = self.loaded.drafter
+        if c.tree_topk is not None:
+            if self.drafter is None:
+                raise SpecjaxError("--tree-topk needs a drafter (--drafter none decodes "
+                                   "autoregressively)")
+            from specjax.drafters.dynamic_tree import DynamicTree
+
+            self.drafter = DynamicTree(self.drafter, c.tree_topk, c.tree_nodes)
+
+    @property
+    def sampling(self):
+        from specjax.core.sampling import SamplingParams
+
+        return SamplingParams(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def rule(self):
+        """The verification rule object of --verify (FLy with its window and threshold)."""
+        if self.cfg.verify != "fly":
+            return self.cfg.verify
+        from specjax.decoding.fly import FlyVerify
+
+        c = self.cfg
+        return FlyVerify(window=6 if c.fly_window is None else c.fly_window,
+                         threshold=0.3 if c.fly_entropy is None else c.fly_entropy)
+
+    def partial(self):
+        """--partial-verify's `PartialVerify`, or None."""
+        if not self.cfg.partial_verify:
+            return None
+        from specjax.decoding.partial import PartialVerify
+
+        b = self.cfg.partial_budget
+        return PartialVerify(budget=4096 if b is None else b)
+
+    def eos_ids(self, chat: bool) -> tuple[int, ...]:
+        """The tokens that stop a row: the target's EOS and, for chat prompts, the
+        template's end of turn (none with ignore_eos)."""
+        if self.cfg.ignore_eos:
+            return ()
+        eos = tuple(self.model_cfg.eos_token_ids)
+        if chat:
+            from specjax.data.chat import end_of_turn_ids
+
+            eos = eos + tuple(i for i in end_of_turn_ids(self.tokenizer) if i not in eos)
+        return eos
+
+    def engines(self, prompts, chat: bool = False):
+        """The session's `specjax.decoding.engines.EngineSet` for these prompts' shapes
+        (memory checked, weights loaded and engines built on first use of a shape)."""
+        from specjax.decoding.engines import build_engines
+
+        shapes = self._shapes(prompts)
+        key = (*shapes, chat)
+        if key not in self._engines:
+            check_memory(self.cfg, self.model_cfg, self.dtype, *shapes)
+            self._load()
+            self._engines[key] = build_engines(self, *shapes, self.eos_ids(chat))
+        return self._engines[key]
+
+    def run(self, prompts: list[tuple[Any, list[int]]], chat: bool = False) -> Report:
+        """Decodes `prompts` ((id, token ids) pairs) in batches of cfg.batch_size; returns the
+        `Report`. Raises SpecjaxError for prompts that do not fit or a bad drafter."""
+        import jax
+        from tqdm import tqdm
+
+        c = self.cfg
+        plan = self.engines(prompts, chat)
+        batches = [prompts[i:i + c.batch_size] for i in range(0, len(prompts), c.batch_size)]
+        base_key = jax.random.key(c.seed)
+        plan.compile()
+        plan.calibrate(batches, base_key)
+        for i, batch in enumerate(tqdm(batches, desc="decoding", unit="batch", disable=None,
+                                       file=sys.stderr)):
+            plan.run([ids for _, ids in batch], jax.random.fold_in(base_key, i))
+        timing = None
+        if c.step_timing and self.drafter is not None:
+            timing = plan.main.step_timing([ids for _, ids in batches[0]], c.max_new_tokens,
+                                           base_key)
+        summary = report_lib.summary(self, plan, len(prompts), chat, timing)
+        return Report(report_lib.records(prompts, plan.outputs["main"], self.tokenizer),
+                      summary)
+
+
+def build(cfg: DecodeConfig) -> Session:
+    """The `Session` of cfg (configs and tokenizer read; weights on the first run)."""
+    return Session(cfg)
