@@ -11,11 +11,14 @@ import os
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-# The library's decoding entry points (`specjax.decoding.loading`, `specjax.decoding.prompts`), imported on
+# The library's decoding entry points (`specjax.decoding.loading`, `specjax.decoding.prompts`;
+# a whole decode.py run: `specjax.DecodeConfig` and `specjax.build(cfg) -> Session`), imported on
 # first use: `import specjax` stays free of jax for tools such as `python -m specjax.plan`.
 _LAZY = {"load_target": "specjax.decoding.loading", "load_drafter": "specjax.decoding.loading",
          "Target": "specjax.decoding.loading", "LoadedDrafter": "specjax.decoding.loading",
-         "DEMO_DIR": "specjax.decoding.loading", "read_prompts": "specjax.decoding.prompts"}
+         "DEMO_DIR": "specjax.decoding.loading", "read_prompts": "specjax.decoding.prompts",
+         "DecodeConfig": "specjax.decoding.options", "Session": "specjax.decoding.session",
+         "build": "specjax.decoding.session"}
 __all__ = sorted(_LAZY)
 
 
