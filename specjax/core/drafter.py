@@ -14,7 +14,14 @@ cache and the target hidden states at the depths the drafter asked for in
 `capture` (from the prefill for `init`, from the verify forward for `update`).
 Hidden-state, KV-reuse and block drafters of later issues fit this interface: they
 read `view.hidden` and `view.target_cache` in place.
+
+`LoopView`'s fields and the protocols' signatures carry jaxtyping shape annotations
+(docs/design.md section 2's letters; S for the token buffer's width S'). They are
+documentation: nothing checks them at run time in the library; tests/core/test_shapes.py
+checks real values against them.
 """
+
+# ruff: noqa: F722  (jaxtyping's shape strings are not Python expressions)
 
 from __future__ import annotations
 
@@ -24,8 +31,10 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax.core.sampling import SamplingParams
+from specjax.core.tree import DraftTree
 from specjax.models.kv_cache import KVCache
 
 # The attention kernel a learned drafter may attend with (`specjax.drafters.attend.attend`'s
@@ -59,16 +68,16 @@ class LoopView:
       `update` (None in `propose`). LogitSpec reads its next-next-token guesses here.
     """
 
-    tokens: jax.Array
-    lengths: jax.Array
+    tokens: Int[Array, "B S"]
+    lengths: Int[Array, " B"]
     target_cache: KVCache
-    hidden: jax.Array | None
-    positions: jax.Array
+    hidden: Float[Array, "C B T D"] | None
+    positions: Int[Array, "B T"]
     prefill_sizes: tuple[int, ...] = struct.field(pytree_node=False, default=())
-    logits: jax.Array | None = None
+    logits: Float[Array, "B V"] | None = None
 
     @property
-    def pending(self) -> jax.Array:
+    def pending(self) -> Int[Array, " B"]:
         """i32[B]: each row's pending token, tokens[b, lengths[b] - 1]."""
         return take_rows(self.tokens, self.lengths - 1)
 
@@ -80,14 +89,15 @@ class Drafter(Protocol):
     capture: tuple[int, ...]  # target depths the drafter needs in `LoopView.hidden`
     sampling: SamplingParams
 
-    def init(self, params: Any, view: LoopView, key: jax.Array) -> Any: ...
+    def init(self, params: Any, view: LoopView, key: PRNGKeyArray) -> Any: ...
 
-    def propose(self, params: Any, state: Any, view: LoopView, key: jax.Array
-                ) -> tuple[jax.Array, jax.Array, Any]:
+    def propose(self, params: Any, state: Any, view: LoopView, key: PRNGKeyArray
+                ) -> tuple[Int[Array, "B G"], Float[Array, "B G V"], Any]:
         """-> draft i32[B,G], q f32[B,G,V] (filtered; one-hot when greedy), new state."""
         ...
 
-    def update(self, params: Any, state: Any, view: LoopView, num_accepted: jax.Array) -> Any:
+    def update(self, params: Any, state: Any, view: LoopView, num_accepted: Int[Array, " B"]
+               ) -> Any:
         """State after the target accepted `num_accepted` (i32[B]) drafts; `view.lengths`
         already counts them and the correction/bonus token."""
         ...
@@ -111,7 +121,7 @@ class TreeDrafter(Drafter, Protocol):
     tree_nodes: int  # N, the static node budget (root included)
     max_children: int  # the most children any node has (the token rule's sibling loop)
 
-    def propose_tree(self, params: Any, state: Any, view: LoopView, key: jax.Array
-                     ) -> tuple[Any, Any]:
+    def propose_tree(self, params: Any, state: Any, view: LoopView, key: PRNGKeyArray
+                     ) -> tuple[DraftTree, Any]:
         """-> (DraftTree with N = tree_nodes and depths <= gamma, new state)."""
         ...

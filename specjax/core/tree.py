@@ -22,24 +22,30 @@ A chain of G drafts is the tree with N = G + 1 and parents = [-1, 0, 1, ..., G-1
 The verdict of a tree (`specjax.decoding.tree_verify`) is the accepted path: node
 indices path i32[B,G+1] with path[:, 0] = 0 and path[:, j] the accepted node of depth j
 for j <= tau (entries past tau repeat the last accepted node).
+
+`DraftTree`'s fields carry these shapes as jaxtyping annotations: documentation, not
+checked at run time in the library (tests/core/test_shapes.py checks real trees).
 """
+
+# ruff: noqa: F722  (jaxtyping's shape strings are not Python expressions)
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jaxtyping import Array, Bool, Float, Int
 
 
 @struct.dataclass
 class DraftTree:
     """See the module docstring for the fields and their shapes."""
 
-    tokens: jax.Array
-    parents: jax.Array
-    depths: jax.Array
-    valid: jax.Array
-    q: jax.Array | None = None
+    tokens: Int[Array, "B N"]
+    parents: Int[Array, "B N"]
+    depths: Int[Array, "B N"]
+    valid: Bool[Array, "B N"]
+    q: Float[Array, "B N V"] | None = None
 
     @property
     def num_nodes(self) -> int:

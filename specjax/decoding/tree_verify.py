@@ -82,12 +82,15 @@ block: per (draft, position)), and the one residual/bonus sample uses a separate
 (a split of `key`), so no two random choices share a draw.
 """
 
+# ruff: noqa: F722  (jaxtyping's shape strings are not Python expressions)
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Int
 
 from specjax.core.drafter import take_rows
 from specjax.core.sampling import sample
@@ -104,11 +107,13 @@ class TreeVerdict(NamedTuple):
 
     num_accepted: i32[B] tau in 0..G; next_token: i32[B] the correction or the bonus;
     path: i32[B,G+1] node indices, path[:, 0] = 0, path[:, j] the accepted node of depth j
-    for j <= tau, entries past tau repeat path[:, tau]."""
+    for j <= tau, entries past tau repeat path[:, tau]. The fields carry jaxtyping shape
+    annotations: documentation, not checked at run time in the library
+    (tests/core/test_shapes.py checks real verdicts)."""
 
-    num_accepted: jax.Array
-    next_token: jax.Array
-    path: jax.Array
+    num_accepted: Int[Array, " B"]
+    next_token: Int[Array, " B"]
+    path: Int[Array, "B G+1"]
 
 
 def _check(tree: DraftTree, p, max_depth: int, need_q: bool):

@@ -13,7 +13,12 @@ Rules exactly as docs/design.md section 4 states them:
 - token: Leviathan et al. 2023 (arXiv 2211.17192, Algorithm 1); Chen et al. 2023.
 - block: Sun et al., "Block Verification Accelerates Speculative Decoding"
   (arXiv 2403.10444, Algorithm 2).
+
+`Verdict`'s fields carry jaxtyping shape annotations: documentation, not checked at run
+time in the library (tests/core/test_shapes.py checks real verdicts).
 """
+
+# ruff: noqa: F722  (jaxtyping's shape strings are not Python expressions)
 
 from __future__ import annotations
 
@@ -21,14 +26,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Int
 
 from specjax.core.drafter import take_rows
 from specjax.core.sampling import sample
 
 
 class Verdict(NamedTuple):
-    num_accepted: jax.Array  # i32[B]
-    next_token: jax.Array  # i32[B]
+    num_accepted: Int[Array, " B"]  # tau in 0..G
+    next_token: Int[Array, " B"]  # the correction, or the bonus if tau == G
 
 
 def _token_probs(dist, draft):

@@ -1,11 +1,18 @@
-"""What the compiled loop carries (`LoopState`) and returns (`LoopResult`)."""
+"""What the compiled loop carries (`LoopState`) and returns (`LoopResult`).
+
+The array fields carry jaxtyping shape annotations (docs/design.md section 2's letters;
+S for the token buffer's width S', equal to the cache capacity, since jaxtyping takes
+identifiers). They are documentation: nothing checks them at run time in the library;
+tests/core/test_shapes.py checks real values against them."""
+
+# ruff: noqa: F722  (jaxtyping's shape strings are not Python expressions)
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import struct
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from specjax.models.kv_cache import KVCache
 
@@ -23,17 +30,17 @@ class LoopState:
     drafted position k with drafts < k accepted; ext: {name: state} of the loop
     extensions that are on (`specjax.decoding.loop.extension`)."""
 
-    tokens: jax.Array
-    lengths: jax.Array
-    prompt_lengths: jax.Array
-    budgets: jax.Array
-    done: jax.Array
+    tokens: Int[Array, "B S"]
+    lengths: Int[Array, " B"]
+    prompt_lengths: Int[Array, " B"]
+    budgets: Int[Array, " B"]
+    done: Bool[Array, " B"]
     cache: KVCache
     drafter_state: Any
-    key: jax.Array
-    steps: jax.Array
-    accepted: jax.Array
-    reached: jax.Array
+    key: PRNGKeyArray
+    steps: Int[Array, " B"]
+    accepted: Int[Array, "B G"]
+    reached: Int[Array, "B G"]
     ext: dict = struct.field(default_factory=dict)
 
 
@@ -46,12 +53,12 @@ class LoopResult:
     from the drafter's own `report(state)` where it has one (e.g. medc's draft reuse,
     drafter["reused"], `specjax.drafters.eagle3.DraftChain.counts`)."""
 
-    tokens: jax.Array
-    lengths: jax.Array
-    prompt_lengths: jax.Array
-    steps: jax.Array
-    accepted: jax.Array
-    reached: jax.Array
+    tokens: Int[Array, "B S"]
+    lengths: Int[Array, " B"]
+    prompt_lengths: Int[Array, " B"]
+    steps: Int[Array, " B"]
+    accepted: Int[Array, "B G"]
+    reached: Int[Array, "B G"]
     ext: dict = struct.field(default_factory=dict)
     drafter: dict = struct.field(default_factory=dict)
 
