@@ -1,10 +1,10 @@
-"""`python -m specjax.regenerate`: the command-line entry point of
-`specjax.data.regenerate` (the target's greedy continuations of training-file prompts, as
-drafter training data), kept at this path so the documented command stays the same."""
+"""`python -m specjax.regenerate`: the target's continuations of training-file prompts, as
+drafter training data. The command is `specjax.tools.regenerate`, the data set
+`specjax.data.regenerate`; this module keeps the documented command's path."""
 
 import sys
 
-from specjax.data.regenerate import main
+if __name__ == "__main__":  # `python -m specjax.regenerate`: specjax.tools.regenerate
+    from specjax.tools.regenerate import main
 
-if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,9 @@
 
     python -m specjax.decoding.prompts checkpoints/demo/prompts.jsonl --n 50
 
+(the command line is `specjax.tools.prompts`; the `def` sites and the prompt text are
+`specjax.data.code_prompts`'s, shared with the regenerated training data)
+
 How a prompt is chosen (deterministic for a given standard library and seed):
   1. Validation files (`specjax.data.corpus.split_of`) in sorted order, shuffled by `seed`.
   2. In each file, the top-level or method `def` lines whose function body is at least
@@ -19,58 +22,12 @@ How a prompt is chosen (deterministic for a given standard library and seed):
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import sys
 
-from specjax import cli
+from specjax.data.code_prompts import def_sites, prompt_text
 from specjax.data.corpus import corpus_files, read_source, split_of, stdlib_root
 from specjax.errors import SpecjaxError
-from specjax.fileio import atomic_write
-
-_DEF = re.compile(r"^(\s*)(async\s+)?def\s+\w+\s*\(")
-
-
-def _candidates(lines: list[str]) -> list[tuple[int, int]]:
-    """(def line index, index of the first body line after an optional docstring)."""
-    out = []
-    for i, line in enumerate(lines):
-        m = _DEF.match(line)
-        if not m:
-            continue
-        indent = len(m.group(1))
-        j = i
-        while j < len(lines) and not lines[j].rstrip().endswith(":"):  # multi-line signature
-            j += 1
-        j += 1
-        body_start = j
-        if j < len(lines) and lines[j].strip().startswith(('"""', "'''")):
-            quote = lines[j].strip()[:3]
-            k = j if lines[j].strip().count(quote) >= 2 and len(lines[j].strip()) > 3 else j + 1
-            while k < len(lines) and quote not in lines[k]:
-                k += 1
-            body_start = k + 1
-        body = 0
-        while (body_start + body < len(lines)
-               and (not lines[body_start + body].strip()
-                    or len(lines[body_start + body]) - len(lines[body_start + body].lstrip())
-                    > indent)):
-            body += 1
-        if body >= 4:
-            out.append((i, body_start))
-    return out
-
-
-def prompt_text(lines: list[str], i: int, body_start: int, context_lines: int,
-                max_chars: int) -> str:
-    """The prompt for the `def` at line i: at most `context_lines` lines before it through
-    its docstring (lines[:body_start]), trimmed from the front at line boundaries to
-    `max_chars` characters (a longer single line is kept whole)."""
-    text = "".join(lines[max(0, i - context_lines):body_start])
-    while len(text) > max_chars and "\n" in text:
-        text = text[text.index("\n") + 1:]
-    return text
 
 
 def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
@@ -83,7 +40,7 @@ def held_out_prompts(n: int = 50, seed: int = 0, context_lines: int = 30,
     out = []
     for rel in files:
         lines = read_source(root, rel).splitlines(keepends=True)
-        cands = _candidates(lines)
+        cands = def_sites(lines)
         if not cands:
             continue
         i, body_start = rng.choice(cands)
@@ -226,31 +183,7 @@ def read_prompt_set(tokenizer, vocab_size: int, *, prompt: str | None = None,
     return [(pid, ids) for pid, ids, _ in items], bool(rendered)
 
 
-def main(argv=None) -> int:
-    ap = cli.ArgumentParser(prog="python -m specjax.decoding.prompts",
-                            description="Write held-out code-completion prompts (JSONL).")
-    ap.add_argument("out")
-    ap.add_argument("--n", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    try:
-        if args.n < 1:
-            raise SpecjaxError(f"--n={args.n} must be >= 1")
-        if os.path.isdir(args.out):  # before the corpus is read
-            raise SpecjaxError(f"out {args.out} is a directory; pass a file name")
-        prompts = held_out_prompts(args.n, args.seed)
-        data = "".join(json.dumps(p) + "\n" for p in prompts).encode()
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            atomic_write(args.out, lambda f: f.write(data))
-        except OSError as e:
-            raise SpecjaxError(f"out {args.out} cannot be written ({e.strerror})") from None
-    except SpecjaxError as e:
-        print(f"python -m specjax.decoding.prompts: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {len(prompts)} prompts to {args.out}")
-    return 0
+if __name__ == "__main__":  # `python -m specjax.decoding.prompts`: specjax.tools.prompts
+    from specjax.tools.prompts import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -5,9 +5,10 @@
         [--target checkpoints/demo/target] [--dtype bfloat16]
 
 SRC is a drafter directory written by train.py; the target defaults to the one recorded
-in it. The tensor names are `external.tensor_table`'s (read back by
-`external.load_external` and by `decode.py --drafter`); the facts behind them are in
-`external`'s docstring. What an export writes beyond the drafter's own weights:
+in it (the command line is `specjax.tools.convert`; `export_dir` is the library call).
+The tensor names are `external.tensor_table`'s (read back by `external.load_external`
+and by `decode.py --drafter`); the facts behind them are in `external`'s docstring.
+What an export writes beyond the drafter's own weights:
 
 - eagle3-hf: what vLLM, SGLang and SpecForge run as `LlamaForCausalLMEagle3`, and
   nothing else. `lm_head.weight` [Vd,D] is the target's LM head rows of the drafter's
@@ -40,7 +41,6 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
-from specjax import cli
 from specjax.drafters.config import DrafterConfig
 from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
 from specjax.dtypes import storage_dtype
@@ -209,23 +209,7 @@ def export_dir(src: str, dst: str, layout: str, target_dir: str | None = None,
     return dst
 
 
-def main(argv=None) -> int:
-    ap = cli.ArgumentParser(prog="python -m specjax.drafters.convert",
-                            description=__doc__.splitlines()[0])
-    ap.add_argument("--to", required=True, choices=LAYOUTS, help="the layout to write")
-    ap.add_argument("src", help="a drafter directory written by train.py")
-    ap.add_argument("dst", help="the directory to write (must not exist)")
-    ap.add_argument("--target", help="the target's HF directory (default: the recorded one)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    args = ap.parse_args(argv)
-    try:
-        export_dir(args.src, args.dst, args.to, args.target, args.dtype)
-    except SpecjaxError as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.dst} ({args.to})")
-    return 0
+if __name__ == "__main__":  # `python -m specjax.drafters.convert`: specjax.tools.convert
+    from specjax.tools.convert import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

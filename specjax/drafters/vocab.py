@@ -18,7 +18,8 @@ continuations of `specjax.regenerate`: the ids the target itself writes)
 
 writes `<drafter dir>/draft_vocab.json`: {"size", "coverage" (the fraction of counted
 tokens inside the set), "counted_tokens", "source", "ids" (sorted target ids)}, which
-decode.py uses by default (`--draft-vocab auto`).
+decode.py uses by default (`--draft-vocab auto`). The command line is
+`specjax.tools.vocab`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import sys
 
 import numpy as np
 
-from specjax import cli
 from specjax.errors import SpecjaxError
 
 VOCAB_NAME = "draft_vocab.json"
@@ -110,44 +110,7 @@ def stream_counts(paths: list[str], vocab_size: int) -> np.ndarray:
     return counts
 
 
-def main(argv=None) -> int:
-    ap = cli.ArgumentParser(prog="python -m specjax.drafters.vocab",
-                            description="Write a hot draft vocabulary (the most "
-                                        "frequent training-split ids) into a drafter directory.")
-    ap.add_argument("drafter", help="a drafter directory written by train.py")
-    ap.add_argument("--size", type=int, default=2048, help="hot ids to keep (default 2048)")
-    ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer directory (default: the drafter's target's)")
-    ap.add_argument("--cache-dir", default="runs/token_cache",
-                    help="where the tokenized corpus is cached")
-    ap.add_argument("--tokens-npy", nargs="+", default=None,
-                    help="count these flat .npy token streams instead of the corpus "
-                         "(e.g. specjax.regenerate's train.npy)")
-    args = ap.parse_args(argv)
-    try:
-        from specjax.drafters.io import read_config
+if __name__ == "__main__":  # `python -m specjax.drafters.vocab`: specjax.tools.vocab
+    from specjax.tools.vocab import main
 
-        cfg = read_config(args.drafter)
-        vocab = int(cfg["vocab_size"])
-        tok = args.tokenizer or cfg.get("target", {}).get("path")
-        if not args.tokens_npy and (not tok or not os.path.isdir(tok)):
-            raise SpecjaxError(f"--tokenizer: no tokenizer directory (the drafter records "
-                               f"{tok!r}); pass --tokenizer DIR")
-        check_size(args.size, vocab)  # before counting anything
-        if args.tokens_npy:
-            counts = stream_counts(args.tokens_npy, vocab)
-            source = "token streams " + ", ".join(args.tokens_npy)
-        else:
-            counts = corpus_counts(tok, args.cache_dir, vocab)
-            source = f"training split of the stdlib corpus, tokenizer {tok}"
-        rec = save_draft_vocab(args.drafter, counts, args.size, source)
-    except SpecjaxError as e:
-        print(f"specjax.drafters.vocab: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.drafter}/{VOCAB_NAME}: {rec['size']} ids cover {rec['coverage']:.1%} of "
-          f"{rec['counted_tokens']:,} training tokens")
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

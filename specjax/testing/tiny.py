@@ -6,17 +6,18 @@ writes `out/tiny/target` (Qwen3, about 2M parameters), `out/tiny/draft` (a small
 Qwen3 with the same tokenizer) and `out/tiny/prompts.jsonl`. The tokenizer is a
 byte-level BPE trained on a few standard-library files (seconds). The weights are
 random, so the text is gibberish: this exercises the engine, not a language model.
+The command line is `specjax.tools.tiny`; `make_demo` is the library call.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import sysconfig
 
 from flax import nnx
 
-from specjax import cli
 from specjax.models.checkpoint import save_model
 from specjax.models.config import ModelConfig
 from specjax.models.model import Transformer
@@ -97,15 +98,7 @@ def make_demo(out_dir: str, vocab_size: int = 512, seed: int = 0) -> None:
             f.write(json.dumps({"id": f"p{i}", "prompt": text[:200]}) + "\n")
 
 
-def main():
-    ap = cli.ArgumentParser(prog="python -m specjax.testing.tiny",
-                            description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--vocab-size", type=int, default=512)
-    args = ap.parse_args()
-    make_demo(args.out_dir, args.vocab_size)
-    print(f"wrote {args.out_dir}/target, {args.out_dir}/draft, {args.out_dir}/prompts.jsonl")
+if __name__ == "__main__":  # `python -m specjax.testing.tiny`: specjax.tools.tiny
+    from specjax.tools.tiny import main
 
-
-if __name__ == "__main__":
-    main()
+    sys.exit(main())

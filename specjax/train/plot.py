@@ -7,7 +7,8 @@
 Left: training loss (mean of each logged window) and validation loss against tokens
 seen; right (drafter runs only): validation tau. Several files are drawn on one axis,
 each shifted by its --offset-tokens (a continued run starts where the first one ended).
-Bad input exits 2 with one line.
+Bad input exits 2 with one line. The command line is `specjax.tools.plot`; `plot` and
+`read_metrics` are the library calls.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import sys
 
-from specjax import cli
 from specjax.errors import SpecjaxError
 
 
@@ -90,25 +90,7 @@ def plot(paths, out: str, labels=None, offsets=None, title: str | None = None) -
     save_figure(fig, out)
 
 
-def main(argv=None) -> int:
-    ap = cli.ArgumentParser(prog="python -m specjax.train.plot",
-                            description=__doc__.splitlines()[0])
-    ap.add_argument("metrics", nargs="+", help="metrics.jsonl files")
-    ap.add_argument("--out", required=True, help="PNG to write")
-    ap.add_argument("--labels", nargs="+", help="one label per file")
-    ap.add_argument("--offset-tokens", nargs="+", type=int, help="one token offset per file")
-    ap.add_argument("--title")
-    args = ap.parse_args(argv)
-    try:
-        for flag, v in (("--labels", args.labels), ("--offset-tokens", args.offset_tokens)):
-            if v is not None and len(v) != len(args.metrics):
-                raise SpecjaxError(f"{flag} needs one value per metrics file")
-        plot(args.metrics, args.out, args.labels, args.offset_tokens, args.title)
-    except SpecjaxError as e:
-        print(f"plot: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+if __name__ == "__main__":  # `python -m specjax.train.plot`: specjax.tools.plot
+    from specjax.tools.plot import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

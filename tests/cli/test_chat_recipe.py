@@ -13,9 +13,9 @@ import pytest
 
 import decode
 import train as train_cli
-from specjax import prepare
-from specjax.data import regenerate as rg
 from specjax.testing.chat import make_chat_target, write_conversations
+from specjax.tools import prepare
+from specjax.tools import regenerate as rg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "test_tiny_drafter.yaml")

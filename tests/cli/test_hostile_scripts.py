@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from specjax.data import regenerate as rg
-from specjax.decoding import prompts as prompts_cli
+from specjax.tools import prompts as prompts_cli
+from specjax.tools import regenerate as rg
 
 
 def one_line(capsys, needle):

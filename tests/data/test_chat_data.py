@@ -15,7 +15,6 @@ import pytest
 
 from specjax.data import chat
 from specjax.errors import SpecjaxError
-from specjax.prepare import main as prepare_main
 from specjax.testing.chat import (
     LLAMA3_TEMPLATE,
     QWEN3_TEMPLATE,
@@ -24,6 +23,7 @@ from specjax.testing.chat import (
     sample_conversations,
     write_conversations,
 )
+from specjax.tools.prepare import main as prepare_main
 
 STYLES = ("qwen3", "llama3")
 

@@ -12,6 +12,7 @@ import pytest
 from specjax.data import regenerate as rg
 from specjax.data.corpus import split_of
 from specjax.decoding.prompts import held_out_prompts
+from specjax.tools import regenerate as rt
 
 
 def test_training_prompts_come_from_training_files_only():
@@ -49,7 +50,7 @@ def _greedy_reference(target_dir, prompt_ids, n, eos):
 def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
     target = str(tiny_demo / "target")
     out = str(tmp_path / "regen")
-    m = rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+    m = rt.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
                       val_fraction=0.5)
     recs = [json.loads(line) for line in open(os.path.join(out, rg.GENERATIONS))]
     assert len(recs) == 5 and {r["split"] for r in recs} == {"train", "val"}
@@ -73,7 +74,7 @@ def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
     with open(path, "w") as f:
         f.writelines(lines[:3])
         f.write(lines[3][:20])
-    m2 = rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+    m2 = rt.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
                        val_fraction=0.5)
     again = [json.loads(line) for line in open(path)]
     assert sorted(again, key=lambda r: r["id"]) == sorted(recs, key=lambda r: r["id"])
@@ -81,7 +82,7 @@ def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
 
     # Nothing left to do: no model is loaded at all.
     monkeypatch.setattr("specjax.models.checkpoint.load_model", lambda *a, **k: 1 / 0)
-    rg.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
+    rt.regenerate(target, out, per_file=1, limit=5, batch_size=4, max_new_tokens=6,
                   val_fraction=0.5)
 
 
@@ -91,7 +92,7 @@ def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
     torn last line there stays)."""
     target = str(tiny_demo / "target")
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    rg.regenerate(target, first, per_file=1, limit=6, batch_size=8, max_new_tokens=2)
+    rt.regenerate(target, first, per_file=1, limit=6, batch_size=8, max_new_tokens=2)
     path = os.path.join(first, rg.GENERATIONS)
     recs = [json.loads(line) for line in open(path)]
     with open(path, "a") as f:
@@ -100,11 +101,11 @@ def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
     seen, files = {r["id"] for r in recs}, {r["source"] for r in recs}
     # The second set draws from the same six files only, so that it must drop some ids.
     every = rg.training_prompts
-    monkeypatch.setattr(rg, "training_prompts", lambda *a, **k: [
+    monkeypatch.setattr(rt, "training_prompts", lambda *a, **k: [
         p for p in every(*a, **k) if p["source"] in files])
-    candidates = {p["id"] for p in rg.training_prompts(3, 1)}
+    candidates = {p["id"] for p in rt.training_prompts(3, 1)}
     assert seen & candidates and candidates - seen
-    m = rg.regenerate(target, second, per_file=3, seed=1, batch_size=8, max_new_tokens=2,
+    m = rt.regenerate(target, second, per_file=3, seed=1, batch_size=8, max_new_tokens=2,
                       skip_seen=(first,))
     got = [json.loads(line)["id"] for line in open(os.path.join(second, rg.GENERATIONS))]
     assert sorted(got) == sorted(candidates - seen)
@@ -118,12 +119,12 @@ def test_time_limit_stops_between_batches_and_resumes(tiny_demo, tmp_path):
     target = str(tiny_demo / "target")
     out, full = str(tmp_path / "cut"), str(tmp_path / "full")
     kw = dict(per_file=1, limit=5, batch_size=2, max_new_tokens=3, val_fraction=0.5)
-    m = rg.regenerate(target, out, time_limit_s=1e-9, **kw)
+    m = rt.regenerate(target, out, time_limit_s=1e-9, **kw)
     recs = [json.loads(line) for line in open(os.path.join(out, rg.GENERATIONS))]
     assert len(recs) == 2
     assert sum(c["prompts"] for c in m["splits"].values()) == 2
-    m2 = rg.regenerate(target, out, **kw)
-    m_full = rg.regenerate(target, full, **kw)
+    m2 = rt.regenerate(target, out, **kw)
+    m_full = rt.regenerate(target, full, **kw)
     def by_id(d):
         return sorted((json.loads(line) for line in open(os.path.join(d, rg.GENERATIONS))),
                       key=lambda r: r["id"])
@@ -140,7 +141,7 @@ def test_time_limit_stops_between_batches_and_resumes(tiny_demo, tmp_path):
 ])
 def test_bad_input_exits_2(tmp_path, capsys, argv, msg):
     out = tmp_path / "o"
-    assert rg.main(["--out", str(out), *argv]) == 2
+    assert rt.main(["--out", str(out), *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
     assert not out.exists()
@@ -149,7 +150,7 @@ def test_bad_input_exits_2(tmp_path, capsys, argv, msg):
 def test_bad_flag_value_exits_2_with_one_line(tmp_path, capsys):
     out = tmp_path / "o"
     with pytest.raises(SystemExit) as e:
-        rg.main(["--out", str(out), "--dtype", "float16"])
+        rt.main(["--out", str(out), "--dtype", "float16"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--dtype" in err and "float16" in err and err.count("\n") == 1
@@ -168,7 +169,7 @@ def test_root_takes_prompts_from_another_library(tiny_demo, tmp_path):
     want = {p["id"] for p in rg.training_prompts(per_file=1, root=str(root))}
     assert want and all(i.split(":")[0].startswith("pkg") for i in want)
     out = str(tmp_path / "regen")
-    m = rg.regenerate(str(tiny_demo / "target"), out, per_file=1, batch_size=8,
+    m = rt.regenerate(str(tiny_demo / "target"), out, per_file=1, batch_size=8,
                       max_new_tokens=2, root=str(root))
     got = {json.loads(line)["id"] for line in open(os.path.join(out, rg.GENERATIONS))}
     assert got == want
@@ -200,7 +201,7 @@ def test_regenerate_answers_the_users_conversations(chat_target, tmp_path, monke
     first = _greedy_reference(chat_target, _chat_ids(tok, convs[0]), 1, -1)[0]
     monkeypatch.setattr("specjax.data.chat.end_of_turn_ids", lambda t: (first,))
     out = str(tmp_path / "regen")
-    m = rg.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
+    m = rt.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
                       val_fraction=0.3)
     recs = {r["id"]: r for r in map(json.loads, open(os.path.join(out, rg.GENERATIONS)))}
     assert sorted(recs) == [f"c{i}" for i in range(6)]
@@ -232,7 +233,7 @@ def test_regenerate_answers_the_users_conversations(chat_target, tmp_path, monke
     with open(path, "w") as f:
         f.writelines(lines[:4])
         f.write(lines[4][:15])
-    rg.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
+    rt.regenerate(chat_target, out, data=data, batch_size=4, max_new_tokens=5,
                   val_fraction=0.3)
     again = {r["id"]: r for r in map(json.loads, open(path))}
     assert again == recs
@@ -260,7 +261,7 @@ def test_bad_conversations_exit_2(chat_target, tiny_demo, tmp_path, capsys, case
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
     target = str(tiny_demo / "target") if case == "no_template" else chat_target
     out = tmp_path / "o"
-    assert rg.main(["--target", target, "--data", str(data), "--out", str(out)]) == 2
+    assert rt.main(["--target", target, "--data", str(data), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1, err
     assert not out.exists()

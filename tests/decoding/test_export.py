@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from specjax import export
 from specjax.drafters.config import DrafterConfig
 from specjax.models.config import ModelConfig
 from specjax.testing import hf_configs
+from specjax.tools import export
 
 
 def _run(capsys, *args):

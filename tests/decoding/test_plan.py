@@ -15,6 +15,7 @@ from flax import nnx
 from specjax import plan
 from specjax.testing import hf_configs
 from specjax.testing.tiny import tiny_config
+from specjax.tools import plan as tool
 
 
 def _measured_per_device(abstract, mesh_sizes, dtype):
@@ -80,7 +81,7 @@ def test_qwen3_8b_on_8_devices(tmp_path):
 
 def test_cli(tmp_path, capsys):
     d = hf_configs.write("Llama-3.1-70B", str(tmp_path / "llama"))
-    code = plan.main(["--config", f"{d}/config.json", "--drafter", "block:kv", "--mesh",
+    code = tool.main(["--config", f"{d}/config.json", "--drafter", "block:kv", "--mesh",
                       "data=1,fsdp=4,model=8", "--train-batch", "64", "--device-memory-gb",
                       "95"])
     out = capsys.readouterr().out
@@ -88,9 +89,9 @@ def test_cli(tmp_path, capsys):
     assert "training (block" in out and "fits" in out
     for bad, needle in ((["--mesh", "data=0"], "--mesh"), (["--batch", "0"], "--batch"),
                         (["--drafter", "medusa"], "medusa")):
-        code = plan.main(["--config", d, *bad])
+        code = tool.main(["--config", d, *bad])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and needle in err, err
     (tmp_path / "bad").mkdir()
     json.dump({"model_type": "gpt2"}, open(tmp_path / "bad" / "config.json", "w"))
-    assert plan.main(["--config", str(tmp_path / "bad")]) == 2
+    assert tool.main(["--config", str(tmp_path / "bad")]) == 2

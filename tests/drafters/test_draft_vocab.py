@@ -11,9 +11,10 @@ import pytest
 
 from specjax.drafters import make_drafter
 from specjax.drafters.io import FORMAT
-from specjax.drafters.vocab import hot_ids, load_draft_vocab, main, save_draft_vocab
+from specjax.drafters.vocab import hot_ids, load_draft_vocab, save_draft_vocab
 from specjax.errors import SpecjaxError
 from specjax.testing.tiny import save_random_drafter
+from specjax.tools.vocab import main
 from tests.decoding.test_speculative_greedy import BUDGETS, models, rows, run_ar
 from tests.drafters.test_drafters_decode import drafter_net, run_learned
 

@@ -115,7 +115,7 @@ def test_plan_state_matches_the_old_code(key):
     kind, context, num_layers = key
     t = target_cfg(8)
     c = DrafterConfig.for_target(t, kind, context=context, num_layers=num_layers)
-    out = plan.decode_plan(t, plan._parse_mesh("data=1,model=1"), 2, 64, np.float32, dcfg=c)
+    out = plan.decode_plan(t, plan.parse_mesh("data=1,model=1"), 2, 64, np.float32, dcfg=c)
     assert out["drafter state"] == STATE_LAYERS[key] * 18432
 
 

@@ -308,6 +308,7 @@ def test_init_from_continues_an_exported_model(runs, corpus, tmp_path, capsys):
 
 
 def test_plot_training_curves(tmp_path, capsys):
+    from specjax.tools import plot as tool
     from specjax.train import plot
 
     a = tmp_path / "a.jsonl"
@@ -319,10 +320,10 @@ def test_plot_training_curves(tmp_path, capsys):
     assert got["train"] == [(100, 5.0), (200, 4.0)]
     assert got["val"] == [(200, 4.5), (200, 4.4)] and got["tau"] == [(200, 1.5)]
     out = tmp_path / "c.png"
-    assert plot.main([str(a), str(a), "--offset-tokens", "0", "200", "--out", str(out)]) == 0
+    assert tool.main([str(a), str(a), "--offset-tokens", "0", "200", "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    assert plot.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "d.png")]) == 2
+    assert tool.main([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "d.png")]) == 2
     assert "not a readable metrics.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "d.png").exists()
 
