@@ -79,12 +79,15 @@ def test_the_layer_scan_can_fail():
         assert any(True for _ in _package_imports(package)), package
 
 
-def test_generate_imports_no_drafter_implementation():
-    """The loop reaches drafters through the protocol of specjax/core/drafter.py only; the
-    kernel choice comes from specjax/decoding/kernel_policy.py, passed explicitly (issue 28)."""
-    path = os.path.join(ROOT, "specjax", "decoding", "generate.py")
-    bad = [m for m in _imports(path)
-           if m.startswith("specjax.drafters") and not m.startswith("specjax.core.drafter")]
+def test_the_loop_imports_no_drafter_implementation():
+    """The loop (specjax/decoding/loop/ and the adaptive schedule's branches) reaches drafters
+    through the protocol of specjax/core/drafter.py only; the kernel choice comes from
+    specjax/decoding/kernel_policy.py, passed explicitly (issues 28, 51)."""
+    files = [f for f, _ in _package_imports("decoding/loop")] + [
+        "specjax/decoding/adaptive/loop.py"]
+    assert "specjax/decoding/loop/step.py" in files
+    bad = [(f, m) for f in files for m in _imports(os.path.join(ROOT, f))
+           if m.startswith("specjax.drafters")]
     assert not bad, bad
 
 
