@@ -14,7 +14,7 @@ same prompts, in one process, so speedups are ratios on the same machine state).
                                                         # the cost table's repeatability
 
 Per (drafter, temperature, batch B): AR (no drafter), the drafter at its own G (fixed),
-`--gamma auto` (its cost table measured on the first batch by `Engine.calibrate`, not
+`--gamma auto` (its cost table measured on the first batch by `AdaptiveEngine.calibrate`, not
 counted in the wall time, reported as calibration_s), and at B = 1 every other fixed
 length among the schedule's choices (the best fixed length is the aim's reference).
 Every engine runs the first batch twice untimed before the timed runs (the first calls
@@ -122,7 +122,8 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
 
     from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
-    from specjax.decoding.engine import DRIFT_TARGETS, Engine, Stats, prompt_width_for
+    from specjax.decoding.adaptive.controller import DRIFT_TARGETS, AdaptiveEngine
+    from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter
 
     rev = git_rev(ROOT)  # the code measured
@@ -147,11 +148,11 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                     d = adaptive.with_gamma(loaded.drafter, g)
                     engines[f"G={g}"] = Engine(target.model, drafter=d,
                                                drafter_params=loaded.params, **common)
-                engines["auto"] = Engine(target.model, drafter=loaded.drafter,
-                                         drafter_params=loaded.params, schedule=sched,
-                                         **common)
+                engines["auto"] = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                                 drafter_params=loaded.params,
+                                                 schedule=sched, **common)
                 if stragglers:  # the rule with the batch's spread, same cost table
-                    engines["auto+stragglers"] = Engine(
+                    engines["auto+stragglers"] = AdaptiveEngine(
                         target.model, drafter=loaded.drafter, drafter_params=loaded.params,
                         schedule=dataclasses.replace(sched, stragglers=True), **common)
                 compile_s = {k: e.compile() for k, e in engines.items()}
@@ -167,8 +168,9 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 if calibration_ab:  # the same loop, compiled apart (a system right after
                     # its own compiled program measured 3-9% faster: docs/adaptive.md),
                     # calibrated on the first batch
-                    first = Engine(target.model, drafter=loaded.drafter,
-                                   drafter_params=loaded.params, schedule=sched, **common)
+                    first = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                           drafter_params=loaded.params, schedule=sched,
+                                           **common)
                     compile_s["auto (first batch)"] = first.compile()
                     first.calibrate(prompts[:B], new_tokens, key0, baseline=True)
                     engines["auto (first batch)"] = first
@@ -183,8 +185,9 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
                         ("auto (copy)", aa, own)):
                     if not on:
                         continue
-                    twin = Engine(target.model, drafter=loaded.drafter,
-                                  drafter_params=loaded.params, schedule=sched, **common)
+                    twin = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                          drafter_params=loaded.params, schedule=sched,
+                                          **common)
                     compile_s[label] = twin.compile()
                     a = engines["auto"]
                     twin.costs, twin.baseline = a.costs.copy(), a.baseline
@@ -270,6 +273,7 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
     import jax
 
     from specjax.decoding import adaptive
+    from specjax.decoding.adaptive.controller import AdaptiveEngine
     from specjax.decoding.engine import Engine, Stats, prompt_width_for
     from specjax.decoding.loading import load_drafter
 
@@ -287,9 +291,9 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
             engines = {"AR": Engine(target.model, **common)}
             for label, defer in (("deferred", True), ("every step", False)):
                 sched = adaptive.GammaSchedule((0,), defer_update=defer)
-                engines[label] = Engine(target.model, drafter=loaded.drafter,
-                                        drafter_params=loaded.params, schedule=sched,
-                                        costs=[1.0], **common)
+                engines[label] = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                                drafter_params=loaded.params,
+                                                schedule=sched, costs=[1.0], **common)
             for e in engines.values():
                 e.compile()
             key0 = jax.random.key(0)
@@ -321,7 +325,7 @@ def ar_branch(drafters, batches, n_prompts: int, new_tokens: int, repeats: int =
 def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
                 budgets: bool = False, baseline: bool = False,
                 more_rounds: float = 0.0) -> dict:
-    """How repeatable `Engine.calibrate`'s table is (`--calibration`): per (drafter,
+    """How repeatable `AdaptiveEngine.calibrate`'s table is (`--calibration`): per (drafter,
     temperature, batch), `repeats` calibrations in rounds over the choices (the default)
     alternating with `repeats` measuring one choice after another, on the same compiled
     loop and first batch. Per method: each measured entry's spread over the calibrations
@@ -329,11 +333,11 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
     than a shorter one), and the same spread of the fitted tables (`adaptive.fit_costs`).
     `budgets`: compare runs of 32 tokens (the default budget) with runs of the whole
     `new_tokens` instead, both in rounds. `baseline`: with the autoregressive program
-    measured too (`Engine.calibrate(baseline=True)`), in the same rounds as the table
+    measured too (`AdaptiveEngine.calibrate(baseline=True)`), in the same rounds as the table
     against after it (the order before git 4d1f7d7); per method also the spread of the
     ratio the fallback decides by, each fitted entry / the autoregressive step.
     `more_rounds` (seconds): three rounds against rounds added for up to that many seconds
-    (`Engine.calibrate(seconds=...)`), both with the baseline in the rounds; per
+    (`AdaptiveEngine.calibrate(seconds=...)`), both with the baseline in the rounds; per
     calibration also the rounds run and two margins from its per-round ratios: the range
     (`adaptive.measured_margin`, the margin calibrate sets) and the Student t bound of
     their mean (`t_bound_margin`), to hold against the ratio's actual spread over the
@@ -343,7 +347,8 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
 
     from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
-    from specjax.decoding.engine import Engine, prompt_width_for
+    from specjax.decoding.adaptive.controller import AdaptiveEngine
+    from specjax.decoding.engine import prompt_width_for
     from specjax.decoding.loading import load_drafter
 
     rev = git_rev(ROOT)
@@ -357,11 +362,12 @@ def calibration(drafters, temps, batches, new_tokens: int, repeats: int = 4,
             for name in drafters:
                 loaded = load_drafter(DRAFTERS[name], target, sampling=sampling)
                 sched = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
-                eng = Engine(target.model, drafter=loaded.drafter,
-                             drafter_params=loaded.params, schedule=sched, verify="block",
-                             sampling=sampling, max_length=max_length, batch_size=B,
-                             prompt_width=prompt_width_for(longest, max_length),
-                             eos_token_ids=target.cfg.eos_token_ids)
+                eng = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                     drafter_params=loaded.params, schedule=sched,
+                                     verify="block", sampling=sampling,
+                                     max_length=max_length, batch_size=B,
+                                     prompt_width=prompt_width_for(longest, max_length),
+                                     eos_token_ids=target.cfg.eos_token_ids)
                 eng.compile()
                 if budgets:
                     methods = {"32 tokens": dict(max_tokens=32, min_steps=6),
@@ -518,7 +524,7 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
            repeats: int = 3, with_fixed: bool = False) -> dict:
     """What a batch costs in each program (module docstring, `--forced`): per (drafter,
     T, B), the AR engine and the adaptive loop forced to each choice (a one-hot cost
-    table, as `Engine.calibrate` makes them) on the same batch, each also with a budget
+    table, as `AdaptiveEngine.calibrate` makes them) on the same batch, each also with a budget
     of one token (its prefill alone); every wall the fastest of `repeats` interleaved
     passes after one warm-up pass. `with_fixed`: also the fixed-length program of every
     speculative choice (and its prefill), for what the loop's branches cost against it."""
@@ -528,6 +534,7 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
 
     from specjax.core.sampling import SamplingParams
     from specjax.decoding import adaptive
+    from specjax.decoding.adaptive.controller import AdaptiveEngine
     from specjax.decoding.engine import Engine, prompt_width_for
     from specjax.decoding.loading import load_drafter
 
@@ -546,9 +553,9 @@ def forced(drafters, temps, batches, n_prompts: int, new_tokens: int,
                 sched = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
                 n = len(sched.choices)
                 ar = Engine(target.model, **common)
-                auto = Engine(target.model, drafter=loaded.drafter,
-                              drafter_params=loaded.params, schedule=sched,
-                              costs=np.ones(n), **common)
+                auto = AdaptiveEngine(target.model, drafter=loaded.drafter,
+                                      drafter_params=loaded.params, schedule=sched,
+                                      costs=np.ones(n), **common)
                 ar.compile()
                 auto.compile()
                 systems = {"AR": (ar, None, new_tokens), "AR prefill": (ar, None, 1),
@@ -651,14 +658,15 @@ TWINS = {
     "auto (drift to prior)": (
         "\"auto (drift to prior)\": the same loop (compiled apart) with auto's cost table "
         "and starting estimates, whose estimates drift toward the prior (0.8) while "
-        "batches fall back (the rule before 2026-11-28; `Engine.drift_to`), interleaved "
+        "batches fall back (the rule before 2026-11-28; `AdaptiveEngine.drift_to`), interleaved "
         "with the rest."),
     "auto (drift to calibrated)": (
         "\"auto (drift to calibrated)\": the same, drifting toward the acceptance its "
         "calibration observed on its one batch (the default since git 6ed65cf)."),
     "auto (drift to pooled)": (
         "\"auto (drift to pooled)\": the same, drifting toward the acceptance pooled "
-        "over every batch it drafted for (`Engine.pooled`; measured, not adopted)."),
+        "over every batch it drafted for (`AdaptiveEngine.pooled`; measured, not "
+        "adopted)."),
     "auto (copy)": (
         "\"auto (copy)\": auto's rule, table and starting estimates in a loop compiled "
         "apart, built as the twins are (an A/A control: the difference from auto is the "

@@ -191,10 +191,11 @@ def test_the_drafter_stays_in_sync_across_lengths():
 
 
 def test_the_schedule_starts_from_alpha0_and_returns_its_estimates():
-    """alpha0 seeds the schedule (what a previous run learned, `Engine.alpha0`): the target
-    drafting for itself is accepted every time, so started at alpha 1 it never decodes
-    autoregressively, while started at 0 it does until the drift toward the prior makes
-    drafting worth trying; both greedy-identical, and the final estimates come back."""
+    """alpha0 seeds the schedule (what a previous run learned, `AdaptiveEngine.alpha0`):
+    the target drafting for itself is accepted every time, so started at alpha 1 it never
+    decodes autoregressively, while started at 0 it does until the drift toward the prior
+    makes drafting worth trying; both greedy-identical, and the final estimates come
+    back."""
     drafter, dparams = simple_drafter("self", 3)
     want = rows(run_ar(BUDGETS))
     costs = [1.0, 1.5, 2.0, 2.5]
@@ -207,15 +208,16 @@ def test_the_schedule_starts_from_alpha0_and_returns_its_estimates():
 
 
 def test_engine_carries_the_schedule_between_runs():
-    """Engine.run seeds each run's schedule with the estimates the previous run ended with
-    (`Engine.alpha0`), and `reset_schedule` returns to the prior."""
-    from specjax.decoding.engine import Engine
+    """AdaptiveEngine.run seeds each run's schedule with the estimates the previous run
+    ended with (`AdaptiveEngine.alpha0`), and `reset_schedule` returns to the prior."""
+    from specjax.decoding.adaptive.controller import AdaptiveEngine
 
     target, _ = models()
     drafter, dparams = simple_drafter("self", 3)
     sched = adaptive.GammaSchedule(adaptive.default_choices(3))
-    eng = Engine(target, drafter=drafter, drafter_params=dparams, max_length=TP + 24,
-                 prompt_width=TP, schedule=sched, costs=[1.0, 1.5, 2.0, 2.5])
+    eng = AdaptiveEngine(target, drafter=drafter, drafter_params=dparams,
+                         max_length=TP + 24, prompt_width=TP, schedule=sched,
+                         costs=[1.0, 1.5, 2.0, 2.5])
     toks, lens = prompts()
     ids = [np.asarray(toks)[0, :int(lens[0])].tolist()]
     assert eng.alpha0 is None

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from specjax.decoding import adaptive
+from specjax.decoding.adaptive.controller import AdaptiveEngine, make_engine
 from specjax.decoding.engine import Engine, Stats
 from specjax.errors import SpecjaxError
 from tests.decoding.test_speculative_greedy import TP, models, prompts
@@ -130,8 +131,8 @@ def _engines(temperature=0.0, batch=2, kind="self"):
     common = dict(max_length=TP + 24, prompt_width=TP, batch_size=batch,
                   sampling=SamplingParams(temperature=temperature))
     sched = adaptive.GammaSchedule(CHOICES)
-    auto = Engine(target, drafter=drafter, drafter_params=dparams, schedule=sched,
-                  costs=[1.0, 1.5, 2.0, 2.5], **common)
+    auto = AdaptiveEngine(target, drafter=drafter, drafter_params=dparams, schedule=sched,
+                          costs=[1.0, 1.5, 2.0, 2.5], **common)
     return auto, Engine(target, **common)
 
 
@@ -273,6 +274,38 @@ def test_calibrate_measures_the_baseline_and_the_fallback_shares_the_weights():
     assert plain.baseline is None and plain.speculates(2, 12)
 
 
+def test_make_engine_and_the_engine_without_an_adaptive_branch():
+    """make_engine gives an AdaptiveEngine for a schedule with a drafter, a plain Engine
+    otherwise (the schedule is ignored without a drafter); the AdaptiveEngine's engine
+    carries the schedule in its loop config, and starts from a given alpha0 (also its
+    drift target, a copy). The Engine itself knows nothing of adaptive draft length."""
+    import inspect
+
+    from specjax.decoding import engine as engine_mod
+
+    target, _ = models()
+    drafter, dparams = simple_drafter("self", 3)
+    kw = dict(max_length=TP + 24, prompt_width=TP, batch_size=2)
+    sched = adaptive.GammaSchedule(CHOICES)
+    plain = make_engine(target, drafter=drafter, drafter_params=dparams, **kw)
+    assert type(plain) is Engine and plain.cfg.schedule is None
+    no_drafter = make_engine(target, schedule=sched, **kw)
+    assert type(no_drafter) is Engine and no_drafter.cfg.schedule is None
+    auto = make_engine(target, drafter=drafter, drafter_params=dparams, schedule=sched,
+                       costs=[1.0, 1.5, 2.0, 2.5], alpha0=[0.5, 0.4, 0.3], **kw)
+    assert isinstance(auto, AdaptiveEngine) and auto.engine.cfg.schedule is sched
+    assert auto.cfg is auto.engine.cfg and auto.gamma == 3 and auto.batch_size == 2
+    np.testing.assert_array_equal(auto.alpha0, np.float32([0.5, 0.4, 0.3]))
+    np.testing.assert_array_equal(auto.alpha_calibrated, auto.alpha0)
+    assert auto.alpha_calibrated is not auto.alpha0
+    with pytest.raises(ValueError, match="needs a drafter"):
+        AdaptiveEngine(target, drafter=None, schedule=sched, **kw)
+    with pytest.raises(ValueError, match="extension fields"):
+        Engine(target, drafter=drafter, drafter_params=dparams, extensions={"nope": 1}, **kw)
+    assert "schedule" not in inspect.getsource(engine_mod)
+    assert not {"schedule", "costs", "baseline"} & set(inspect.signature(Engine).parameters)
+
+
 @pytest.mark.parametrize("order", ["rounds", "one after another"])
 def test_calibrate_runs_in_rounds_and_subtracts_the_fastest_prefill(order, monkeypatch):
     """With synthetic walls (a prefill of 10 ms plus, at choice i, iters x true_ms[i], one
@@ -338,7 +371,7 @@ def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
         calls.append(i)
         return clock(0.010 + iters * true_ms[i] / 1e3), iters
 
-    def fake_ar(prompts, budget, key, costs=None):
+    def fake_ar(prompts, budget, key, inputs=None):
         if budget == 1:
             return clock(0.008), 0
         calls.append("AR")
@@ -346,7 +379,7 @@ def test_calibrate_measures_the_autoregressive_program_in_the_same_rounds(order,
         return ar_walls[-1], budget
 
     monkeypatch.setattr(auto, "_timed", fake)
-    monkeypatch.setattr(fb, "_timed", fake_ar)
+    monkeypatch.setattr(fb, "timed", fake_ar)
     auto.alpha0 = np.full(3, 0.8, np.float32)  # carried: no acceptance run among the fakes
     auto.calibrate(_ids(), 12, jax.random.key(0), repeats=3, order=order, baseline=True)
     measured = calls[len(CHOICES) + 1:]  # after the warm-ups
@@ -373,13 +406,13 @@ def test_calibrate_adds_rounds_while_they_fit_in_its_seconds(monkeypatch):
     the rounds so far, fits in `seconds` of measuring, up to `max_repeats`; it records the
     rounds run and one ratio per round. A fake clock advances 0.1 s per run, so a round
     (each choice's prefill and run, then two prefills and the AR run) takes 1.1 s."""
-    from specjax.decoding import engine as engine_mod
+    from specjax.decoding.adaptive import controller
 
     auto, _ = _engines()
     fb = auto.fallback_engine()
     fb.compile()
     clock = [0.0]
-    monkeypatch.setattr(engine_mod, "time", type("Clock", (), {
+    monkeypatch.setattr(controller, "time", type("Clock", (), {
         "perf_counter": staticmethod(lambda: clock[0])}))
 
     def fake(prompts, budget, key, costs=None):
@@ -388,12 +421,12 @@ def test_calibrate_adds_rounds_while_they_fit_in_its_seconds(monkeypatch):
             return 0.010, 0
         return 0.010 + 5 * (1 + int(np.argmin(costs))) / 1e3, 5
 
-    def fake_ar(prompts, budget, key, costs=None):
+    def fake_ar(prompts, budget, key, inputs=None):
         clock[0] += 0.1
         return (0.008, 0) if budget == 1 else (0.008 + 5 * budget / 1e3, budget)
 
     monkeypatch.setattr(auto, "_timed", fake)
-    monkeypatch.setattr(fb, "_timed", fake_ar)
+    monkeypatch.setattr(fb, "timed", fake_ar)
     auto.alpha0 = np.full(3, 0.8, np.float32)
     for seconds, max_repeats, want in [(0.0, 12, 3), (5.0, 12, 4), (6.0, 12, 5),
                                        (100.0, 7, 7), (100.0, 3, 3)]:

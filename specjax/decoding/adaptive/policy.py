@@ -28,7 +28,8 @@ short draft would never learn that deeper drafts are accepted as often as the fi
 ones (eagle3 on the demo settled at g = 3, 1.85x, when its fixed G = 7 gives 2.1x,
 because its unobserved positions 3..6 sat at the prior 0.8 against a true 0.94). cost(g) is the measured
 wall time of one loop step with draft length g at the engine's batch size (a cost
-table, `calibrate` in specjax.decoding.engine, cached on disk or written by hand); it is
+table, `AdaptiveEngine.calibrate` in specjax.decoding.adaptive.controller, cached on
+disk or written by hand); it is
 a run-time input of the compiled loop, so a new table needs no recompilation.
 
 Verification is unchanged, so every schedule is lossless: greedy output equals
@@ -269,7 +270,7 @@ def observe(schedule: GammaSchedule, state: AdaptState, index: int, drafted: int
 
 
 def fit_costs(choices: tuple[int, ...], measured) -> list[float]:
-    """The cost table (ms per step at each choice) that `Engine.calibrate` keeps, from
+    """The cost table (ms per step at each choice) that `AdaptiveEngine.calibrate` keeps, from
     the `measured` ms: the speculative choices (g >= 1) replaced by the least-squares line
     a + b g through them (b >= 0: a falling fit is flat at their mean); an
     autoregressive choice (g = 0) keeps its measurement, capped at the line's value at
@@ -311,7 +312,7 @@ def fit_costs(choices: tuple[int, ...], measured) -> list[float]:
 @dataclasses.dataclass(frozen=True)
 class Baseline:
     """What a batch costs outside the speculative loop's per-step choice, measured by
-    `Engine.calibrate` at the engine's batch size (ms, wall clock):
+    `AdaptiveEngine.calibrate` at the engine's batch size (ms, wall clock):
 
     prefill_ms: the speculative program's prefill (the target's and the drafter's, no
       loop step).
@@ -325,7 +326,7 @@ class Baseline:
     difference, `speculation_pays` sends the whole batch to the autoregressive program.
 
     margin: the fraction of the autoregressive prediction by which speculation must be
-      predicted to win, in [0, 1) (0: any predicted gain). `Engine.calibrate` sets it to
+      predicted to win, in [0, 1) (0: any predicted gain). `AdaptiveEngine.calibrate` sets it to
       the spread of repeated runs of one batch in the autoregressive program, each
       relative to the speculative runs of its calibration round (`measured_margin`;
       the machine's slow spells, which hit a round alike, divided out): a prediction closer
@@ -356,7 +357,7 @@ FALLBACK_DRIFT = 0.25
 def drift_to_prior(alpha, prior, rate: float = FALLBACK_DRIFT):
     """The carried estimates f32[G] after a batch that ran without the drafter: each moves
     `rate` of the way toward `prior` (a float, the schedule's optimistic prior, or f32[G],
-    the acceptance the calibration observed: `Engine.alpha_calibrated`),
+    the acceptance the calibration observed: `AdaptiveEngine.alpha_calibrated`),
     alpha + rate (prior - alpha). Such a batch observes nothing; without the drift,
     estimates that once fell below break-even would send every later batch to the
     autoregressive program for good (block at batch 1 ran 12 of 16 batches so,
@@ -378,7 +379,7 @@ NOISY_SPREAD = 0.5
 
 def calibration_spread(walls) -> float:
     """max / min - 1 of repeated walls of one batch (s, or relative to a reference
-    measured beside each, as `Engine.calibrate` records them), unclamped; 0.0 for fewer
+    measured beside each, as `AdaptiveEngine.calibrate` records them), unclamped; 0.0 for fewer
     than two walls. Raises ValueError for a wall that is not positive."""
     w = [float(x) for x in walls]
     if w and min(w) <= 0:
@@ -388,7 +389,7 @@ def calibration_spread(walls) -> float:
 
 def measured_margin(walls) -> float:
     """`Baseline.margin` from repeated walls (s, or walls relative to a reference measured
-    beside each: `Engine.calibrate`) of one and the same batch: their spread,
+    beside each: `AdaptiveEngine.calibrate`) of one and the same batch: their spread,
     max / min - 1, clamped to MARGIN_RANGE (at least 2%: two or three runs understate a
     spread, and one run shows none; at most 25%: a machine noisier than that needs a
     quieter calibration, not a rule that never speculates). Raises ValueError for no
@@ -409,7 +410,7 @@ def predicted_ms(alpha, choices: tuple[int, ...], costs, baseline: Baseline, bud
                                                     + z_rows * sqrt(budget Var(g) / E(g)^3))
         autoregressive = ar_prefill_ms + ar_ms_per_step * budget
 
-    alpha f32[G] (the estimates the engine carries between runs, `Engine.alpha0`, or the
+    alpha f32[G] (the estimates the engine carries between runs, `AdaptiveEngine.alpha0`, or the
     schedule's prior); costs f32[n] ms per loop step at each choice; E and Var as in
     `expected_tokens` and `token_variance`; z_rows the expected largest of `rows`
     standard normals (the batch runs until its unluckiest row is done: `finish_time`

@@ -77,8 +77,8 @@ def read_baseline(path: str) -> Baseline | None:
 
 def read_alpha(path: str, gamma: int):
     """The table's optional "alpha": the per-position acceptance f32[G] that
-    `Engine.calibrate` observed on its batch (G = `gamma`, the schedule's longest draft),
-    which seeds `Engine.alpha0` in place of the prior; None where the table has none.
+    `AdaptiveEngine.calibrate` observed on its batch (G = `gamma`, the schedule's longest draft),
+    which seeds `AdaptiveEngine.alpha0` in place of the prior; None where the table has none.
     Raises: SpecjaxError (one line) for an unreadable file or an alpha that is not G
     numbers in [0, 1]."""
     raw = _optional_field(path, "alpha")
