@@ -11,6 +11,7 @@ import time
 
 from specjax.compile_cache import DEFAULT_COMPILE_CACHE
 from specjax.decoding import adaptive
+from specjax.decoding.adaptive.controller import AdaptiveEngine, make_engine
 from specjax.decoding.engine import Engine, Stats
 from specjax.errors import SpecjaxError
 
@@ -58,7 +59,7 @@ class EngineSet:
                 self.measured_at = json.load(f).get("measured_at")
 
     @property
-    def main(self) -> Engine:
+    def main(self) -> Engine | AdaptiveEngine:
         return self.engines["main"]
 
     def compile(self) -> None:
@@ -142,13 +143,12 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
             baseline = adaptive.read_baseline(table)
             alpha = adaptive.read_alpha(table, schedule.gamma)
     target = session.target.model
-    main = Engine(target, drafter=drafter, drafter_params=loaded.params,
-                  num_drafts=c.num_drafts if drafter is not None else 1, schedule=schedule,
-                  costs=costs, baseline=baseline, partial=session.partial(), **common)
-    # the acceptance the table's calibration observed: the first run's estimates, and
-    # where they drift while batches fall back
-    main.alpha0 = alpha
-    main.alpha_calibrated = None if alpha is None else list(alpha)
+    # alpha0: the acceptance the table's calibration observed (the first run's estimates,
+    # and where they drift while batches fall back)
+    main = make_engine(target, drafter=drafter, drafter_params=loaded.params,
+                       num_drafts=c.num_drafts if drafter is not None else 1,
+                       schedule=schedule, costs=costs, baseline=baseline, alpha0=alpha,
+                       partial=session.partial(), **common)
     engines = {"main": main}
     if c.compare_ar and drafter is not None:
         # under --gamma auto the AR reference is the program auto falls back to (one
