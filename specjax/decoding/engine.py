@@ -24,7 +24,13 @@ from flax import nnx
 
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.kernel_policy import resolve_kernels
-from specjax.decoding.loop import LoopConfig, autoregressive_loop, phase_programs, speculative_loop
+from specjax.decoding.loop import (
+    DraftShape,
+    LoopConfig,
+    autoregressive_loop,
+    phase_programs,
+    speculative_loop,
+)
 from specjax.decoding.loop.extension import EXTENSION
 from specjax.decoding.timing import step_timing
 from specjax.errors import SpecjaxError
@@ -210,11 +216,7 @@ class Engine:
             if drafter is not None:
                 n, k = _drafter_heads(drafter, drafter_params, c)
                 self.drafter_params = sharding.shard_params(mesh, drafter_params, n, k)
-            gamma = drafter.gamma if drafter is not None else 0
-            if hasattr(drafter, "propose_tree"):
-                nodes = drafter.tree_nodes
-            else:
-                nodes = gamma + 1 if num_drafts == 1 else 1 + num_drafts * gamma
+            nodes = DraftShape.of(drafter, num_drafts).nodes
             shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + nodes,
                      c.head_dim)
             cache_sharding = sharding.cache_sharding(mesh, shape, c.num_heads)

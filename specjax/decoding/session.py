@@ -43,11 +43,11 @@ def check_memory(cfg: DecodeConfig, model_cfg, dtype, max_length: int, prompt_wi
     autoregressive), the drafter and the prefill's activations need more than the device
     has free (`specjax.plan`; estimates from config.json and file sizes)."""
     from specjax import plan
+    from specjax.decoding.loop import DraftShape
     from specjax.models.config import ModelConfig
 
     B, G = cfg.batch_size, cfg.draft_length or DEFAULT_GAMMA
-    nodes = G + 1 if cfg.num_drafts == 1 else 1 + cfg.num_drafts * G
-    S = max_length + max(nodes, cfg.tree_nodes or 0)  # room for the verified drafts
+    S = max_length + DraftShape(G, cfg.num_drafts, cfg.tree_nodes).nodes  # the verified drafts
     c = model_cfg
     cache = plan.kv_cache_bytes(c.num_layers, B, c.num_kv_heads, S, c.head_dim, dtype)
     parts = {"target weights": plan.weight_bytes(c, dtype),

@@ -18,6 +18,33 @@ _log = logging.getLogger("specjax")
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """What one verify forward feeds per row, the one place its node count is computed
+    (the loop's cache capacity, the cache's sharding on a mesh and the memory check read
+    it): gamma G, the draft length (0: autoregressive); drafts K (1: one chain); tree_nodes:
+    a tree drafter's own node budget (`specjax.core.drafter.TreeDrafter`), or None."""
+
+    gamma: int
+    drafts: int = 1
+    tree_nodes: int | None = None
+
+    @property
+    def nodes(self) -> int:
+        """N: the tree drafter's budget, else G + 1 for a chain and 1 + K*G for K drafts."""
+        if self.tree_nodes is not None:
+            return self.tree_nodes
+        return self.gamma + 1 if self.drafts == 1 else 1 + self.drafts * self.gamma
+
+    @classmethod
+    def of(cls, drafter, num_drafts: int = 1, gamma: int | None = None) -> DraftShape:
+        """The shape a loop verifies with this drafter (None: autoregressive, G = 0)."""
+        if drafter is None:
+            return cls(0 if gamma is None else gamma, num_drafts)
+        own = drafter.tree_nodes if hasattr(drafter, "propose_tree") else None
+        return cls(drafter.gamma if gamma is None else gamma, num_drafts, own)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """Static settings of one compiled loop (a static argument of `jax.jit`).
 
@@ -150,8 +177,6 @@ class LoopConfig:
                                                self.pallas_backend, self.pallas_interpret)
 
     def tree_nodes(self, gamma: int, drafter=None) -> int:
-        """N, the verify forward's tokens per row: G + 1 for a chain, 1 + K*G for K drafts,
-        a tree drafter's own `tree_nodes` (`specjax.core.drafter.TreeDrafter`)."""
-        if drafter is not None and hasattr(drafter, "propose_tree"):
-            return drafter.tree_nodes
-        return gamma + 1 if self.num_drafts == 1 else 1 + self.num_drafts * gamma
+        """N, the verify forward's tokens per row (`DraftShape.nodes`): G + 1 for a chain,
+        1 + K*G for K drafts, a tree drafter's own `tree_nodes`."""
+        return DraftShape.of(drafter, self.num_drafts, gamma).nodes
