@@ -535,7 +535,9 @@ def test_decode_does_not_cache_a_noisy_calibration(tmp_path, capsys, monkeypatch
     prompts_file = tmp_path / "p.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "def f(x):\n    return x\n"}) + "\n")
     cached = tmp_path / "specjax-costs" / "key.json"
-    monkeypatch.setattr(decode, "_default_cost_table", lambda *a, **k: str(cached))
+    from specjax.decoding import engines
+
+    monkeypatch.setattr(engines, "default_cost_table", lambda *a, **k: str(cached))
     argv = ["--drafter", "ngram", "--gamma", "auto", "--prompts", str(prompts_file),
             "--max-new-tokens", "6", "--show", "0", "--compile-cache", "none"]
     monkeypatch.setattr(adaptive, "NOISY_SPREAD", -1.0)  # every spread counts as noisy
