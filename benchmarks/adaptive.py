@@ -35,6 +35,10 @@ benchmarks/results/adaptive_ar_branch.json and `<!-- adaptive:ar_branch -->`.
 the adaptive loop forced to each draft length, each also run with a budget of one token
 (its prefill alone). Results: benchmarks/results/adaptive_forced.json and
 `<!-- adaptive:forced -->`.
+
+Unlike the other benchmarks, this one builds its engines by hand (`Engine`,
+`AdaptiveEngine`), not as decoding sessions (`benchmarks.lib.sessions`): it measures the
+adaptive controller's own parts, which a session keeps inside.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import git_rev, save_results  # noqa: E402
+from benchmarks.lib.provenance import git_rev  # noqa: E402
+from benchmarks.lib.report import save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive.json")
 AR_RESULTS = os.path.join(ROOT, "benchmarks", "results", "adaptive_ar_branch.json")
@@ -129,6 +134,9 @@ def measure(drafters, temps, batches, n_prompts: int, new_tokens: int,
     rev = git_rev(ROOT)  # the code measured
     target, base, longest, max_length = _demo(new_tokens)
     runs = []
+    # Engines built by hand throughout this script: it measures the adaptive controller's
+    # own parts (fixed lengths through adaptive.with_gamma, calibration rounds, twins that
+    # share one cost table, forced branches), which a decoding session keeps inside
     for temp in temps:
         sampling = SamplingParams(temperature=temp)
         for B in batches:
@@ -506,7 +514,7 @@ def render_calibration(res: dict) -> str:
 
 def write_calibration_doc(res: dict, doc: str = DOC,
                           section: str = "adaptive:calibration") -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, section, render_calibration(res),
                         "# Adaptive draft length\n\n")
@@ -622,7 +630,7 @@ def render_forced(res: dict) -> str:
 
 
 def write_forced_doc(res: dict, doc: str = DOC) -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, "adaptive:forced", render_forced(res))
 
@@ -644,7 +652,7 @@ def render_ar_branch(res: dict) -> str:
 
 
 def write_ar_doc(res: dict, doc: str = DOC) -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, "adaptive:ar_branch", render_ar_branch(res))
 
@@ -725,7 +733,7 @@ def render(res: dict) -> str:
 
 def write_doc(res: dict, doc: str = DOC) -> None:
     """Replaces the `<!-- adaptive:results -->` section of docs/adaptive.md."""
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, "adaptive:results", render(res))
 

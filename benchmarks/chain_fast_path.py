@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._common import environment, usable_cores  # noqa: E402
+from benchmarks.lib.provenance import environment, usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.decoding.engine import prompt_width_for  # noqa: E402
 from specjax.decoding.loop import LoopConfig, step_phases  # noqa: E402

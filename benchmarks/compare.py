@@ -67,20 +67,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from benchmarks._common import (  # noqa: E402
-    environment,
-    load_transformers,
-    prompt_ids,
-    usable_cores,
-)
-from benchmarks._report import render_tables, write_plot  # noqa: E402
-from benchmarks._systems import (  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.compare_tables import render_tables, write_plot  # noqa: E402
+from benchmarks.lib.prompts import prompt_ids  # noqa: E402
+from benchmarks.lib.provenance import environment, usable_cores  # noqa: E402
+from benchmarks.lib.stats import equality  # noqa: E402
+from benchmarks.lib.systems import (  # noqa: E402
     SpecjaxSystem,
     TransformersSystem,
     compact,
-    equality,
+    load_transformers,
     measure,
     system_record,
 )
@@ -205,23 +202,8 @@ def validate(args) -> None:
         check_output_file(path, flag)
 
 
-def _learned_drafters(args, target, tokenizer, greedy, t1) -> dict:
-    """--drafters loaded as decode.py loads them (its loader and its default
-    --drafter-dtype, auto: bfloat16 matmuls), each checked against the target:
-    name -> (T=0 drafter, params, T=1 drafter, params)."""
-    from specjax.decoding.loading import Target, load_drafter
-
-    learned = {}
-    for path in args.drafters:
-        name = os.path.basename(os.path.normpath(path))
-        t = Target(target, target.cfg, tokenizer, args.target, jnp.float32)
-        d0, p0, _, _ = load_drafter(path, t, sampling=greedy, draft_vocab=args.draft_vocab)
-        d1, p1, _, _ = load_drafter(path, t, sampling=t1, draft_vocab=args.draft_vocab)
-        learned[name] = (d0, p0, d1, p1)
-    return learned
-
-
-def _transformers_systems(args, prompts, N_new: int, threads: int, G: int, ngram) -> list:
+def _transformers_systems(args, prompts, N_new: int, threads: int, G: int, n_max: int
+                          ) -> list:
     """transformers' greedy, assisted (the draft LM, G tokens a round, never stopping
     early) and prompt-lookup generation of the same prompts."""
     import transformers
@@ -240,7 +222,7 @@ def _transformers_systems(args, prompts, N_new: int, threads: int, G: int, ngram
                            gamma=G, verify="greedy", assistant_model=hf_draft),
         TransformersSystem("transformers-prompt-lookup", hf_target, prompts, N_new, threads,
                            gamma=G, verify="greedy", prompt_lookup_num_tokens=G,
-                           max_matching_ngram_size=ngram.n_max),
+                           max_matching_ngram_size=n_max),
     ]
 
 
@@ -301,15 +283,16 @@ def _batch_sweep(batch_sizes, sweep_drafters, sweep_systems, records, outs, meas
 
 def _print_report(result: dict, args, target, draft, learned: dict, cores: int,
                   all_systems, ar1) -> None:
+    """target, draft: their ModelConfigs; learned: name -> G."""
     """The Markdown tables and the notes under them (compile times, lossless and parity
     checks, warnings about few distinct tokens or a loaded machine) on stdout."""
     env, records, lossless = result["environment"], result["systems"], result["lossless"]
     G, N_new, n, threads = result["gamma"], result["new_tokens"], result["prompts"]["count"], \
         result["threads"]
     load0, end = result["load_average"]["start"], result["load_average"]["end"][0]
-    print(f"## specjax vs transformers: target {target.cfg.num_params / 1e6:.2f}M params, "
-          f"draft LM {draft.cfg.num_params / 1e6:.2f}M (G={G}), learned drafters "
-          f"{', '.join(f'{k} (G={v[0].gamma})' for k, v in learned.items()) or 'none'} "
+    print(f"## specjax vs transformers: target {target.num_params / 1e6:.2f}M params, "
+          f"draft LM {draft.num_params / 1e6:.2f}M (G={G}), learned drafters "
+          f"{', '.join(f'{k} (G={g})' for k, g in learned.items()) or 'none'} "
           f"(draft vocabulary {args.draft_vocab}), f32, "
           f"{n} prompts x {N_new} new tokens, {args.repeats} interleaved repeats\n")
     print(f"{jax.default_backend()} backend, jax {env['jax']}, torch {env.get('torch', '-')}, "
@@ -335,12 +318,8 @@ def _print_report(result: dict, args, target, draft, learned: dict, cores: int,
 
 
 def run(args) -> dict:
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.drafters.draft_lm import DraftLMDrafter
-    from specjax.drafters.ngram import NgramDrafter
     from specjax.fileio import atomic_write
-    from specjax.models.checkpoint import load_model, load_tokenizer
+    from specjax.models.config import ModelConfig
 
     validate(args)
     cores = usable_cores()
@@ -349,20 +328,34 @@ def run(args) -> dict:
     load0 = os.getloadavg()
 
     # ---- models, prompts and drafters (every input is checked here)
-    target = load_model(args.target, dtype=jnp.float32)
-    draft = load_model(args.draft, dtype=jnp.float32)
-    V = target.cfg.vocab_size
-    tokenizer = load_tokenizer(args.target)
-    prompts = prompt_ids(args.prompts, tokenizer, V, args.num_prompts, args.target)
+    # every specjax system is a decoding session (decode.py's loading and engines): f32
+    # target, EOS off, the draft LM and n-gram at G, learned drafters at their own G
+    ar0 = sessions.session(sessions.config(target=args.target, drafter="none",
+                                           dtype="float32", ignore_eos=True,
+                                           max_new_tokens=N_new))
+    target = ar0.model_cfg
+    draft = ModelConfig.from_dir(args.draft)
+    prompts = prompt_ids(args.prompts, ar0.tokenizer, target.vocab_size, args.num_prompts,
+                         args.target)
     n = len(prompts)
     longest = max(len(p) for p in prompts)
     max_length = longest + N_new
-    prompt_width = prompt_width_for(longest, max_length)
-    greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0)
-    draft0, dparams0 = DraftLMDrafter.create(draft, G, greedy, V)  # checks the vocabulary
-    draft1, dparams1 = DraftLMDrafter.create(draft, G, t1, V)
-    ngram = NgramDrafter(G, V, sampling=greedy)
-    learned = _learned_drafters(args, target, tokenizer, greedy, t1)
+
+    def engine(drafter="none", batch_size=1, temperature=0.0, verify="block"):
+        gamma = None if drafter == "none" else G if drafter in (args.draft, "ngram") \
+            else "fixed"
+        cfg = sessions.config(target=args.target, drafter=drafter, gamma=gamma,
+                              dtype="float32", ignore_eos=True, max_new_tokens=N_new,
+                              batch_size=batch_size, temperature=temperature, verify=verify,
+                              draft_vocab=args.draft_vocab)
+        return sessions.engine(cfg, prompts)
+
+    # T=0 speculative systems: drafter name -> its --drafter; each must equal specjax-ar
+    learned_dirs = {os.path.basename(os.path.normpath(p)): p for p in args.drafters}
+    t0 = {"draft": args.draft, "ngram": "ngram", **learned_dirs}
+    t0_engines = {name: engine(d) for name, d in t0.items()}  # checks every drafter
+    learned = {name: t0_engines[name].drafter for name in learned_dirs}
+    prompt_width = t0_engines["draft"].cfg.prompt_width
     # Input is checked: from here on stderr carries progress, not one error line.
     if load0[0] > 0.5 * cores:
         log(f"WARNING: load average {load0[0]:.2f} on {cores} cores: timings are indicative")
@@ -372,38 +365,30 @@ def run(args) -> dict:
     if len(prompts) < args.num_prompts:
         log(f"{args.prompts} holds {len(prompts)} prompts, fewer than --num-prompts "
             f"{args.num_prompts}: using them all")
-    log(f"target {target.cfg.num_params / 1e6:.2f}M params, draft "
-        f"{draft.cfg.num_params / 1e6:.2f}M, learned drafters {list(learned) or 'none'}, "
+    log(f"target {target.num_params / 1e6:.2f}M params, draft "
+        f"{draft.num_params / 1e6:.2f}M, learned drafters {list(learned) or 'none'}, "
         f"{n} prompts ({longest} tokens at most), {N_new} new tokens, G={G} (draft LM, "
         f"n-gram), {args.repeats} repeats, {cores} cores, torch threads {threads}, load "
         f"average {load0[0]:.2f}")
 
     # ---- the systems, measured interleaved
-    def engine(batch_size=1, drafter=None, dparams=None, sampling=greedy, verify="block"):
-        return Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
-                      verify=verify, max_length=max_length, prompt_width=prompt_width,
-                      batch_size=batch_size, eos_token_ids=())
-
     def spec(name, eng, rows=prompts, temperature=0.0, verify=None, drafter=None):
         return SpecjaxSystem(name, eng, rows, N_new, temperature=temperature, verify=verify,
                              seed=args.seed, drafter=drafter)
 
     systems = []
     if not args.no_transformers:
-        systems += _transformers_systems(args, prompts, N_new, threads, G, ngram)
-    # T=0 speculative systems: drafter name -> (drafter, params); each must equal specjax-ar.
-    t0 = {"draft": (draft0, dparams0), "ngram": (ngram, ())}
-    t0.update({name: (d0, p0) for name, (d0, p0, _, _) in learned.items()})
-    t1_drafters = {"draft": (draft1, dparams1)}
-    t1_drafters.update({name: (d1, p1) for name, (_, _, d1, p1) in learned.items()})
+        systems += _transformers_systems(args, prompts, N_new, threads, G,
+                                         t0_engines["ngram"].drafter.n_max)
+    t1_drafters = {name: d for name, d in t0.items() if name != "ngram"}
     systems.append(spec("specjax-ar", engine()))
-    systems += [spec(f"specjax-{name}", engine(drafter=d, dparams=p), verify="greedy",
-                     drafter=name) for name, (d, p) in t0.items()]
-    systems.append(spec("specjax-ar-T1", engine(sampling=t1), temperature=1.0))
-    for name, (d, p) in t1_drafters.items():
+    systems += [spec(f"specjax-{name}", eng, verify="greedy", drafter=name)
+                for name, eng in t0_engines.items()]
+    systems.append(spec("specjax-ar-T1", engine(temperature=1.0), temperature=1.0))
+    for name, d in t1_drafters.items():
         for rule in ("token", "block"):
             systems.append(spec(f"specjax-{name}-T1-{rule}",
-                                engine(drafter=d, dparams=p, sampling=t1, verify=rule),
+                                engine(d, temperature=1.0, verify=rule),
                                 temperature=1.0, verify=rule, drafter=name))
     sweep_drafters = [name for name in t0 if name != "ngram"]  # model drafters
     sweep_systems = {}
@@ -413,9 +398,8 @@ def run(args) -> dict:
         rows = [prompts[i % n] for i in range(-(-n // B) * B)]
         sweep_systems[B] = {"ar": spec(f"specjax-ar-B{B}", engine(batch_size=B), rows=rows)}
         for name in sweep_drafters:
-            d, p = t0[name]
-            sweep_systems[B][name] = spec(f"specjax-{name}-B{B}", engine(B, d, p), rows=rows,
-                                          verify="greedy", drafter=name)
+            sweep_systems[B][name] = spec(f"specjax-{name}-B{B}", engine(t0[name], B),
+                                          rows=rows, verify="greedy", drafter=name)
     all_systems = systems + [s for group in sweep_systems.values() for s in group.values()]
     measured = measure(all_systems, args.repeats, N_new, log=log)
 
@@ -430,14 +414,14 @@ def run(args) -> dict:
         "load_average": {"start": load0, "end": os.getloadavg()},
         "models": {
             "target": {"path": os.path.abspath(args.target),
-                       "num_params": target.cfg.num_params, "family": target.cfg.family,
-                       "vocab_size": V},
-            "draft": {"path": os.path.abspath(args.draft), "num_params": draft.cfg.num_params,
-                      "family": draft.cfg.family},
-            "drafters": {name: {"path": os.path.abspath(path), "kind": d0.cfg.kind,
-                                "gamma": d0.gamma, "context": d0.cfg.context}
-                         for (name, (d0, _, _, _)), path in zip(learned.items(), args.drafters,
-                                                                 strict=True)},
+                       "num_params": target.num_params, "family": target.family,
+                       "vocab_size": target.vocab_size},
+            "draft": {"path": os.path.abspath(args.draft), "num_params": draft.num_params,
+                      "family": draft.family},
+            "drafters": {name: {"path": os.path.abspath(learned_dirs[name]),
+                                "kind": d0.cfg.kind, "gamma": d0.gamma,
+                                "context": d0.cfg.context}
+                         for name, d0 in learned.items()},
         },
         "prompts": {"path": os.path.abspath(args.prompts), "count": n,
                     "lengths": [len(p) for p in prompts], "prompt_width": prompt_width,
@@ -447,7 +431,8 @@ def run(args) -> dict:
     }
     assert set(result) == set(JSON_KEYS), sorted(set(result) ^ set(JSON_KEYS))
 
-    _print_report(result, args, target, draft, learned, cores, all_systems, outs["specjax-ar"])
+    _print_report(result, args, target, draft, {k: d.gamma for k, d in learned.items()},
+                  cores, all_systems, outs["specjax-ar"])
     if args.json:
         text = (json.dumps(result, indent=1) + "\n").encode()
         atomic_write(args.json, lambda f: f.write(text))

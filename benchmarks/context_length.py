@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.lib.prompts import text_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file, save_figure  # noqa: E402
@@ -61,22 +62,10 @@ def build_parser():
     return ap
 
 
-def _text_ids(tokenizer_dir, n):
-    """n token ids of held-out real text (the standard library's validation split)."""
-    from specjax.data.corpus import corpus_files, read_source, split_of, stdlib_root
-    from specjax.models.checkpoint import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_dir)
-    root, ids = stdlib_root(), []
-    for rel in corpus_files(root):
-        if split_of(rel) == "val":
-            ids.extend(tok.encode(read_source(root, rel)))
-        if len(ids) >= n:
-            break
-    return ids[:n]
-
-
 def _engine(target, chunk, max_length, prompt_width):
+    """An autoregressive Engine built by hand: the attention chunk is a model attribute
+    that no decoding session exposes (this sweep is its A/B), and the capacity S is set
+    apart from the prompt's length."""
     from flax import nnx
 
     from specjax.decoding.engine import Engine
@@ -206,7 +195,7 @@ def _run(args) -> int:
         args.context_new_tokens = 16
     else:
         target = load_model(args.target)
-        ids = _text_ids(os.path.join(os.path.dirname(args.target.rstrip("/")), "tokenizer"),
+        ids = text_ids(os.path.join(os.path.dirname(args.target.rstrip("/")), "tokenizer"),
                         max([args.prompt_tokens, *args.contexts]))
     result = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
     if args.capacities:

@@ -10,8 +10,8 @@ The full run takes under a minute on a quiet 2-core machine (several under load)
 Systems (batch 1, f32, greedy, EOS disabled so each generates exactly --new-tokens):
   transformers   `AutoModelForCausalLM.generate` (torch, use_cache) on the same weights
                  (the specjax model is exported with `save_model` and loaded back)
-  specjax-ar     `Engine` without a drafter (one jitted while_loop)
-  specjax-self-G `Engine` with the target itself as a `DraftLMDrafter` of G tokens:
+  specjax-ar     decode.py's engine without a drafter (one jitted while_loop)
+  specjax-self-G decode.py's engine with the target itself as its draft LM of G tokens:
                  every draft is accepted (tau = G+1), so this bounds the loop's
                  overhead; on CPU it costs MORE than AR (G drafter forwards + one
                  (G+1)-token verification per step, docs/design.md section 9)
@@ -26,7 +26,10 @@ the markdown table to stdout, and `--json PATH` writes every raw figure.
 
 Weights are random, re-drawn at a scale where greedy decoding does not repeat one token
 (`--init varied`), so the parity check (specjax AR tokens == transformers tokens, and
-every speculative run == AR) compares a varied sequence.
+every speculative run == AR) compares a varied sequence. The model is exported once
+(`save_model`, f32) to a temporary directory that transformers and the specjax systems
+load: each specjax system is a decoding session (`benchmarks.lib.sessions`: `python
+decode.py --target DIR [--drafter DIR --gamma G] --ignore-eos --dtype float32`).
 
 CPU figures do not predict accelerator speedups (docs/design.md section 9).
 """
@@ -52,17 +55,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._common import (  # noqa: E402
-    common_prefix,
-    environment,
-    load_transformers,
-    summary,
-    usable_cores,
-)
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.provenance import environment, usable_cores  # noqa: E402
+from benchmarks.lib.stats import common_prefix, summary  # noqa: E402
+from benchmarks.lib.systems import load_transformers  # noqa: E402
 from specjax import cli  # noqa: E402
-from specjax.core.sampling import SamplingParams  # noqa: E402
-from specjax.decoding.engine import Engine  # noqa: E402
-from specjax.drafters.draft_lm import DraftLMDrafter  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 from specjax.models.checkpoint import save_model  # noqa: E402
@@ -160,16 +157,16 @@ def measure_bandwidth(mib: int, repeats: int = 5) -> dict:
 
 
 class SpecjaxSystem:
-    def __init__(self, name, target, prompt, new_tokens, gamma=0):
-        drafter = dparams = None
-        if gamma:
-            drafter, dparams = DraftLMDrafter.create(target, gamma, SamplingParams(),
-                                                     target.cfg.vocab_size)
+    """decode.py's engine for the exported model `model_dir`: autoregressive, or (gamma >
+    0) with the model as its own draft LM of `gamma` tokens; greedy, batch 1, EOS off."""
+
+    def __init__(self, name, model_dir, prompt, new_tokens, gamma=0):
         self.name, self.gamma = name, gamma
         self.prompt, self.new_tokens = prompt, new_tokens
-        self.engine = Engine(target, drafter=drafter, drafter_params=dparams,
-                             sampling=SamplingParams(), max_length=len(prompt) + new_tokens,
-                             prompt_width=len(prompt), batch_size=1, eos_token_ids=())
+        cfg = sessions.config(target=model_dir, drafter=model_dir if gamma else "none",
+                              gamma=gamma or None, dtype="float32", ignore_eos=True,
+                              max_new_tokens=new_tokens)
+        self.engine = sessions.engine(cfg, [prompt])
         self.compile_s = None
         self.taus: list[float] = []
 
@@ -257,18 +254,20 @@ def main(argv=None) -> dict:
         2, cfg.vocab_size, size=args.prompt_tokens).tolist()
 
     systems = []
-    if not args.no_transformers:
-        with tempfile.TemporaryDirectory(prefix="decode_speed_") as d:
-            path = os.path.join(d, "model")
-            save_model(target, path)
+    with tempfile.TemporaryDirectory(prefix="decode_speed_") as d:
+        path = os.path.join(d, "model")
+        save_model(target, path)  # f32: every system reads the same weights
+        if not args.no_transformers:
             hf_model = load_transformers(path)
-        attn_impl = getattr(hf_model.config, "_attn_implementation", None)
-        for t in threads:
-            name = "transformers" if len(threads) == 1 else f"transformers-{t}t"
-            systems.append(TransformersSystem(name, hf_model, prompt, args.new_tokens, t))
-    systems.append(SpecjaxSystem("specjax-ar", target, prompt, args.new_tokens))
-    for g in args.gammas:
-        systems.append(SpecjaxSystem(f"specjax-self-G{g}", target, prompt, args.new_tokens, g))
+            attn_impl = getattr(hf_model.config, "_attn_implementation", None)
+            for t in threads:
+                name = "transformers" if len(threads) == 1 else f"transformers-{t}t"
+                systems.append(TransformersSystem(name, hf_model, prompt, args.new_tokens, t))
+        # sessions load their weights here, while the directory exists
+        systems.append(SpecjaxSystem("specjax-ar", path, prompt, args.new_tokens))
+        for g in args.gammas:
+            systems.append(SpecjaxSystem(f"specjax-self-G{g}", path, prompt, args.new_tokens,
+                                         g))
 
     outputs, samples, taus = {}, {s.name: [] for s in systems}, {s.name: [] for s in systems}
     for s in systems:

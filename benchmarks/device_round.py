@@ -566,6 +566,9 @@ def step_big_target(rec: dict, dry_run: bool, plan_spec: str = BIG_PLAN) -> None
             modes = (("ar", False),) if what == ["ar"] else (("ar", False), ("self_draft", True))
             completions = {}
             for name, self_draft in modes:
+                # Engines built by hand: a kernel and layer-loop A/B on random weights of a
+                # Qwen3-8B shape (layer_loop is no session option, and there is no
+                # checkpoint directory to load)
                 kw = dict(sampling=greedy, max_length=Tp + new, prompt_width=Tp,
                           batch_size=B, kernels=kernels, layer_loop=layer_loop)
                 if self_draft:

@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import prompt_ids  # noqa: E402
+from benchmarks.lib.prompts import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
@@ -91,6 +91,8 @@ def _run(args) -> int:
     longest = max(map(len, prompts))
     common = dict(max_length=longest + args.max_new_tokens, eos_token_ids=(0,),
                   prompt_width=prompt_width_for(longest, longest + args.max_new_tokens))
+    # Engines built by hand: each size's hot vocabulary comes from the counts above, and a
+    # decoding session reads only the directory's draft_vocab.json or the full vocabulary
     engines = {"ar": Engine(target, **common)}
     for size in args.sizes:
         params = full

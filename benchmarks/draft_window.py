@@ -6,9 +6,9 @@ speed of the shipped learned drafters against context length, with and without a
     python benchmarks/draft_window.py --render-only   # docs/long_context.md's table
 
 For each context length L (prompts of L tokens cut from held-out real text: the standard
-library's validation split, as benchmarks/context_length.py) one autoregressive Engine
-and, per drafter and window W, one speculative Engine (fixed G, T = 0, batch 1, EOS off)
-decode the same prompts, interleaved prompt by prompt, so a speedup is a ratio measured
+library's validation split, as benchmarks/context_length.py) one autoregressive engine
+and, per drafter and window W, one speculative engine (decode.py's, built as a decoding
+session: fixed G, T = 0, batch 1, EOS off) decode the same prompts, interleaved prompt by prompt, so a speedup is a ratio measured
 on the same machine state. Draft and verify milliseconds come from `Engine.step_timing`
 on the first prompt (one step's parts compiled and timed outside the loop: an estimate).
 Outputs must equal the autoregressive ones (the target verifies every draft; recorded).
@@ -29,7 +29,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import git_rev, save_results  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.prompts import DEMO_TOKENIZER, text_ids  # noqa: E402
+from benchmarks.lib.provenance import git_rev, stamp  # noqa: E402
+from benchmarks.lib.report import save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "draft_window.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
@@ -45,40 +48,29 @@ def _window_label(w):
 def measure(drafters, contexts, windows, n_prompts: int, new_tokens: int, log=print) -> dict:
     import jax
 
-    from benchmarks.context_length import _text_ids
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
-
-    target = load_target(TARGET, dtype="float32")
-    ids = _text_ids(os.path.join(ROOT, "checkpoints", "demo", "tokenizer"),
-                    n_prompts * max(contexts))
+    ids = text_ids(DEMO_TOKENIZER, n_prompts * max(contexts))
     rev = git_rev(ROOT)  # the code measured
     runs = []
     for L in contexts:
         prompts = [ids[i * L:(i + 1) * L] for i in range(n_prompts)]
-        max_length = L + new_tokens
-        common = dict(max_length=max_length, prompt_width=prompt_width_for(L, max_length),
-                      batch_size=1)
-        ar = Engine(target.model, **common)
+        # decode.py's engines: `--drafter DIR --gamma fixed [--draft-window W] --ignore-eos
+        # --dtype float32`, and `--drafter none` for the reference
+        common = dict(target=TARGET, dtype="float32", ignore_eos=True,
+                      max_new_tokens=new_tokens)
+        ar = sessions.engine(sessions.config(drafter="none", **common), prompts)
         ar.compile()
         engines = {}
         for name in drafters:
             for w in windows:
-                d = load_drafter(DRAFTERS[name], target, draft_window=w)
-                eng = Engine(target.model, drafter=d.drafter, drafter_params=d.params,
-                             **common)
+                eng = sessions.engine(sessions.config(drafter=DRAFTERS[name], gamma="fixed",
+                                                      draft_window=w, **common), prompts)
                 t0 = time.perf_counter()
                 eng.compile()
-                engines[name, w] = (eng, d.gamma, time.perf_counter() - t0)
-        for e in [ar] + [v[0] for v in engines.values()]:  # warm-up: first calls are slow
-            e.run([prompts[0]], new_tokens, jax.random.key(1))
-        stats = {k: Stats() for k in ["AR", *engines]}
-        outs = {k: [] for k in stats}
-        for i, p in enumerate(prompts):
-            for k, e in [("AR", ar)] + [(k, v[0]) for k, v in engines.items()]:
-                out = e.run([p], new_tokens, jax.random.key(i))
-                stats[k].add(out)
-                outs[k].extend(out.outputs)
+                engines[name, w] = (eng, eng.gamma, time.perf_counter() - t0)
+        systems = {"AR": ar, **{k: v[0] for k, v in engines.items()}}
+        sessions.warm_up(systems, [prompts[0]], new_tokens)  # first calls are slow
+        stats, outs = sessions.run_interleaved(systems, [[p] for p in prompts], new_tokens,
+                                               [jax.random.key(i) for i in range(len(prompts))])
         ar_tps = stats["AR"].tokens_per_s
         for (name, w), (eng, G, compile_s) in engines.items():
             st = stats[name, w]
@@ -92,13 +84,9 @@ def measure(drafters, contexts, windows, n_prompts: int, new_tokens: int, log=pr
             log(f"[draft_window] L={L} {name} W={_window_label(w)}: tau {st.tau:.2f} "
                 f"{rec['speedup']:.2f}x draft {timing['draft_ms']:.2f} ms "
                 f"identical {rec['identical']}")
-        del engines
-    import platform
-
-    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "git": rev,
-            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-            "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
-            "weights": [os.path.relpath(DRAFTERS[d], ROOT) for d in drafters]}
+        del engines, systems
+    return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, **stamp(),
+            "git": rev, "weights": [os.path.relpath(DRAFTERS[d], ROOT) for d in drafters]}
 
 
 def render(res: dict) -> str:
@@ -118,7 +106,7 @@ def render(res: dict) -> str:
 
 
 def write_doc(res: dict, doc: str = DOC) -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, "draft_window:results", render(res))
 

@@ -10,7 +10,9 @@ checkpoints/demo/draft and the n-gram drafter. For each, one after another, this
     python decode.py --drafter DIR --show 0 --summary TMP.json [--prompts FIRST_N.jsonl]
 
 (the 50 bundled prompts by default, 128 new tokens, EOS on, batch 1, T=0, f32 target, the
-drafter's default G, autoregressive decoding interleaved in the same process) and keeps
+drafter's default G, autoregressive decoding interleaved in the same process; a fresh
+process per drafter, the documented command itself rather than its session in this
+process, as the other benchmarks build it through benchmarks/lib/sessions.py) and keeps
 decode.py's summary whole (tokens/s, AR tokens/s, speedup, tau, alpha_k, ar_identical,
 gamma, ...). Beside it, per drafter: its own parameter count (the elements of its
 model.safetensors, read from the file's header), the first 12 hex digits of the file's
@@ -32,11 +34,9 @@ tests/benchmarks/test_drafters_bench.py checks that the committed documents equa
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import os
-import platform
 import re
 import struct
 import subprocess
@@ -47,7 +47,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import usable_cores  # noqa: E402
+from benchmarks.lib.prompts import prompt_file  # noqa: E402
+from benchmarks.lib.provenance import installed_environment as environment  # noqa: E402
+from benchmarks.lib.provenance import sha256_prefix  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 
@@ -101,14 +103,6 @@ def count_params(path: str) -> int:
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
-def sha256_prefix(path: str, n: int = 12) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:n]
-
-
 def held_out(directory: str) -> dict | None:
     """The evaluation record the exported weights came from: the record of the
     directory's train_metrics*.jsonl files whose step and tau equal config.json's `train`
@@ -154,56 +148,7 @@ def describe(name: str) -> dict:
             "weights_sha256": sha256_prefix(weights), "held_out": held_out(d)}
 
 
-# ------------------------------------------------------------------ environment
-
-def _git(*args: str) -> str | None:
-    try:
-        p = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return None
-    return p.stdout if p.returncode == 0 else None
-
-
-def environment() -> dict:
-    """Code and machine of this run (no jax import: versions from the installed
-    distributions)."""
-    from importlib import metadata
-
-    def version(dist):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    changed = [x[3:] for x in (_git("status", "--porcelain", "--untracked-files=no") or ""
-                               ).splitlines() if x.strip()]
-    commit = _git("rev-parse", "--short", "HEAD")
-    return {"commit": commit.strip() if commit else None,
-            # tracked files that differ from the commit, documents and results left out
-            "changed_files": [x for x in changed if not x.endswith(".md")
-                              and not x.startswith("benchmarks/results/")],
-            "python": platform.python_version(), "jax": version("jax"),
-            "jaxlib": version("jaxlib"), "flax": version("flax"),
-            "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
-            "machine": platform.machine(), "processor": platform.processor(),
-            "env": {k: os.environ[k] for k in ("XLA_FLAGS", "GLIBC_TUNABLES", "JAX_PLATFORMS",
-                                               "JAX_COMPILATION_CACHE_DIR")
-                    if k in os.environ}}
-
-
 # ------------------------------------------------------------------ measurement
-
-def prompt_file(n: int) -> str:
-    """A temporary JSONL file with the first n bundled prompts."""
-    with open(os.path.join(ROOT, PROMPTS)) as f:
-        lines = [x for x in f if x.strip()]
-    if n > len(lines):
-        raise SpecjaxError(f"--prompts {n}: {PROMPTS} has {len(lines)} prompts")
-    fd, path = tempfile.mkstemp(suffix=".jsonl", prefix="drafters-prompts-")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(lines[:n])
-    return path
-
 
 def measure(name: str, prompts: str | None, n_prompts: int | None, env: dict) -> dict:
     """One decode.py run of drafter `name`: its record (describe() plus the summary)."""
@@ -513,7 +458,8 @@ def main(argv=None) -> int:
         for name in names:  # a missing directory fails before any measurement
             describe(name)
         rendered(results, args.docs_root)  # and so does a document without its markers
-        prompts = prompt_file(args.prompts) if args.prompts is not None else None
+        prompts = prompt_file(args.prompts, os.path.join(ROOT, PROMPTS)) \
+            if args.prompts is not None else None
     except SpecjaxError as e:
         print(f"drafters.py: error: {e}", file=sys.stderr)
         return 2

@@ -8,8 +8,9 @@ drafter, at temperature 0.
 For each prompt set (the first --prompts bundled demo prompts, and as many held-out ones
 cut from benchmarks/data/study2/val.npy, 96 tokens each) the shipped eagle3 drafter at
 G = 7 runs with greedy verification (lossless) and with FLy at several windows W and
-entropy thresholds; one autoregressive Engine runs interleaved with them, prompt by
-prompt, so speedups are ratios on the same machine state. Fidelity, against the
+entropy thresholds (each system decode.py's engine for its flags, built as a decoding
+session); one autoregressive engine runs interleaved with them, prompt by prompt, so
+speedups are ratios on the same machine state. Fidelity, against the
 autoregressive (= the target's greedy) output of each prompt:
 - prefix: tokens before the first difference (mean over prompts);
 - agreement: the share of the reference's positions holding the same token;
@@ -26,18 +27,20 @@ import argparse
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import git_rev, save_results  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.prompts import VAL_NPY as VAL  # noqa: E402
+from benchmarks.lib.prompts import held_out_prompts  # noqa: E402
+from benchmarks.lib.provenance import git_rev, stamp  # noqa: E402
+from benchmarks.lib.report import save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "fly.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
 TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
 EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
-VAL = os.path.join(ROOT, "benchmarks", "data", "study2", "val.npy")
 # (label, window, entropy threshold); None = greedy verification (lossless)
 SETTINGS = [("greedy", None, None), ("fly W=2", 2, 0.3), ("fly W=3", 3, 0.3),
             ("fly W=4", 4, 0.3), ("fly W=6", 6, 0.3), ("fly W=3, H>=1.0", 3, 1.0)]
@@ -63,42 +66,35 @@ def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.kvshot_study2 import held_out_prompts
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.fly import FlyVerify, agreement
-    from specjax.decoding.loading import load_drafter, load_target
-    from specjax.decoding.prompts import read_prompts
-    from specjax.models.checkpoint import load_tokenizer
+    from specjax.decoding.fly import agreement
 
-    tok = load_tokenizer(TARGET)
-    target = load_target(TARGET, dtype="float32", tokenizer=tok)
-    loaded = load_drafter(EAGLE3, target, gamma=7)
-    bundled = [ids for _, ids in read_prompts(tok, target.cfg.vocab_size)[:n_prompts]]
+    # every system is decode.py's: `--drafter EAGLE3 --gamma 7 --dtype float32` with
+    # `--verify block` (greedy) or `--verify fly --fly-window W --fly-entropy H`, and
+    # `--drafter none` for the reference
+    def cfg(**kw):
+        return sessions.config(target=TARGET, dtype="float32", max_new_tokens=new_tokens, **kw)
+
+    ar_session = sessions.session(cfg(drafter="none"))
+    bundled = [ids for _, ids in ar_session.read_prompts()[0][:n_prompts]]
+    eos = ar_session.model_cfg.eos_token_ids
     sets = {"bundled": bundled, "held-out": [ids for _, ids in held_out_prompts(
-        VAL, n_prompts, 96, eos=target.cfg.eos_token_ids[0])]}
-    longest = max(len(p) for ps in sets.values() for p in ps)
-    max_length = longest + new_tokens
-    common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
-                  eos_token_ids=target.cfg.eos_token_ids)
-    ar = Engine(target.model, **common)
+        VAL, n_prompts, 96, eos=eos[0])]}
+    everything = [p for ps in sets.values() for p in ps]  # one shape for both sets
+    ar = ar_session.engines(sessions.as_pairs(everything)).main
+    target = ar_session.target
     engines = {}
     for label, w, h in SETTINGS:
-        verify = "block" if w is None else FlyVerify(window=w, threshold=h)
-        engines[label] = Engine(target.model, drafter=loaded.drafter,
-                                drafter_params=loaded.params, verify=verify, **common)
-    for e in [ar, *engines.values()]:
-        e.compile()
-        e.run([bundled[0]], new_tokens, jax.random.key(1))  # warm-up
+        rule = dict(verify="block") if w is None else dict(verify="fly", fly_window=w,
+                                                           fly_entropy=h)
+        engines[label] = sessions.engine(cfg(drafter=EAGLE3, gamma=7, **rule), everything)
+    systems = {"AR": ar, **engines}
+    sessions.compile_all(systems)
+    sessions.warm_up(systems, [bundled[0]], new_tokens)
     rev = git_rev(ROOT)  # the code measured
     runs = []
     for set_name, prompts in sets.items():
-        stats = {k: Stats() for k in ["AR", *engines]}
-        outs = {k: [] for k in stats}
-        for i, p in enumerate(prompts):
-            for k, e in [("AR", ar), *engines.items()]:
-                out = e.run([p], new_tokens, jax.random.key(i))
-                stats[k].add(out)
-                outs[k].extend(out.outputs)
+        stats, outs = sessions.run_interleaved(systems, [[p] for p in prompts], new_tokens,
+                                               [jax.random.key(i) for i in range(len(prompts))])
         ref_nll = [nll(target.model, p, o) for p, o in zip(prompts, outs["AR"], strict=True)]
         ref = sum(a for a, _ in ref_nll) / max(sum(n for _, n in ref_nll), 1)
         for label, w, h in SETTINGS:
@@ -118,12 +114,9 @@ def measure(n_prompts: int, new_tokens: int, log=print) -> dict:
             log(f"[fly] {set_name} {label}: tau {st.tau:.2f} {rec['speedup']:.2f}x prefix "
                 f"{rec['prefix_tokens']:.1f} agreement {rec['token_agreement']:.1%} NLL "
                 f"{rec['nll']:.3f} (lossless {ref:.3f})")
-    import platform
-
     return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "gamma": 7,
-            "git": rev, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-            "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
-            "numpy": np.__version__, "weights": os.path.relpath(EAGLE3, ROOT)}
+            **stamp(), "git": rev, "numpy": np.__version__,
+            "weights": os.path.relpath(EAGLE3, ROOT)}
 
 
 def render(res: dict) -> str:
@@ -145,7 +138,7 @@ def render(res: dict) -> str:
 
 
 def write_doc(res: dict, doc: str = DOC) -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     replace_doc_section(doc, "fly:results", render(res))
 

@@ -17,8 +17,8 @@ benchmarks/results/kvshot2/NAME-sSEED.json with, per held-out sequence or prompt
    0 .. 63 are the ones training validated on and picked its best-tau export by, so they
    are left out. Per sequence: accepted[k] (chains whose drafts 0..k all match the target's
    argmax), chains, correct[k] (draft k right on its own), and the hybrid's gate sum.
-2. in-loop acceptance and speed: `specjax.decoding.engine.Engine` built as decode.py builds
-   it (target f32, the drafter's default bf16 matmuls, its draft vocabulary, kernels auto,
+2. in-loop acceptance and speed: decode.py's engines, built as a decoding session
+   (`benchmarks.lib.sessions`; target f32, the drafter's default bf16 matmuls, its draft vocabulary, kernels auto,
    batch 1, EOS on), on prompts cut from the held-out documents of val.npy (the first
    `prompt_tokens` tokens of evenly spaced documents; documents end at EOS), T = 0 and
    T = 1 with block verification (and token verification with --settings), each prompt
@@ -337,28 +337,21 @@ def decode(target_dir: str, drafter_dir: str, prompts: list, new_tokens: int,
     """
     import jax
 
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
+    from benchmarks.lib import sessions
 
-    dtype = resolve_dtype("auto")
-    target = load_target(target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
-    longest = max(len(ids) for _, ids in prompts)
-    max_length = longest + new_tokens
-    common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
-                  batch_size=1, eos_token_ids=tuple(target.cfg.eos_token_ids), kernels="auto")
     base = jax.random.key(DECODE_SEED)
     out = {}
     ar_engines = {}
     for name in settings:
         temp, verify = SETTINGS[name]
-        sampling = SamplingParams(temp, 0, 1.0)
-        loaded = load_drafter(drafter_dir, target, sampling=sampling, dtype=dtype,
-                              matmul_dtype="auto", draft_vocab="auto")
-        main = Engine(target.model, drafter=loaded.drafter, drafter_params=loaded.params,
-                      sampling=sampling, verify=verify, **common)
+        # decode.py's engines: `--target T --drafter D --gamma fixed --temperature T
+        # --verify V`, and `--drafter none` at the same temperature
+        cfg = sessions.config(target=target_dir, drafter=drafter_dir, gamma="fixed",
+                              temperature=temp, verify=verify, max_new_tokens=new_tokens)
+        es = sessions.engine_set(cfg, prompts)
+        main, loaded = es.main, es.session.loaded
         if temp not in ar_engines:
-            ar_engines[temp] = Engine(target.model, sampling=sampling, verify=verify, **common)
+            ar_engines[temp] = sessions.autoregressive(cfg, prompts)
         ar = ar_engines[temp]
         compile_s = main.compile() + ar.compile()
         variants = [(name, loaded.params)]

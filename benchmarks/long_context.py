@@ -43,7 +43,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import git_rev, save_results  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.provenance import git_rev  # noqa: E402
+from benchmarks.lib.report import save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "long_context.json")
 DOC = os.path.join(ROOT, "docs", "long_context.md")
@@ -193,21 +195,19 @@ def system_settings(systems, budgets) -> list[tuple]:
     return out
 
 
-def _engine(target, L: int, new_tokens: int, drafter: str | None = None,
-            window: int | None = None, partial=None):
-    """(Engine, its drafter's G or 0) for one prompt of L tokens and `new_tokens` more, batch
-    1: autoregressive without `drafter`, else the drafter directory with its draft window
-    and partial verification (None: off)."""
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter
-
-    common = dict(max_length=L + new_tokens,
-                  prompt_width=prompt_width_for(L, L + new_tokens), batch_size=1)
-    if drafter is None:
-        return Engine(target.model, **common), 0
-    d = load_drafter(drafter, target, draft_window=window)
-    return Engine(target.model, drafter=d.drafter, drafter_params=d.params, partial=partial,
-                  **common), d.gamma
+def _engine(long_target: str, L: int, new_tokens: int, drafter: str | None = None,
+            window: int | None = None, budget: int | None = None):
+    """(engine, its session) for one prompt of L tokens and `new_tokens` more, batch 1, EOS
+    off: decode.py's engine for `--target LONG_TARGET --dtype float32 --ignore-eos` and
+    `--drafter none`, or `--drafter DRAFTER --gamma fixed [--draft-window W]
+    [--partial-verify --partial-budget B]`."""
+    cfg = sessions.config(target=long_target, drafter=drafter or "none",
+                          gamma=None if drafter is None else "fixed", draft_window=window,
+                          partial_verify=budget is not None, partial_budget=budget,
+                          dtype="float32", ignore_eos=True, max_new_tokens=new_tokens,
+                          allow_long_context=True)
+    es = sessions.engine_set(cfg, [[0] * L])
+    return es.main, es.session
 
 
 def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: str = EAGLE3,
@@ -215,21 +215,19 @@ def speed(contexts, budgets, new_tokens: int, long_target: str = LONG, drafter: 
     import jax
 
     from specjax.decoding.fly import agreement
-    from specjax.decoding.loading import load_target
-    from specjax.decoding.partial import PartialVerify
 
-    target = load_target(long_target, dtype="float32")
     stream = val_stream(max(contexts))
     runs = []
     for L in contexts:
         prompt = stream[:L].tolist()
-        engines = {"AR": (_engine(target, L, new_tokens)[0], None)}
+        ar, ar_session = _engine(long_target, L, new_tokens)
+        target = ar_session.target  # the NLL of each output
+        engines = {"AR": (ar, None)}
         for name, budget, window in system_settings(systems, budgets):
-            pv = None if budget is None else PartialVerify(budget=budget)
             label = name + ("" if window is None else f" W={window}") + (
-                "" if pv is None else f" partial {budget}")
-            eng, G = _engine(target, L, new_tokens, drafter, window, pv)
-            engines[label] = (eng, (G, budget, window, pv))
+                "" if budget is None else f" partial {budget}")
+            eng, session = _engine(long_target, L, new_tokens, drafter, window, budget)
+            engines[label] = (eng, (eng.gamma, budget, window, session.partial()))
         for label, (e, _) in engines.items():
             t0 = time.perf_counter()
             e.run_phases([prompt], 2, jax.random.key(0))  # compiles both programs; warm-up
@@ -290,10 +288,7 @@ def step_timings(speed_res: dict, contexts, long_target: str = LONG, drafter: st
     Raises ValueError when a context has no rows in `speed_res`."""
     import jax
 
-    from specjax.decoding.loading import load_target
-
     new_tokens = speed_res["new_tokens"]
-    target = load_target(long_target, dtype="float32")
     stream = val_stream(max(contexts))
     runs = [dict(r) for r in speed_res["runs"]]
     for L in contexts:
@@ -303,7 +298,7 @@ def step_timings(speed_res: dict, contexts, long_target: str = LONG, drafter: st
             raise ValueError(f"no exact drafter rows at context {L} to time")
         prompt = stream[:L].tolist()
         for r in rows:
-            eng, _ = _engine(target, L, new_tokens, drafter, r.get("window"))
+            eng, _ = _engine(long_target, L, new_tokens, drafter, r.get("window"))
             r.update(eng.step_timing([prompt], new_tokens, jax.random.key(0)),
                      timing=stamp or {})
             log(f"[timing] L={L} {r['system']}: draft {r['draft_ms']:.1f} ms, verify "
@@ -429,7 +424,7 @@ def render_speed(res: dict) -> str:
 
 
 def write_doc(res: dict, doc: str = DOC) -> None:
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     if "quality" in res:
         replace_doc_section(doc, "long_context:quality", render_quality(res))

@@ -46,6 +46,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import kvshot_study2 as k2  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.prompts import held_out_prompts  # noqa: E402
 from specjax import cli  # noqa: E402
 
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "medc")
@@ -56,29 +58,23 @@ RUNS = {"eagle3": (os.path.join(ROOT, "runs", "study2"), os.path.join(ROOT, "con
 SEED = 0
 
 
-def step_engine(name: str):
-    """(Engine, prompt ids, new tokens) for timing one step of run NAME-s0 at T = 0, batch
-    1, on the first held-out prompt (decode.py's loading defaults)."""
-
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target, resolve_dtype
-
+def run_config(name: str, **options):
+    """decode.py's options for run NAME-s0's exported drafter against its target (its
+    loading defaults: dtype, drafter dtype, draft vocabulary and kernels auto; the
+    drafter's own G; batch 1, EOS on, k2.SIZES' new tokens) plus `options`."""
     runs_root, config_dir = RUNS[name]
     cfg = k2.load_config_for(name, SEED, runs_root=runs_root, config_dir=config_dir)
-    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, 1, k2.SIZES["prompt_tokens"])
-    dtype = resolve_dtype("auto")
-    target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
-    sampling = SamplingParams(0.0, 0, 1.0)
-    loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
-                          matmul_dtype="auto", draft_vocab="auto")
+    return cfg, sessions.config(target=cfg.target_dir, drafter=cfg.export_dir, gamma="fixed",
+                                max_new_tokens=k2.SIZES["new_tokens"], **options)
+
+
+def step_engine(name: str):
+    """(engine, prompt ids, new tokens) for timing one step of run NAME-s0 at T = 0, batch
+    1, on the first held-out prompt (decode.py's engine for the run's drafter)."""
+    cfg, dcfg = run_config(name)
+    prompts = held_out_prompts(cfg.data.val_tokens_npy, 1, k2.SIZES["prompt_tokens"])
     ids = prompts[0][1]
-    new = k2.SIZES["new_tokens"]
-    eng = Engine(target.model, drafter=loaded.drafter, drafter_params=loaded.params,
-                 sampling=sampling, max_length=len(ids) + new,
-                 prompt_width=prompt_width_for(len(ids), len(ids) + new), batch_size=1,
-                 eos_token_ids=tuple(target.cfg.eos_token_ids))
-    return eng, ids, new
+    return sessions.engine(dcfg, [ids]), ids, k2.SIZES["new_tokens"]
 
 
 def step_parts(rounds: int = 7) -> dict:
@@ -130,8 +126,8 @@ def medc_setup(n_prompts: int):
     dtype = resolve_dtype("auto")
     target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
     eos = target.cfg.eos_token_ids
-    prompts = k2.held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
-                                  k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
+    prompts = held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
+                               k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
     longest = max(len(ids) for _, ids in prompts)
     max_length = longest + k2.SIZES["new_tokens"]
     common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
@@ -145,12 +141,13 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
 
     import jax
 
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine
-    from specjax.decoding.loading import load_drafter
+    from specjax.models.config import ModelConfig
 
     sizes = dict(k2.SIZES)
-    cfg, dtype, target, prompts, common = medc_setup(sizes["prompts"])
+    cfg, _ = run_config("medc")
+    eos = ModelConfig.from_dir(cfg.target_dir).eos_token_ids
+    prompts = held_out_prompts(cfg.data.val_tokens_npy, sizes["prompts"],
+                               sizes["prompt_tokens"], eos=eos[0] if eos else 0)
     new = sizes["new_tokens"]
     base = jax.random.key(k2.DECODE_SEED)
     labels = {"medc_noreuse": False, "medc_reuse": True}
@@ -164,15 +161,13 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
             for label, reuse in labels.items()}
     for setting in settings:
         temp, verify = k2.SETTINGS[setting]
-        sampling = SamplingParams(temp, 0, 1.0)
-        engines = {}
-        for label, reuse in labels.items():
-            loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
-                                  matmul_dtype="auto", draft_vocab="auto", draft_reuse=reuse)
-            engines[label] = Engine(target.model, drafter=loaded.drafter,
-                                    drafter_params=loaded.params, sampling=sampling,
-                                    verify=verify, **common)
-        ar = Engine(target.model, sampling=sampling, verify=verify, **common)
+        # decode.py's engines: `--drafter runs/medc/medc-s0/drafter [--draft-reuse]` and
+        # `--drafter none`, at this setting's temperature and rule
+        engines = {label: sessions.engine(run_config("medc", temperature=temp, verify=verify,
+                                                     draft_reuse=reuse)[1], prompts)
+                   for label, reuse in labels.items()}
+        ar = sessions.autoregressive(run_config("medc", temperature=temp, verify=verify)[1],
+                                     prompts)
         compile_s = sum(e.compile() for e in engines.values()) + ar.compile()
         got = {label: {k: [] for k in ("new_tokens", "steps", "wall_s", "ar_new_tokens",
                                        "ar_wall_s", "accepted", "identical", "reused")}
@@ -210,7 +205,9 @@ TREE_PROMPTS = 16
 
 
 def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7) -> dict:
-    """medc's trees, shared chain against per-node forwards (module docstring)."""
+    """medc's trees, shared chain against per-node forwards (module docstring). Engines
+    built by hand: the per-node way is a drafter variant (`share_tree_chain=False`) that
+    no decoding session exposes, and both ways must share everything else."""
     import dataclasses
     import time
 
@@ -404,7 +401,7 @@ def main(argv=None) -> int:
         k2._write_json(TREE_RESULTS, tree(settings, args.prompts))
         k2.log(f"wrote {TREE_RESULTS}")
         return 0
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     results = k2.load_results(RESULTS_DIR)
     replace_doc_section(DOC, "medc:results", render(results), "# medc\n\n")

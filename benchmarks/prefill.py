@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import prompt_ids  # noqa: E402
+from benchmarks.lib.prompts import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
@@ -92,6 +92,8 @@ def _run(args) -> int:
     max_length = longest + max(args.new_tokens)
     common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
                   eos_token_ids=() if args.ignore_eos else tuple(target.cfg.eos_token_ids))
+    # Engines built by hand: prefill_chunk and prefill_min_chunk are Engine settings that no
+    # decoding session exposes (this benchmark is their A/B)
     engines = {}
     for s, (chunk, low) in settings.items():
         for kind in ("ar", "drafter"):

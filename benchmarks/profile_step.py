@@ -38,7 +38,8 @@ sys.path.append(ROOT)  # uninstalled checkout
 
 import jax  # noqa: E402
 
-from benchmarks._common import prompt_ids  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.prompts import prompt_ids  # noqa: E402
 from specjax import cli  # noqa: E402
 from specjax.decoding.loading import DEMO_PROMPTS, DEMO_TARGET  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
@@ -196,11 +197,7 @@ def trace_op_times(log_dir: str, names: dict[str, str],
 
 
 def run(args) -> dict:
-    import jax.numpy as jnp
-
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_drafter, load_target
+    from specjax.decoding.engine import Stats
 
     if min(args.num_prompts, args.new_tokens, args.runs, args.num_drafts) < 1:
         raise SpecjaxError("--num-prompts, --new-tokens, --runs and --num-drafts must be >= 1")
@@ -208,24 +205,20 @@ def run(args) -> dict:
         raise SpecjaxError(f"--temperature {args.temperature} must be >= 0")
     if args.json:  # before any work: a bad path fails now, not after the run
         check_output_file(args.json, "--json")
-    loaded = load_target(args.target, dtype=jnp.float32, matmul_dtype=args.matmul_dtype)
-    target = loaded.model
-    prompts = prompt_ids(args.prompts, loaded.tokenizer, target.cfg.vocab_size,
+    # decode.py's engine for these flags (f32 target, EOS off, a fixed draft length)
+    cfg = sessions.config(target=args.target, drafter=args.drafter,
+                          gamma=args.gamma or "fixed", num_drafts=args.num_drafts,
+                          temperature=args.temperature, verify=args.verify,
+                          dtype="float32", matmul_dtype=args.matmul_dtype,
+                          drafter_dtype=args.drafter_dtype, draft_vocab=args.draft_vocab,
+                          ignore_eos=True, max_new_tokens=args.new_tokens)
+    session = sessions.session(cfg)
+    prompts = prompt_ids(args.prompts, session.tokenizer, session.model_cfg.vocab_size,
                          args.num_prompts, args.target)
-    sampling = SamplingParams(temperature=args.temperature)
-    drafter, dparams, name, _ = load_drafter(args.drafter, loaded, gamma=args.gamma,
-                                             sampling=sampling,
-                                             matmul_dtype=args.drafter_dtype,
-                                             draft_vocab=args.draft_vocab,
-                                             verify=args.verify, num_drafts=args.num_drafts)
-    if drafter is None:
+    if cfg.drafter == "none":
         raise SpecjaxError("--drafter none has no speculative step to profile")
-    longest = max(len(p) for p in prompts)
-    max_length = longest + args.new_tokens
-    engine = Engine(target, drafter=drafter, drafter_params=dparams, sampling=sampling,
-                    verify=args.verify, num_drafts=args.num_drafts, max_length=max_length,
-                    prompt_width=prompt_width_for(longest, max_length), batch_size=1,
-                    eos_token_ids=())
+    engine = session.engines(sessions.as_pairs(prompts)).main
+    drafter, name = engine.drafter, session.loaded.name
     log(f"compiling ({name}, G={drafter.gamma})")
     engine.compile()
     names = instruction_scopes(engine.compiled.as_text())

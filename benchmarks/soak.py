@@ -1,4 +1,4 @@
-"""Soak run: thousands of mixed-length prompts through decode.py's Engine path, checking
+"""Soak run: thousands of mixed-length prompts through decode.py's engines, checking
 that nothing recompiles, host memory stays flat and every output row is complete.
 
     python benchmarks/soak.py                                   # 2,000 prompts, greedy + sampled
@@ -12,15 +12,16 @@ What runs (one process, CPU by default):
             [--min-prompt, --max-prompt] tokens; a share (--eos-share) of the windows
             ends at the end of its file, where the target tends to emit EOS.
             Deterministic for a --seed and a standard library.
-  shapes    each prompt goes to the smallest --buckets width that holds it; one Engine
-            (decode.py's class: fixed batch --batch-size, prompt width Tp = the bucket,
-            max_length = Tp + --max-new-tokens) per (mode, bucket), plus an
-            autoregressive Engine per bucket for the T=0 check. Batches of one bucket are
+  shapes    each prompt goes to the smallest --buckets width that holds it; one engine
+            (decode.py's, built as a decoding session: fixed batch --batch-size, prompt
+            width Tp = the bucket rounded up to 16 as decode.py pads, max_length = the
+            bucket + --max-new-tokens) per (mode, bucket), plus an autoregressive engine
+            per bucket for the T=0 check. Batches of one bucket are
             --batch-size prompts (the last one padded), in a seeded random order across
             buckets, as a server would see them.
   modes     greedy (T=0) and sampled (--temperature, block verification), EOS on.
 
-Phases: compile every Engine; warm-up (each compiled program runs one batch, untimed);
+Phases: compile every engine; warm-up (each compiled program runs one batch, untimed);
 decode (every batch of every mode, timed; at T=0 every --ar-every'th batch of each bucket
 also runs autoregressively and must give the same rows).
 
@@ -63,10 +64,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks._common import usable_cores  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.provenance import usable_cores  # noqa: E402
 from specjax import cli  # noqa: E402
-from specjax.core.sampling import SamplingParams  # noqa: E402
-from specjax.decoding.engine import Engine, Stats  # noqa: E402
+from specjax.decoding.engine import Stats  # noqa: E402
 from specjax.decoding.loading import DEMO_TARGET  # noqa: E402
 from specjax.errors import SpecjaxError  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
@@ -210,43 +211,39 @@ def plan_batches(prompts: list[list[int]], buckets: list[int], batch_size: int,
 MODES = {"greedy": 0.0, "sampled": None}  # None: --temperature
 
 
-def soak(target, make_drafter, prompts: list[list[int]], *, buckets: list[int],
+def soak(make_engine, prompts: list[list[int]], *, vocab_size: int, buckets: list[int],
          batch_size: int, max_new_tokens: int, eos_token_ids: tuple[int, ...],
-         modes: dict[str, float], verify: str = "block", kernels: str = "auto",
-         ar_every: int = 8, seed: int = 0, rss_slack_mib: float = 128.0,
-         start_memory: dict | None = None, progress: bool = True,
-         log=lambda msg: None) -> dict:
+         modes: dict[str, float], ar_every: int = 8, seed: int = 0,
+         rss_slack_mib: float = 128.0, start_memory: dict | None = None,
+         progress: bool = True, log=lambda msg: None) -> dict:
     """Runs the three phases over `prompts` (lists of token ids) and returns the result
     dict (JSON_KEYS minus config, environment, load_average, wall_s).
 
-    make_drafter: sampling -> (drafter, params), (None, None) for autoregressive
-      decoding; called once per mode (a drafter's sampling settings are static).
+    make_engine: (temperature, prompt width, speculative) -> the engine of that mode and
+      bucket (batch_size rows, prompt width >= the bucket, max_length = that width +
+      max_new_tokens); speculative False: the autoregressive one of the T=0 check. `main`
+      builds them as decoding sessions (decode.py's engines); its drafter is None for
+      autoregressive decoding.
     modes: {name: temperature}.
     ar_every: at T=0 every ar_every'th batch of each bucket (its first included) also
       runs autoregressively and must give the same rows; 0 skips the check.
     start_memory: `memory()` at the process start (default: now).
     """
-    mem = {"start": start_memory or memory(), "after_loading": memory()}
-    V = target.cfg.vocab_size
+    mem = {"start": start_memory or memory()}
+    V = vocab_size
     plan = plan_batches(prompts, buckets, batch_size, seed)
     widths = sorted({w for w, _ in plan})
-    engines: dict[tuple[str, int], Engine] = {}
+    engines = {}
     drafter = None
     for name, temperature in modes.items():
-        sampling = SamplingParams(temperature=temperature)
-        d, dp = make_drafter(sampling)
-        drafter = d if drafter is None else drafter
         for w in widths:
-            engines[name, w] = Engine(target, drafter=d, drafter_params=dp, sampling=sampling,
-                                      verify=verify, max_length=w + max_new_tokens,
-                                      prompt_width=w, batch_size=batch_size,
-                                      eos_token_ids=eos_token_ids, kernels=kernels)
+            engines[name, w] = make_engine(temperature, w, True)
+            drafter = engines[name, w].drafter if drafter is None else drafter
     greedy_modes = [m for m, t in modes.items() if t == 0]
     if ar_every and greedy_modes and drafter is not None:
         for w in widths:
-            engines["ar", w] = Engine(target, max_length=w + max_new_tokens, prompt_width=w,
-                                      batch_size=batch_size, eos_token_ids=eos_token_ids,
-                                      kernels=kernels)
+            engines["ar", w] = make_engine(0.0, w, False)
+    mem["after_loading"] = memory()  # weights loaded, engines built (not compiled)
     shapes = sorted({(batch_size, e.cfg.prompt_width, e.cfg.max_length) for e in engines.values()})
 
     jax.clear_caches()  # programs compiled before this run would not be counted
@@ -442,7 +439,6 @@ def main(argv=None) -> int:
     start_mem = memory()
     from tokenizers import Tokenizer
 
-    from specjax.decoding.loading import load_drafter, load_target
     from specjax.models.config import ModelConfig
 
     try:
@@ -452,24 +448,42 @@ def main(argv=None) -> int:
                                    args.prompts, args.seed, args.min_prompt, args.max_prompt,
                                    args.eos_share)
         log(f"{len(prompts)} prompts; loading {args.target}")
-        loaded = load_target(args.target, dtype="float32", cfg=cfg, tokenizer=None)
-        target = loaded.model  # decode.py's defaults: f32 on CPU
+        # decode.py's options for every engine (f32 target, its defaults otherwise)
+        common = dict(target=args.target, verify=args.verify, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens, dtype="float32")
+        sessions.config(drafter=args.drafter, gamma=args.gamma or "fixed", **common)  # checks
     except (SpecjaxError, ValueError, OSError) as e:
         print(f"soak.py: error: {e}", file=sys.stderr)
         return 2
     resolved = {"path": None, "gamma": args.gamma}
+    by_mode = {}  # one session per (temperature, speculative): its engines per bucket
 
-    def make_drafter(sampling):  # decode.py's loader: the same drafter object and params
-        d = load_drafter(args.drafter, loaded, gamma=args.gamma, sampling=sampling)
-        resolved.update(path=d.name, gamma=d.gamma)
-        return d.drafter, d.params
+    def make_engine(temperature, width, speculative):
+        """decode.py's engine for one mode and bucket: the session of `--drafter DRAFTER
+        --gamma G|fixed --temperature T` (or `--drafter none`) for one prompt of the
+        bucket's width."""
+        if (temperature, speculative) not in by_mode:
+            drafter = args.drafter if speculative else "none"
+            gamma = (args.gamma or "fixed") if drafter != "none" else None
+            by_mode[temperature, speculative] = sessions.session(sessions.config(
+                drafter=drafter, gamma=gamma, temperature=temperature, **common))
+        session = by_mode[temperature, speculative]
+        eng = session.engines([(0, [0] * width)]).main
+        if speculative:
+            resolved.update(path=session.loaded.name, gamma=session.loaded.gamma)
+        return eng
 
     modes = {m: (args.temperature if MODES[m] is None else MODES[m]) for m in args.modes}
-    result = soak(target, make_drafter, prompts, buckets=args.buckets,
-                  batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                  eos_token_ids=tuple(cfg.eos_token_ids), modes=modes, verify=args.verify,
-                  ar_every=args.ar_every, seed=args.seed, rss_slack_mib=args.rss_slack_mib,
-                  start_memory=start_mem, progress=not args.no_progress, log=log)
+    try:
+        result = soak(make_engine, prompts, vocab_size=cfg.vocab_size, buckets=args.buckets,
+                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                      eos_token_ids=tuple(cfg.eos_token_ids), modes=modes,
+                      ar_every=args.ar_every, seed=args.seed,
+                      rss_slack_mib=args.rss_slack_mib, start_memory=start_mem,
+                      progress=not args.no_progress, log=log)
+    except SpecjaxError as e:  # a drafter that does not load, a shape that does not fit
+        print(f"soak.py: error: {e}", file=sys.stderr)
+        return 2
     result = {
         "config": {k: getattr(args, k) for k in (
             "target", "prompts", "min_prompt", "max_prompt", "eos_share", "buckets",

@@ -1,6 +1,7 @@
-"""Draft trees against one chain (issue 30): measured on this CPU with the library's
-Engine, as decode.py measures (speculative and autoregressive runs interleaved per
-batch of prompts, in one process), and projected to accelerators.
+"""Draft trees against one chain (issue 30): measured on this CPU with decode.py's engines
+(each system a decoding session of its flags: `system_config`), as decode.py measures
+(speculative and autoregressive runs interleaved per batch of prompts, in one process),
+and projected to accelerators.
 
     python benchmarks/trees.py                      # the full table (slow on 2 cores)
     python benchmarks/trees.py --quick              # 4 prompts x 32 tokens, T = 0 only
@@ -18,8 +19,8 @@ Settings: T = 0 (greedy), T = 1
 with token-level and with block verification (block only where the tree is K independent
 drafts), batch 1 and 4, on two prompt sets: the first --prompts bundled
 demo prompts and as many held-out prompts cut from the regenerated validation stream
-(benchmarks/data/study2/val.npy, `benchmarks.kvshot_study2.held_out_prompts`). Per
-(setting, batch, prompt set) one autoregressive Engine runs interleaved with every system,
+(benchmarks/data/study2/val.npy, `benchmarks.lib.prompts.held_out_prompts`). Per
+(setting, batch, prompt set) one autoregressive engine runs interleaved with every system,
 so speedups are ratios measured on the same machine state. Outputs must equal the
 autoregressive ones at T = 0 (recorded per run).
 
@@ -49,7 +50,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import kernels as kb  # noqa: E402
-from benchmarks._common import git_rev, save_results  # noqa: E402
+from benchmarks.lib import sessions  # noqa: E402
+from benchmarks.lib.prompts import VAL_NPY as VAL  # noqa: E402
+from benchmarks.lib.prompts import held_out_prompts  # noqa: E402
+from benchmarks.lib.provenance import git_rev  # noqa: E402
+from benchmarks.lib.report import save_results  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees.json")
 SWEEP_RESULTS = os.path.join(ROOT, "benchmarks", "results", "trees_sweep.json")
@@ -58,7 +63,6 @@ SWEEP_PLOT = os.path.join(ROOT, "docs", "img", "trees_sweep.png")
 EAGLE3 = os.path.join(ROOT, "checkpoints", "demo", "drafters", "eagle3")
 BLOCK = os.path.join(ROOT, "checkpoints", "demo", "drafters", "block")
 TARGET = os.path.join(ROOT, "checkpoints", "demo", "target")
-VAL = os.path.join(ROOT, "benchmarks", "data", "study2", "val.npy")
 
 # Qwen3-8B-shaped target and an EAGLE-3 head for it (bf16 parameter counts).
 TARGET_PARAMS = 8.2e9
@@ -150,25 +154,21 @@ def _draft_cost(system: System, gamma: int) -> tuple[int, int, float]:
         DRAFT_PARAMS
 
 
-def _drafter(system: System, target, sampling):
-    """(drafter, params, G) for a system."""
-    from specjax.decoding.loading import load_drafter
-
+def system_config(system: System, temperature: float, rule: str, batch: int,
+                  new_tokens: int, dtype: str):
+    """decode.py's options for a system (`--drafter`, `--gamma` or the drafter's own,
+    `--num-drafts`, `--tree-topk/--tree-nodes`) at one setting."""
     spec = {"eagle3": EAGLE3, "block": BLOCK}.get(system.drafter, system.drafter)
-    loaded = load_drafter(spec, target, sampling=sampling, gamma=system.gamma)
-    drafter = loaded.drafter
-    if system.tree is not None:
-        from specjax.drafters.dynamic_tree import DynamicTree
+    topk, nodes = system.tree or (None, None)
+    return sessions.config(target=TARGET, drafter=spec, gamma=system.gamma or "fixed",
+                           num_drafts=system.num_drafts, tree_topk=topk, tree_nodes=nodes,
+                           temperature=temperature, verify="block" if rule == "greedy"
+                           else rule, batch_size=batch, max_new_tokens=new_tokens,
+                           dtype=dtype)
 
-        drafter = DynamicTree(drafter, *system.tree)
-    return drafter, loaded.params, loaded.gamma
 
-
-def _prompt_sets(n: int, tokenizer, vocab: int):
-    from benchmarks.kvshot_study2 import held_out_prompts
-    from specjax.decoding.prompts import read_prompts
-
-    bundled = read_prompts(tokenizer, vocab)[:n]
+def _prompt_sets(n: int, session):
+    bundled = session.read_prompts()[0][:n]
     return {"bundled": bundled, "held-out": held_out_prompts(VAL, n, 96)}
 
 
@@ -183,58 +183,41 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
     import jax
     import numpy as np
 
-    from specjax.core.sampling import SamplingParams
-    from specjax.decoding.engine import Engine, Stats, prompt_width_for
-    from specjax.decoding.loading import load_target
-    from specjax.models.checkpoint import load_tokenizer
-
     rev = git_rev(ROOT)  # the code measured
-    tokenizer = load_tokenizer(TARGET)
-    target = load_target(TARGET, tokenizer=tokenizer, dtype=dtype)
-    sets = _prompt_sets(n_prompts, tokenizer, target.cfg.vocab_size)
+    ar0 = sessions.session(sessions.config(target=TARGET, drafter="none", dtype=dtype))
+    sets = _prompt_sets(n_prompts, ar0)
     sweep = systems is SWEEP
     systems = [s for s in systems if not only or s.name in only]
     runs = []
     settings = [(0.0, "greedy")] * (0 in temps) + [(t, r) for t in temps if t > 0
                                                     for r in ("token", "block")]
     # one prompt width for both sets: one compiled program per (setting, batch, system)
-    longest = max(len(ids) for prompts in sets.values() for _, ids in prompts)
-    max_length = longest + new_tokens
+    everything = [p for prompts in sets.values() for p in prompts]
     for temp, rule in settings:
-        sampling = SamplingParams(temperature=temp)
         for B in batches:
-            common = dict(sampling=sampling, verify="block" if rule == "greedy" else rule,
-                          max_length=max_length,
-                          prompt_width=prompt_width_for(longest, max_length),
-                          batch_size=B, eos_token_ids=target.cfg.eos_token_ids)
-            ar = Engine(target.model, **common)
+            ar_cfg = sessions.ar_config(system_config(SYSTEMS[0], temp, rule, B, new_tokens,
+                                                      dtype))
+            ar = sessions.engine(ar_cfg, everything)
             ar.compile()
             chosen = [s for s in systems if (s.greedy if rule == "greedy" else rule in s.rules)]
             if not chosen:
                 continue
             engines = {}
             for s in chosen:
-                drafter, params, G = _drafter(s, target, sampling)
-                eng = Engine(target.model, drafter=drafter, drafter_params=params,
-                             num_drafts=s.num_drafts, **common)
+                eng = sessions.engine(system_config(s, temp, rule, B, new_tokens, dtype),
+                                      everything)
                 t0 = time.perf_counter()
                 eng.compile()
-                engines[s.name] = (s, eng, G, time.perf_counter() - t0)
+                engines[s.name] = (s, eng, eng.gamma, time.perf_counter() - t0)
             first = [ids for _, ids in next(iter(sets.values()))[:B]]
-            for eng in [ar] + [e[1] for e in engines.values()]:
-                for w in range(warmup):
-                    eng.run(first, new_tokens, jax.random.key(1000 + w))
+            systems_now = {"AR": ar, **{n: e[1] for n, e in engines.items()}}
+            sessions.warm_up(systems_now, first, new_tokens, passes=warmup, key=1000)
             for set_name, prompts in sets.items():
-                stats = {name: Stats() for name in ["AR", *engines]}
-                outs = {name: [] for name in stats}
                 base = jax.random.key(0)
-                for i in range(0, len(prompts), B):
-                    batch = [ids for _, ids in prompts[i:i + B]]
-                    key = jax.random.fold_in(base, i)
-                    for name, eng in [("AR", ar)] + [(n, e[1]) for n, e in engines.items()]:
-                        out = eng.run(batch, new_tokens, key)
-                        stats[name].add(out)
-                        outs[name].extend(out.outputs)
+                starts = range(0, len(prompts), B)
+                stats, outs = sessions.run_interleaved(
+                    systems_now, [[ids for _, ids in prompts[i:i + B]] for i in starts],
+                    new_tokens, [jax.random.fold_in(base, i) for i in starts])
                 ar_tps = stats["AR"].tokens_per_s
                 for name, (s, eng, G, compile_s) in engines.items():
                     st = stats[name]
@@ -259,14 +242,14 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
                           f"{st.tau:.3f} N={nodes} {st.tokens_per_s:.1f} tok/s "
                           f"{rec['speedup']:.2f}x (AR {ar_tps:.1f}) identical "
                           f"{rec['identical']}", file=sys.stderr, flush=True)
-            del engines
+            del engines, systems_now
     import platform
 
     return {"runs": runs, "prompts": n_prompts, "new_tokens": new_tokens, "warmup": warmup,
             "git": rev, "date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "dtype": str(np.dtype(target.dtype)),
+            "dtype": str(np.dtype(ar0.dtype)),
             "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)], "sweep": sweep}
 
 
@@ -345,7 +328,7 @@ def write_doc(res: dict, doc: str = DOC, plot: str | None = SWEEP_PLOT) -> None:
     """Replaces the `<!-- trees:results -->` section of docs/trees.md (created if missing),
     `<!-- trees:device -->` for a record measured on an accelerator, or
     `<!-- trees:sweep -->` for a `--sweep` record (and then draws `plot`, if given)."""
-    from benchmarks._common import replace_doc_section
+    from benchmarks.lib.report import replace_doc_section
 
     if res.get("sweep"):
         section = "trees:sweep"

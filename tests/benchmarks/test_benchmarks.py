@@ -197,10 +197,10 @@ def test_prefill_settings_table(tiny_demo, tmp_path, capsys):
 
 
 def test_git_rev_marks_code_changes_but_not_results(tmp_path):
-    """benchmarks._common.git_rev: "+dirty" for an uncommitted change to the code a
+    """benchmarks.lib.provenance.git_rev: "+dirty" for an uncommitted change to the code a
     benchmark measures (specjax/, decode.py, benchmarks/), not for its results files,
     which the benchmark before it in the same session rewrote."""
-    from benchmarks._common import git_rev
+    from benchmarks.lib.provenance import git_rev
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)

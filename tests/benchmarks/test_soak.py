@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import soak
+from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models.model import Transformer
@@ -33,14 +34,20 @@ def prompts(n=20, seed=0):
     return [rng.integers(1, V, rng.integers(3, 31)).tolist() for _ in range(n)]
 
 
-def ngram(sampling):
-    return NgramDrafter(3, V, sampling=sampling), ()
+def ngram_engine(temperature, width, speculative, batch_size=4, max_new_tokens=12):
+    """soak's make_engine for the tiny random target (no checkpoint directory for a
+    session: the engines are built by hand, as a session would build them)."""
+    sampling = SamplingParams(temperature=temperature)
+    drafter = NgramDrafter(3, V, sampling=sampling) if speculative else None
+    return Engine(target(), drafter=drafter, drafter_params=() if speculative else None,
+                  sampling=sampling, max_length=width + max_new_tokens, prompt_width=width,
+                  batch_size=batch_size, eos_token_ids=EOS)
 
 
 def run(**kw):
-    args = dict(buckets=BUCKETS, batch_size=4, max_new_tokens=12, eos_token_ids=EOS,
-                modes={"greedy": 0.0}, ar_every=2, progress=False)
-    return soak.soak(target(), ngram, prompts(), **(args | kw))
+    args = dict(vocab_size=V, buckets=BUCKETS, batch_size=4, max_new_tokens=12,
+                eos_token_ids=EOS, modes={"greedy": 0.0}, ar_every=2, progress=False)
+    return soak.soak(ngram_engine, prompts(), **(args | kw))
 
 
 def test_one_compilation_per_program_and_complete_rows():

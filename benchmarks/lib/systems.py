@@ -13,12 +13,11 @@ up each system once, then times `repeats` interleaved runs.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import jax
 
-from benchmarks._common import common_prefix, summary
+from benchmarks.lib.stats import summary
 
 
 @dataclasses.dataclass
@@ -39,9 +38,23 @@ class RunResult:
         return sum(len(o) for o in self.outputs)
 
 
+def load_transformers(model_dir):
+    """transformers model (torch, f32, eval mode) with EOS disabled."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    gc = model.generation_config
+    gc.eos_token_id = None
+    gc.pad_token_id = 0  # no EOS to fall back on; silences the pad warning
+    return model
+
+
 class SpecjaxSystem:
-    """An `Engine` over `rows` (lists of token ids), batch by batch; `drafter` names the
-    drafter for the tables (None: autoregressive)."""
+    """An engine (a session's: `benchmarks.lib.sessions.engine`) over `rows` (lists of
+    token ids), batch by batch; `drafter` names the drafter for the tables (None:
+    autoregressive)."""
 
     kind = "specjax"
 
@@ -175,13 +188,6 @@ def system_record(s, m: dict) -> dict:
         if s.gamma:
             rec["tau"] = ref.new_tokens / ref.target_forwards
     return rec
-
-
-def equality(outputs: list[list[int]], reference: list[list[int]]) -> dict:
-    same = [a == b for a, b in zip(outputs, reference, strict=True)]
-    prefixes = [common_prefix(a, b) for a, b in zip(outputs, reference, strict=True)]
-    return {"equal": sum(same), "of": len(same), "per_prompt": same,
-            "mean_common_prefix": statistics.mean(prefixes), "common_prefix": prefixes}
 
 
 def compact(rec: dict, name: str) -> dict:
