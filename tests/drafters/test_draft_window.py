@@ -84,7 +84,10 @@ def test_windowed_drafters_keep_greedy_output(monkeypatch, kind, context):
     (recorded while tracing) and still decodes exactly the autoregressive output, on the
     chunked path too (ATTEND_CHUNK 8)."""
     from specjax.decoding.loop import LoopConfig, speculative_loop
-    from specjax.drafters import block, eagle3, hybrid, kv, make_drafter
+    from specjax.drafters import block, hybrid, kv, make_drafter
+    from specjax.drafters.eagle3 import drafter as e3_drafter
+    from specjax.drafters.eagle3 import propose as e3_propose
+    from specjax.drafters.eagle3 import trees as e3_trees
     from tests.decoding.test_speculative_greedy import BUDGETS, TP, models, prompts, rows, run_ar
     from tests.drafters.test_drafters_decode import drafter_net
 
@@ -97,7 +100,7 @@ def test_windowed_drafters_keep_greedy_output(monkeypatch, kind, context):
             return real(q, sources, *a, **kw)
         return wrapped
 
-    for mod in (eagle3, hybrid, kv, block):
+    for mod in (e3_drafter, e3_propose, e3_trees, hybrid, kv, block):  # every `attend` caller
         monkeypatch.setattr(mod, "attend", spy(mod.attend))
     monkeypatch.setattr(attend_lib, "ATTEND_CHUNK", 8)
     jax.clear_caches()  # retrace: the spy and the chunk act at trace time
