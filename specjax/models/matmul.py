@@ -1,35 +1,34 @@
 """The projection `linear(x, w)` in HF's [out, in] layout, with XLA:CPU's tuning: few-row
 products taken weight-major (padded to a multiple of 8 rows where that is faster),
-one-row bf16 products padded to two, and bf16 products under a vmap over drafts taken
-weight-major (`vmapped_copies`). Other backends take the plain product.
+one-row bf16 products padded to two, and bf16 products under the vmap over drafts taken
+weight-major (`DRAFTS_AXIS`, `vmapped_copies`). Other backends take the plain product.
 `benchmarks/matmul_rows.py` measures each choice (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Trace-time: > 0 while a caller vmaps `linear` over that many copies (`vmapped_copies`).
-_VMAPPED = [0]
+# The name of the vmapped axis of K drafts: `specjax.decoding.loop.step.propose_drafts`
+# maps `drafter.propose` over it (`jax.vmap(..., axis_name=DRAFTS_AXIS)`).
+DRAFTS_AXIS = "specjax_drafts"
 
 
-@contextlib.contextmanager
-def vmapped_copies(n: int):
-    """Tells `linear`, while tracing, that its callers are vmapped over n copies (e.g.
-    `specjax.decoding.loop.propose_drafts`' K drafts). `linear` cannot see a vmapped
-    axis in x.shape; with bf16 weights the row-major product under vmap made XLA:CPU
-    transpose every weight once per decoding step (1 ms of a 17 ms step for the demo's
-    eagle3 head at K = 2, `benchmarks/profile_step.py --num-drafts 2`), and the
-    weight-major product does not."""
-    _VMAPPED.append(n)
+def vmapped_copies() -> int:
+    """How many copies the caller of `linear` is vmapped over, read while tracing: the
+    size of the `DRAFTS_AXIS` axis of the vmap being traced (`propose_drafts`' K
+    drafts), 1 outside such a vmap. `linear` cannot see a vmapped axis in x.shape; with
+    bf16 weights the row-major product under vmap made XLA:CPU transpose every weight
+    once per decoding step (1 ms of a 17 ms step for the demo's eagle3 head at K = 2,
+    `benchmarks/profile_step.py --num-drafts 2`), and the weight-major product does not.
+    The axis is JAX's own trace state, scoped to the vmapped function and part of jit's
+    cache key: nothing here is set or reset."""
     try:
-        yield
-    finally:
-        _VMAPPED.pop()
+        return int(jax.lax.axis_size(DRAFTS_AXIS))
+    except NameError:  # not traced under that vmap ("unbound axis name")
+        return 1
 
 # XLA:CPU only: products of up to this many rows (B*T) are taken weight-major (see `linear`).
 CPU_WEIGHT_MAJOR_MAX_ROWS = 128
@@ -87,7 +86,7 @@ def linear(x, w, out_dtype=None):
         y = jnp.einsum("OI,MI->OM", w, flat, preferred_element_type=out_dtype)
         return jax.lax.optimization_barrier(y).T[:rows].reshape(*lead, w.shape[0])
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    if _VMAPPED[-1] > 1 and jax.default_backend() == "cpu":  # see `vmapped_copies`
+    if jax.default_backend() == "cpu" and vmapped_copies() > 1:  # see `vmapped_copies`
         y = jnp.einsum("OI,MI->OM", w, flat, preferred_element_type=jnp.float32)
         return y.T.astype(out_dtype).reshape(*lead, w.shape[0])
     pad = flat.shape[0] == 1 and jax.default_backend() == "cpu"

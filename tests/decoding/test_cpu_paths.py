@@ -76,24 +76,84 @@ def test_linear_weight_major_padding(monkeypatch):
 
 
 def test_bf16_linear_vmapped_over_drafts_is_weight_major():
-    """Under `vmapped_copies(K)` (propose_drafts' vmap over K drafts) the bf16 product is
-    taken weight-major, OI,MI->OM (row-major under vmap made XLA:CPU transpose every
-    weight once per decoding step), with the same values as the row-major product:
-    each against a float64 reference of the bf16-rounded inputs."""
+    """Under a vmap over the axis named `DRAFTS_AXIS` (propose_drafts' vmap over K
+    drafts) the bf16 product is taken weight-major, OI,MI->OM (row-major under vmap made
+    XLA:CPU transpose every weight once per decoding step); under an unnamed or
+    otherwise named vmap it stays row-major. The same values either way: each against a
+    float64 reference of the bf16-rounded inputs."""
     rng = np.random.RandomState(7)
     x = jnp.asarray(rng.standard_normal((3, 1, 64)), jnp.float32)  # K=3 copies of 1 row
     w = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
-    plain = jax.vmap(lambda x: model_lib.linear(x, w))
-    with model_lib.vmapped_copies(3):
-        text = str(jax.make_jaxpr(jax.vmap(lambda x: model_lib.linear(x, w)))(x))
-        wm = jax.vmap(lambda x: model_lib.linear(x, w))(x)
-    assert "transpose" in text and "transpose" not in str(jax.make_jaxpr(plain)(x))
-    assert model_lib._VMAPPED == [0]  # the context is left as it was
+    seen = []
+
+    def f(x):
+        seen.append(model_lib.vmapped_copies())  # at trace time
+        return model_lib.linear(x, w)
+
+    drafts = jax.vmap(f, axis_name=model_lib.DRAFTS_AXIS)
+    plain, other = jax.vmap(f), jax.vmap(f, axis_name="other")
+    assert "transpose" in str(jax.make_jaxpr(drafts)(x))
+    for row_major in (plain, other):
+        assert "transpose" not in str(jax.make_jaxpr(row_major)(x))
+    assert seen == [3, 1, 1] and model_lib.vmapped_copies() == 1
     ref = (np.asarray(x.astype(jnp.bfloat16), np.float64)
            @ np.asarray(w, np.float64).T)
-    for got in (wm, plain(x)):
+    for got in (drafts(x), plain(x), other(x)):
         assert got.shape == (3, 1, 32) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+
+
+def _dots(fn, *args) -> list[tuple]:
+    """(lhs shape, rhs shape) of every dot_general in fn's jaxpr, sub-jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                found.append(tuple(tuple(v.aval.shape) for v in e.invars))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_propose_drafts_vmap_takes_bf16_products_weight_major():
+    """`propose_drafts` (the loop's K drafts per step) vmaps `drafter.propose` over
+    `DRAFTS_AXIS`: a drafter whose proposal is one bf16 product gets the weight-major
+    form there and the row-major form when it proposes alone."""
+    from specjax.core.sampling import SamplingParams
+    from specjax.decoding.loop import propose_drafts
+
+    class Product:  # a drafter whose draft is the argmax of one bf16 product
+        sampling = SamplingParams()
+
+        def propose(self, params, state, view, key, first_rank=None):
+            y = model_lib.linear(params["x"], params["w"])  # [B,1,O]
+            draft = jnp.argmax(y, axis=-1).astype(jnp.int32)  # [B,1]
+            return draft, None, state
+
+    rng = np.random.RandomState(8)
+    params = {"x": jnp.asarray(rng.standard_normal((2, 1, 64)), jnp.float32),
+              "w": jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)}
+    pending = jnp.zeros((2,), jnp.int32)
+
+    def drafts(params):
+        return propose_drafts(Product(), params, None, None, jax.random.key(0), 3, pending)
+
+    def alone(params):
+        return Product().propose(params, None, None, jax.random.key(0))[0]
+
+    w = params["w"].shape
+    assert [lhs for lhs, _ in _dots(drafts, params)] == [w]  # OI,MI->OM: weights first
+    assert [lhs for lhs, _ in _dots(alone, params)] == [(2, 64)]  # MI,OI->MO
+    tree = drafts(params)
+    want = np.asarray(alone(params))[:, 0]
+    np.testing.assert_array_equal(np.asarray(tree.tokens)[:, 1:],  # K identical drafts
+                                  np.repeat(want[:, None], 3, axis=1))
 
 
 def _run_prefill(chunk, width, lengths, capture=(0, 2), min_chunk=None):

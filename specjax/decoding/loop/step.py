@@ -37,7 +37,7 @@ from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.prefill import is_eos, prefill
 from specjax.decoding.loop.state import LoopState
 from specjax.models.kv_cache import KVCache
-from specjax.models.matmul import vmapped_copies
+from specjax.models.matmul import DRAFTS_AXIS
 
 
 class Chain(NamedTuple):
@@ -126,16 +126,17 @@ def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_dra
     greedily (`specjax.core.sampling.ranked_choice`), above it K independent samples (a
     deterministic drafter such as n-gram uses the rank at every temperature). The
     proposals' drafter states are dropped: the loop updates the drafter from the state
-    before the step (`update_after_tree` where a drafter has it). pending: i32[B] the
-    root tokens."""
+    before the step (`update_after_tree` where a drafter has it). The vmap names its
+    axis `specjax.models.matmul.DRAFTS_AXIS`: `linear` reads its size while tracing and
+    takes bf16 products weight-major on XLA:CPU. pending: i32[B] the root tokens."""
     keys = jax.random.split(key, num_drafts)
     ranks = jnp.arange(num_drafts, dtype=jnp.int32)
 
     def one(k, r):
         draft, q, _ = drafter.propose(params, state, view, k, first_rank=(r, num_drafts))
         return draft, (None if drafter.sampling.greedy else q)
-    with vmapped_copies(num_drafts):  # tells the CPU matmul tuning about the vmap
-        drafts, q = jax.vmap(one)(keys, ranks)  # [K,B,G], [K,B,G,V] or None
+    # The named axis tells the CPU matmul tuning about the vmap (`matmul.vmapped_copies`).
+    drafts, q = jax.vmap(one, axis_name=DRAFTS_AXIS)(keys, ranks)  # [K,B,G], [K,B,G,V] or None
     if q is None:
         return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1))
     return tree_from_drafts(pending, jnp.moveaxis(drafts, 0, 1), jnp.moveaxis(q, 0, 1))
