@@ -117,13 +117,14 @@ def load_target(path: str = DEMO_TARGET, *, dtype="auto", matmul_dtype="auto", c
 
 
 def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmul_dtype=None,
-                         draft_vocab="full", stop_below=0.0):
+                         draft_vocab="full", stop_below=0.0, config=None):
     """(drafter, params) from a drafter directory written by train.py, checked against the
     target (a `specjax.models.model.Transformer` loaded from `target_dir`): same shapes, and
     trained against these weights (the fingerprint recorded at export). draft_vocab:
     "auto" drafts over the directory's hot vocabulary (draft_vocab.json,
     `specjax.drafters.vocab`) when it has one, "full" over all ids. stop_below: early
-    stop of drafting (`specjax.drafters.make_drafter`).
+    stop of drafting (`specjax.drafters.make_drafter`). config: the directory's
+    config.json when the caller has read it already (else read here).
     Raises SpecjaxError naming both directories otherwise."""
     from flax import nnx
 
@@ -132,7 +133,7 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
     from specjax.errors import SpecjaxError
     from specjax.models.checkpoint import fingerprint
 
-    dcfg, params, record = read_drafter(path, dtype=dtype)
+    dcfg, params, record = read_drafter(path, dtype=dtype, config=config)
     trained_on = record.get("path", "an unrecorded target")
     recorded = record.get("weights_fingerprint")
     if recorded is not None and recorded != fingerprint(target_dir):
@@ -155,6 +156,222 @@ def load_learned_drafter(path, target, target_dir, gamma, sampling, dtype, matmu
                         matmul_dtype=matmul_dtype, draft_vocab=hot, stop_below=stop_below)
 
 
+# ----------------------------------------------------------------------------- sources
+
+class DrafterOptions(NamedTuple):
+    """`load_drafter`'s keyword arguments as a source's `load` gets them (sampling and
+    dtype resolved: a SamplingParams and a jnp dtype)."""
+
+    gamma: int | None
+    sampling: Any
+    dtype: Any
+    matmul_dtype: Any
+    draft_vocab: str
+    draft_stop: float
+    verify: str | None
+    num_drafts: int
+    tree_nodes: int | None
+    draft_window: int | None
+    draft_reuse: bool
+
+
+class DrafterSource:
+    """One kind of --drafter value, as `specjax.drafters.registry.DrafterKind` is one kind
+    of learned drafter: subclass, set the attributes, implement `matches` and `load`,
+    and `register_source` an instance.
+
+    Attributes:
+      name: what the source is called in messages.
+      learned: a drafter directory written by train.py: --draft-stop and --draft-reuse
+        apply (the adapter checks its kind); other sources refuse both.
+      window: whether --draft-window may apply (False: refused before loading; True:
+        applied to the loaded adapter, refused there if it has no `window` field).
+    """
+
+    name = ""
+    learned = False
+    window = True
+
+    def matches(self, spec: str, config: dict | None) -> bool:
+        """Whether --drafter `spec` is this source; config: the JSON object in
+        spec/config.json (`directory_config`), None where there is none."""
+        raise NotImplementedError
+
+    def load(self, spec: str, config: dict | None, target: Target,
+             opts: DrafterOptions) -> LoadedDrafter:
+        """The loaded drafter (before --draft-window, which `load_drafter` applies).
+        Raises SpecjaxError (one line)."""
+        raise NotImplementedError
+
+
+class NoDrafter(DrafterSource):
+    """"none": autoregressive decoding (drafter and params None)."""
+
+    name, window = "none", False
+
+    def matches(self, spec, config):
+        return spec == "none"
+
+    def load(self, spec, config, target, opts):
+        return LoadedDrafter(None, None, spec, None)
+
+
+class NgramSource(DrafterSource):
+    """"ngram": prompt lookup (`specjax.drafters.ngram`)."""
+
+    name, window = "ngram", False
+
+    def matches(self, spec, config):
+        return spec == "ngram"
+
+    def load(self, spec, config, target, opts):
+        from specjax.drafters.ngram import NgramDrafter
+
+        G = opts.gamma or DEFAULT_GAMMA
+        drafter = NgramDrafter(G, target.cfg.vocab_size, sampling=opts.sampling)
+        return LoadedDrafter(drafter, (), spec, G)
+
+
+class LogitSpecSource(DrafterSource):
+    """"logitspec": a retrieval draft tree (`specjax.drafters.logitspec`)."""
+
+    name, window = "logitspec", False
+
+    def matches(self, spec, config):
+        return spec == "logitspec"
+
+    def load(self, spec, config, target, opts):
+        from specjax.drafters.logitspec import LogitSpecDrafter
+        from specjax.errors import SpecjaxError
+
+        if opts.verify == "block" and not opts.sampling.greedy:
+            raise SpecjaxError("--drafter logitspec: its retrieval tree is not K i.i.d. "
+                               "drafts, so --verify block does not apply when sampling; "
+                               "pass --verify token")
+        if opts.num_drafts > 1:
+            raise SpecjaxError(f"--drafter logitspec builds its own draft tree; "
+                               f"--num-drafts {opts.num_drafts} does not apply (leave it "
+                               f"at 1)")
+        G = opts.gamma or DEFAULT_GAMMA
+        drafter = LogitSpecDrafter.create(target.cfg.vocab_size, G, sampling=opts.sampling,
+                                          **({} if opts.tree_nodes is None
+                                             else {"tree_nodes": opts.tree_nodes}))
+        return LoadedDrafter(drafter, (), spec, G)
+
+
+class LearnedSource(DrafterSource):
+    """A drafter directory written by train.py (config.json's "format" is
+    `specjax.drafters.config.FORMAT`): eagle3, kv, hybrid, block, medc."""
+
+    name, learned = "learned drafter", True
+
+    def matches(self, spec, config):
+        from specjax.drafters.config import FORMAT
+
+        return config is not None and config.get("format") == FORMAT
+
+    def load(self, spec, config, target, opts):
+        import dataclasses
+
+        from specjax.errors import SpecjaxError
+
+        drafter, dparams = load_learned_drafter(
+            spec, target.model, target.path, opts.gamma, opts.sampling, opts.dtype,
+            matmul_dtype=drafter_matmul_dtype(opts.matmul_dtype),
+            draft_vocab=opts.draft_vocab, stop_below=opts.draft_stop, config=config)
+        if opts.draft_reuse:
+            if drafter.cfg.kind != "medc":
+                raise SpecjaxError(f"{_no_reuse(spec)} (a {drafter.cfg.kind} drafter)")
+            drafter = dataclasses.replace(drafter, reuse=True)
+        return LoadedDrafter(drafter, dparams, spec, drafter.gamma)
+
+
+class ExternalSource(DrafterSource):
+    """An EAGLE-3 or DFlash head trained elsewhere (`specjax.drafters.external`)."""
+
+    name = "external head"
+
+    def matches(self, spec, config):
+        if config is None:
+            return False
+        from specjax.drafters.external import layout_of
+
+        return layout_of(config) is not None
+
+    def load(self, spec, config, target, opts):
+        from specjax.drafters.external import load_external
+
+        drafter, dparams = load_external(
+            spec, target.model, gamma=opts.gamma, sampling=opts.sampling, dtype=opts.dtype,
+            matmul_dtype=drafter_matmul_dtype(opts.matmul_dtype),
+            draft_vocab=opts.draft_vocab, config=config)
+        return LoadedDrafter(drafter, dparams, spec, drafter.gamma)
+
+
+class DraftLMSource(DrafterSource):
+    """Any other directory: an HF draft LM (`specjax.drafters.draft_lm`), read by
+    `specjax.models.checkpoint.load_model`, whose errors name what is wrong with it (a
+    missing directory or config.json included). The fallback: it matches everything."""
+
+    name = "draft LM"
+
+    def matches(self, spec, config):
+        return True
+
+    def load(self, spec, config, target, opts):
+        from specjax.drafters.draft_lm import DraftLMDrafter
+        from specjax.models.checkpoint import load_model
+
+        G = opts.gamma or DEFAULT_GAMMA
+        drafter, dparams = DraftLMDrafter.create(load_model(spec, dtype=opts.dtype), G,
+                                                 opts.sampling, target.cfg.vocab_size)
+        return LoadedDrafter(drafter, dparams, spec, G)
+
+
+# The sources in the order they are asked; the draft LM, which takes any directory, last.
+_SOURCES: list[DrafterSource] = [NoDrafter(), NgramSource(), LogitSpecSource(),
+                                 LearnedSource(), ExternalSource()]
+_FALLBACK = DraftLMSource()
+
+
+def register_source(source: DrafterSource) -> DrafterSource:
+    """Adds a drafter source, asked after the built-in ones and before the draft LM
+    fallback. Raises ValueError for a name already registered."""
+    if any(s.name == source.name for s in sources()):
+        raise ValueError(f"drafter source {source.name!r} is already registered")
+    _SOURCES.append(source)
+    return source
+
+
+def sources() -> tuple[DrafterSource, ...]:
+    """The registered drafter sources, in the order `find_source` asks them."""
+    return (*_SOURCES, _FALLBACK)
+
+
+def find_source(spec: str, config: dict | None) -> DrafterSource:
+    """The first source that `matches` --drafter `spec` (the draft LM if none does)."""
+    return next(s for s in sources() if s.matches(spec, config))
+
+
+def directory_config(path: str) -> dict | None:
+    """The JSON object in `path`/config.json, or None (no such directory or file, not
+    readable JSON, not an object): what the sources match on. Never raises; the
+    source that loads the directory reports what is wrong with it."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _no_reuse(name: str) -> str:
+    return (f"--draft-reuse: only medc drafters (whose hidden-state chain reads no "
+            f"token) reuse their drafted hidden states, not --drafter {name}")
+
+
 def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
                  sampling=None, dtype=None, matmul_dtype="auto", draft_vocab: str = "auto",
                  draft_stop: float = 0.0, verify: str | None = None,
@@ -169,7 +386,7 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
         logits, `specjax.drafters.logitspec`), or a
         directory: an EAGLE-3 or DFlash head trained elsewhere (`drafters.external`), a
         specjax drafter written by train.py (eagle3, kv, hybrid, block), or an HF draft
-        LM, told apart by its config.json.
+        LM, told apart by its config.json (read once here; the sources: `sources()`).
       target: from `load_target` (a learned drafter is checked against its weights).
       gamma: G (None: a learned or external drafter's own, else DEFAULT_GAMMA).
       sampling: SamplingParams (None: greedy).
@@ -195,16 +412,17 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
       draft LM), draft_reuse for a drafter other than medc, or "logitspec" with verify
       "block" at temperature > 0 or num_drafts > 1.
     """
+    import dataclasses
+
     from specjax.core.sampling import SamplingParams
-    from specjax.drafters.config import DrafterConfig
     from specjax.errors import SpecjaxError
 
     sampling = SamplingParams() if sampling is None else sampling
     dtype = target.dtype if dtype is None else resolve_dtype(dtype)
     name = default_drafter() if spec is None else spec
-    V = target.cfg.vocab_size
-    learned = name not in ("none", "ngram", "logitspec") and DrafterConfig.is_drafter_dir(name)
-    if draft_stop and not learned:
+    config = directory_config(name)
+    source = find_source(name, config)
+    if draft_stop and not source.learned:
         raise SpecjaxError(f"--draft-stop: only learned eagle3, hybrid and medc drafters "
                            f"stop early, not --drafter {name}")
     no_window = (f"--draft-window: only learned drafters (eagle3, medc, hybrid, kv, block, "
@@ -212,70 +430,22 @@ def load_drafter(spec: str | None, target: Target, *, gamma: int | None = None,
     if draft_window is not None:
         if draft_window < 1:
             raise SpecjaxError(f"--draft-window={draft_window} must be >= 1")
-        if name in ("none", "ngram", "logitspec"):
+        if not source.window:
             raise SpecjaxError(no_window)
-
-    def windowed(drafter):
-        if draft_window is None:
-            return drafter
-        import dataclasses
-
-        if not any(f.name == "window" for f in dataclasses.fields(drafter)):
-            raise SpecjaxError(no_window)  # a draft LM
-        return dataclasses.replace(drafter, window=draft_window)
-    no_reuse = (f"--draft-reuse: only medc drafters (whose hidden-state chain reads no "
-                f"token) reuse their drafted hidden states, not --drafter {name}")
-    if draft_reuse and not learned:
-        raise SpecjaxError(no_reuse)
-    if name == "none":
-        return LoadedDrafter(None, None, name, None)
-    if name == "ngram":
-        from specjax.drafters.ngram import NgramDrafter
-
-        G = gamma or DEFAULT_GAMMA
-        return LoadedDrafter(NgramDrafter(G, V, sampling=sampling), (), name, G)
-    if name == "logitspec":
-        from specjax.drafters.logitspec import LogitSpecDrafter
-
-        if verify == "block" and not sampling.greedy:
-            raise SpecjaxError("--drafter logitspec: its retrieval tree is not K i.i.d. "
-                               "drafts, so --verify block does not apply when sampling; "
-                               "pass --verify token")
-        if num_drafts > 1:
-            raise SpecjaxError(f"--drafter logitspec builds its own draft tree; "
-                               f"--num-drafts {num_drafts} does not apply (leave it at 1)")
-        G = gamma or DEFAULT_GAMMA
-        drafter = LogitSpecDrafter.create(V, G, sampling=sampling,
-                                          **({} if tree_nodes is None
-                                             else {"tree_nodes": tree_nodes}))
-        return LoadedDrafter(drafter, (), name, G)
-    mm = drafter_matmul_dtype(matmul_dtype)
-    if learned:
-        drafter, dparams = load_learned_drafter(
-            name, target.model, target.path, gamma, sampling, dtype, matmul_dtype=mm,
-            draft_vocab=draft_vocab, stop_below=draft_stop)
-        if draft_reuse:
-            import dataclasses
-
-            if drafter.cfg.kind != "medc":
-                raise SpecjaxError(f"{no_reuse} (a {drafter.cfg.kind} drafter)")
-            drafter = dataclasses.replace(drafter, reuse=True)
-        return LoadedDrafter(windowed(drafter), dparams, name, drafter.gamma)
-    from specjax.drafters.external import detect_layout, load_external
-
-    if detect_layout(name):  # EAGLE-3 / DFlash heads trained elsewhere
-        drafter, dparams = load_external(name, target.model, gamma=gamma, sampling=sampling,
-                                         dtype=dtype, matmul_dtype=mm, draft_vocab=draft_vocab)
-        return LoadedDrafter(windowed(drafter), dparams, name, drafter.gamma)
-    from specjax.drafters.draft_lm import DraftLMDrafter
-    from specjax.models.checkpoint import load_model
-
-    G = gamma or DEFAULT_GAMMA
-    drafter, dparams = DraftLMDrafter.create(load_model(name, dtype=dtype), G, sampling, V)
-    return LoadedDrafter(windowed(drafter), dparams, name, G)
+    if draft_reuse and not source.learned:
+        raise SpecjaxError(_no_reuse(name))
+    opts = DrafterOptions(gamma, sampling, dtype, matmul_dtype, draft_vocab, draft_stop,
+                          verify, num_drafts, tree_nodes, draft_window, draft_reuse)
+    loaded = source.load(name, config, target, opts)
+    if draft_window is None or loaded.drafter is None:
+        return loaded
+    if not any(f.name == "window" for f in dataclasses.fields(loaded.drafter)):
+        raise SpecjaxError(no_window)  # a draft LM
+    return loaded._replace(drafter=dataclasses.replace(loaded.drafter, window=draft_window))
 
 
 __all__ = ["DEFAULT_GAMMA", "DEMO_DIR", "DEMO_DRAFTERS", "DEMO_PROMPTS", "DEMO_TARGET",
-           "LoadedDrafter", "Target", "default_drafter", "drafter_matmul_dtype",
-           "flag_dtype", "load_drafter", "load_learned_drafter", "load_target",
-           "resolve_dtype"]
+           "DrafterOptions", "DrafterSource", "LoadedDrafter", "Target", "default_drafter",
+           "directory_config", "drafter_matmul_dtype", "find_source", "flag_dtype",
+           "load_drafter", "load_learned_drafter", "load_target", "register_source",
+           "resolve_dtype", "sources"]

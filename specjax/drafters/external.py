@@ -112,6 +112,11 @@ def detect_layout(path: str) -> str | None:
         raw = read_config_json(path, "drafter")
     except SpecjaxError:
         return None
+    return layout_of(raw)
+
+
+def layout_of(raw: dict) -> str | None:
+    """`detect_layout` of a config.json already read (a JSON object)."""
     if raw.get("format") == "specjax-drafter":
         return None
     if "dflash_config" in raw:
@@ -427,8 +432,9 @@ def _hot_vocab(tensors, raw, dcfg: DrafterConfig, where: dict, path: str):
     return head, ids.astype(np.int32)
 
 
-def read_external(path: str, target: ModelConfig) -> External:
-    """Reads an EAGLE-3 or DFlash directory for `target` (its ModelConfig).
+def read_external(path: str, target: ModelConfig, config: dict | None = None) -> External:
+    """Reads an EAGLE-3 or DFlash directory for `target` (its ModelConfig); config: its
+    config.json when the caller has read it already (else read here).
 
     Raises: SpecjaxError (one line naming the key or tensor) for a directory of another
       layout, config keys specjax cannot run exactly, a missing, unexpected or wrongly
@@ -436,10 +442,10 @@ def read_external(path: str, target: ModelConfig) -> External:
     """
     from specjax import drafters
 
-    layout = detect_layout(path)
+    layout = detect_layout(path) if config is None else layout_of(config)
     if layout is None:
         raise SpecjaxError(f"{path}: config.json is neither an EAGLE-3 nor a DFlash head")
-    raw = read_config_json(path, "drafter")
+    raw = read_config_json(path, "drafter") if config is None else config
     where_cfg = os.path.join(path, "config.json")
     for name in ("mask_embedding.pt", "mask_embedding.safetensors"):
         if os.path.exists(os.path.join(path, name)):
@@ -489,7 +495,8 @@ def read_external(path: str, target: ModelConfig) -> External:
 
 
 def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
-                  dtype=jnp.float32, matmul_dtype=None, draft_vocab: str = "full"):
+                  dtype=jnp.float32, matmul_dtype=None, draft_vocab: str = "full",
+                  config: dict | None = None):
     """(drafter, params) for `speculative_loop` from an EAGLE-3 or DFlash directory.
 
     Args:
@@ -501,6 +508,7 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
         EAGLE-3 head with draft_vocab_size = V) drafts over the directory's
         draft_vocab.json when it has one (`specjax.drafters.vocab`); "full": all ids. An
         EAGLE-3 head's own hot vocabulary (d2t) is used either way.
+      config: the directory's config.json when the caller has read it already.
     Returns: the loop adapter and params {"net", "embed", "head", "inv_freq"} plus
       "draft_ids" (i32[Vd]) for a hot draft vocabulary; draft tokens and q [B,G,V] are in
       the target vocabulary, q zero outside the hot set.
@@ -509,7 +517,7 @@ def load_external(path: str, target, *, gamma: int | None = None, sampling=None,
     from specjax.core.sampling import SamplingParams
     from specjax.drafters import build_network, make_drafter
 
-    ext = read_external(path, target.cfg)
+    ext = read_external(path, target.cfg, config)
     abstract = nnx.eval_shape(lambda: build_network(ext.dcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     for p, var in nnx.to_flat_state(state):

@@ -124,12 +124,15 @@ def read_config(path: str) -> dict:
     return raw
 
 
-def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State, dict]:
+def load_drafter(path: str, dtype=jnp.float32, config: dict | None = None
+                 ) -> tuple[DrafterConfig, nnx.State, dict]:
     """Reads a drafter directory written by `save_drafter`.
 
     Args:
       path: the directory.
       dtype: parameter dtype of the returned state (jnp.float32 or jnp.bfloat16).
+      config: its config.json when the caller has read it already (a specjax drafter
+        config, format checked by the caller; else read here with `read_config`).
     Returns: (DrafterConfig, nnx.State of the network's nnx.Param leaves with the stored
       weights (jax arrays), target record dict ({} if none was recorded)).
     Raises: SpecjaxError for a missing or corrupt config.json or safetensors file, and a
@@ -138,7 +141,7 @@ def load_drafter(path: str, dtype=jnp.float32) -> tuple[DrafterConfig, nnx.State
     from specjax import drafters
     from specjax.models.checkpoint import check_finite, open_safetensors
 
-    raw = read_config(path)
+    raw = read_config(path) if config is None else config
     target = raw.get("target") or {}
     if not isinstance(target, dict):
         raise SpecjaxError(f"{os.path.join(path, CONFIG_NAME)}: \"target\" must be a JSON "

@@ -85,6 +85,58 @@ def test_load_drafter_changes_no_argument(tiny_demo, tmp_path):
     assert target.dtype == jnp.float32
 
 
+def test_drafter_sources_match_in_order_and_read_config_once(tiny_demo, tmp_path,
+                                                            monkeypatch):
+    """`load_drafter` picks the first drafter source that matches (`loading.sources()`:
+    none, ngram, logitspec, a learned drafter, a head trained elsewhere, then any
+    directory as a draft LM) from config.json read once, and a learned drafter's
+    loading reads it no second time; a registered source is asked before the draft LM."""
+    import builtins
+
+    from specjax.decoding import loading
+
+    tgt = str(tiny_demo / "target")
+    target = specjax.load_target(tgt, dtype="float32")
+    learned = save_random_drafter(tgt, str(tmp_path / "eagle3"))
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    draft = str(tiny_demo / "draft")
+    found = {spec: loading.find_source(spec, loading.directory_config(spec)).name
+             for spec in ("none", "ngram", "logitspec", learned, str(head), draft)}
+    assert list(found.values()) == ["none", "ngram", "logitspec", "learned drafter",
+                                    "external head", "draft LM"]
+    assert loading.directory_config(str(tmp_path / "nope")) is None
+    config = os.path.join(learned, "config.json")
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, *a, **kw):
+        if os.path.abspath(str(file)) == os.path.abspath(config):
+            reads.append(file)
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    d = specjax.load_drafter(learned, target)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert len(reads) == 1 and d.gamma == 3
+
+    class Fixed(loading.DrafterSource):
+        name = "fixed"
+
+        def matches(self, spec, config):
+            return spec == draft
+
+        def load(self, spec, config, target, opts):
+            return loading.LoadedDrafter(None, None, spec, None)
+
+    monkeypatch.setattr(loading, "_SOURCES", list(loading._SOURCES))
+    loading.register_source(Fixed())
+    assert specjax.load_drafter(draft, target) == (None, None, draft, None)
+    with pytest.raises(ValueError):
+        loading.register_source(Fixed())
+
+
 def test_cli_defaults_give_ngram_the_default_gamma(tiny_demo):
     """decode.py's flags passed to `specjax.load_drafter` as they are: --gamma's default
     None gives the n-gram drafter DEFAULT_GAMMA, and the namespace is not changed."""
