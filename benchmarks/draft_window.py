@@ -8,9 +8,10 @@ speed of the shipped learned drafters against context length, with and without a
 For each context length L (prompts of L tokens cut from held-out real text: the standard
 library's validation split, as benchmarks/context_length.py) one autoregressive engine
 and, per drafter and window W, one speculative engine (decode.py's, built as a decoding
-session: fixed G, T = 0, batch 1, EOS off) decode the same prompts, interleaved prompt by prompt, so a speedup is a ratio measured
-on the same machine state. Draft and verify milliseconds come from `Engine.step_timing`
-on the first prompt (one step's parts compiled and timed outside the loop: an estimate).
+session: fixed G, T = 0, batch 1, EOS off) decode the same prompts, interleaved prompt by
+prompt, so a speedup is a ratio measured on the same machine state. Draft and verify
+milliseconds come from `Engine.step_timing` on the first prompt (one step's parts compiled
+and timed outside the loop: an estimate).
 Outputs must equal the autoregressive ones (the target verifies every draft; recorded).
 The demo target has 2,048 positions, so L + new tokens stays below that.
 

@@ -8,10 +8,10 @@
 The two runs share data, budget, seed, target and held-out stream: runs/medc/medc-s0
 (configs/medc/medc.yaml) and the KVShot study's CPU run runs/study2/eagle3-s0
 (configs/study2/eagle3.yaml, the same file with kind eagle3). `measure` runs
-benchmarks/kvshot_study2.py's measurement on each: simulated acceptance on held-out
-sequences, then in-loop tau and speedup at T = 0 and T = 1 (block verification) on the
-same held-out prompts, each prompt decoded by the drafter and then autoregressively in the
-same process. It adds the parts of one step timed outside the loop
+the KVShot redo's measurement (benchmarks/studies/kvshot/protocol.py) on each: simulated
+acceptance on held-out sequences, then in-loop tau and speedup at T = 0 and T = 1 (block
+verification) on the same held-out prompts, each prompt decoded by the drafter and then
+autoregressively in the same process. It adds the parts of one step timed outside the loop
 (`Engine.step_timing`, T = 0, batch 1, the first prompt; the median of 7 calls per
 drafter, the drafters alternating; redone on every `measure`): draft ms, verify ms, and
 draft ms per accepted token (draft ms / in-loop tau at T = 0). `report` renders the comparison
@@ -45,9 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import kvshot_study2 as k2  # noqa: E402
 from benchmarks.lib import sessions  # noqa: E402
 from benchmarks.lib.prompts import held_out_prompts  # noqa: E402
+from benchmarks.lib.provenance import git_state, machine  # noqa: E402
+from benchmarks.lib.report import fmt, write_json  # noqa: E402
+from benchmarks.studies.kvshot import protocol  # noqa: E402
 from specjax import cli  # noqa: E402
 
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "medc")
@@ -61,20 +63,20 @@ SEED = 0
 def run_config(name: str, **options):
     """decode.py's options for run NAME-s0's exported drafter against its target (its
     loading defaults: dtype, drafter dtype, draft vocabulary and kernels auto; the
-    drafter's own G; batch 1, EOS on, k2.SIZES' new tokens) plus `options`."""
+    drafter's own G; batch 1, EOS on, protocol.SIZES' new tokens) plus `options`."""
     runs_root, config_dir = RUNS[name]
-    cfg = k2.load_config_for(name, SEED, runs_root=runs_root, config_dir=config_dir)
+    cfg = protocol.load_config_for(name, SEED, runs_root=runs_root, config_dir=config_dir)
     return cfg, sessions.config(target=cfg.target_dir, drafter=cfg.export_dir, gamma="fixed",
-                                max_new_tokens=k2.SIZES["new_tokens"], **options)
+                                max_new_tokens=protocol.SIZES["new_tokens"], **options)
 
 
 def step_engine(name: str):
     """(engine, prompt ids, new tokens) for timing one step of run NAME-s0 at T = 0, batch
     1, on the first held-out prompt (decode.py's engine for the run's drafter)."""
     cfg, dcfg = run_config(name)
-    prompts = held_out_prompts(cfg.data.val_tokens_npy, 1, k2.SIZES["prompt_tokens"])
+    prompts = held_out_prompts(cfg.data.val_tokens_npy, 1, protocol.SIZES["prompt_tokens"])
     ids = prompts[0][1]
-    return sessions.engine(dcfg, [ids]), ids, k2.SIZES["new_tokens"]
+    return sessions.engine(dcfg, [ids]), ids, protocol.SIZES["new_tokens"]
 
 
 def step_parts(rounds: int = 7) -> dict:
@@ -96,40 +98,40 @@ def step_parts(rounds: int = 7) -> dict:
 
 def measure(force: bool = False) -> None:
     for name, (runs_root, config_dir) in RUNS.items():
-        path = k2.result_path(name, SEED, RESULTS_DIR)
+        path = protocol.result_path(name, SEED, RESULTS_DIR)
         if os.path.isfile(path) and not force:
-            k2.log(f"{name}-s{SEED}: measured already (--force to redo)")
+            protocol.log(f"{name}-s{SEED}: measured already (--force to redo)")
             continue
-        if not k2.is_finished(name, SEED, runs_root):
-            raise SystemExit(f"medc.py: error: {k2.run_dir(name, SEED, runs_root)} has no "
+        if not protocol.is_finished(name, SEED, runs_root):
+            raise SystemExit(f"medc.py: error: {protocol.run_dir(name, SEED, runs_root)} has no "
                              "exported drafter; train it first (docs/medc.md)")
-        k2.measure_run(name, SEED, runs_root=runs_root, config_dir=config_dir,
+        protocol.measure_run(name, SEED, runs_root=runs_root, config_dir=config_dir,
                        results_dir=RESULTS_DIR)
-    k2.log("step timing: both drafters, alternating")
+    protocol.log("step timing: both drafters, alternating")
     parts = step_parts()
     for name in RUNS:
-        path = k2.result_path(name, SEED, RESULTS_DIR)
+        path = protocol.result_path(name, SEED, RESULTS_DIR)
         with open(path) as f:
             rec = json.load(f)
         rec["step_timing"] = parts[name]
-        k2._write_json(path, rec)
+        write_json(path, rec)
 
 
 def medc_setup(n_prompts: int):
     """(run config, dtype, target, held-out prompts, Engine settings at batch 1) for run
-    medc-s0: decode.py's loading defaults, k2.SIZES' prompt and new-token lengths."""
+    medc-s0: decode.py's loading defaults, protocol.SIZES' prompt and new-token lengths."""
     from specjax.decoding.engine import prompt_width_for
     from specjax.decoding.loading import load_target, resolve_dtype
 
     runs_root, config_dir = RUNS["medc"]
-    cfg = k2.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
+    cfg = protocol.load_config_for("medc", SEED, runs_root=runs_root, config_dir=config_dir)
     dtype = resolve_dtype("auto")
     target = load_target(cfg.target_dir, dtype=dtype, matmul_dtype="auto", tokenizer=None)
     eos = target.cfg.eos_token_ids
     prompts = held_out_prompts(cfg.data.val_tokens_npy, n_prompts,
-                               k2.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
+                               protocol.SIZES["prompt_tokens"], eos=eos[0] if eos else 0)
     longest = max(len(ids) for _, ids in prompts)
-    max_length = longest + k2.SIZES["new_tokens"]
+    max_length = longest + protocol.SIZES["new_tokens"]
     common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
                   batch_size=1, eos_token_ids=tuple(eos), kernels="auto")
     return cfg, dtype, target, prompts, common
@@ -143,24 +145,24 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
 
     from specjax.models.config import ModelConfig
 
-    sizes = dict(k2.SIZES)
+    sizes = dict(protocol.SIZES)
     cfg, _ = run_config("medc")
     eos = ModelConfig.from_dir(cfg.target_dir).eos_token_ids
     prompts = held_out_prompts(cfg.data.val_tokens_npy, sizes["prompts"],
                                sizes["prompt_tokens"], eos=eos[0] if eos else 0)
     new = sizes["new_tokens"]
-    base = jax.random.key(k2.DECODE_SEED)
+    base = jax.random.key(protocol.DECODE_SEED)
     labels = {"medc_noreuse": False, "medc_reuse": True}
     recs = {label: {"run": f"{label}-s{SEED}", "name": label, "seed": SEED,
                     "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "code": k2.git_state(), "machine": k2.machine(), "sizes": sizes,
+                    "code": git_state(), "machine": machine(), "sizes": sizes,
                     "prompt_ids": [p for p, _ in prompts],
                     "weights": {"drafter": "runs/medc/medc-s0/drafter",
                                 "target": os.path.relpath(cfg.target_dir, ROOT)},
                     "draft_reuse": reuse, "decode": {}}
             for label, reuse in labels.items()}
     for setting in settings:
-        temp, verify = k2.SETTINGS[setting]
+        temp, verify = protocol.SETTINGS[setting]
         # decode.py's engines: `--drafter runs/medc/medc-s0/drafter [--draft-reuse]` and
         # `--drafter none`, at this setting's temperature and rule
         engines = {label: sessions.engine(run_config("medc", temperature=temp, verify=verify,
@@ -172,7 +174,7 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
         got = {label: {k: [] for k in ("new_tokens", "steps", "wall_s", "ar_new_tokens",
                                        "ar_wall_s", "accepted", "identical", "reused")}
                for label in labels}
-        k2.log(f"reuse {setting}: {len(prompts)} prompts, medc / medc+reuse / AR each")
+        protocol.log(f"reuse {setting}: {len(prompts)} prompts, medc / medc+reuse / AR each")
         for i, (_, ids) in enumerate(prompts):
             key = jax.random.fold_in(base, i)
             outs = {label: eng.run([ids], new, key) for label, eng in engines.items()}
@@ -196,8 +198,8 @@ def reuse_decode(settings=("t0", "t1_block")) -> dict:
 
 def reuse(settings=("t0", "t1_block")) -> None:
     for label, rec in reuse_decode(settings).items():
-        k2._write_json(k2.result_path(label, SEED, RESULTS_DIR), rec)
-        k2.log(f"wrote {k2.result_path(label, SEED, RESULTS_DIR)}")
+        write_json(protocol.result_path(label, SEED, RESULTS_DIR), rec)
+        protocol.log(f"wrote {protocol.result_path(label, SEED, RESULTS_DIR)}")
 
 
 TREE_SETTINGS = ((4, 32), (8, 64))  # (K, N)
@@ -220,12 +222,12 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
     from specjax.drafters.dynamic_tree import DynamicTree
 
     cfg, dtype, target, prompts, base = medc_setup(n_prompts)
-    new = k2.SIZES["new_tokens"]
+    new = protocol.SIZES["new_tokens"]
     sampling = SamplingParams(0.0, 0, 1.0)
     loaded = load_drafter(cfg.export_dir, target, sampling=sampling, dtype=dtype,
                           matmul_dtype="auto", draft_vocab="auto")
     rec = {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "code": k2.git_state(), "machine": k2.machine(), "weights": "runs/medc/medc-s0",
+           "code": git_state(), "machine": machine(), "weights": "runs/medc/medc-s0",
            "prompts": len(prompts), "new_tokens": new, "gamma": loaded.gamma, "rows": []}
     for K, N in settings:
         common = dict(base, sampling=sampling, verify="token")
@@ -237,7 +239,7 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
         engines["AR"] = Engine(target.model, **{**common, "verify": "block"})
         for e in engines.values():
             e.compile()
-        k2.log(f"tree K={K} N={N}: step timing, then {len(prompts)} prompts")
+        protocol.log(f"tree K={K} N={N}: step timing, then {len(prompts)} prompts")
         ids0 = prompts[0][1]
         timing = {w: [] for w in ways}
         for _ in range(rounds):
@@ -246,7 +248,7 @@ def tree(settings=TREE_SETTINGS, n_prompts: int = TREE_PROMPTS, rounds: int = 7)
         stats = {w: Stats() for w in engines}
         same = True
         for i, (_, ids) in enumerate(prompts):
-            key = jax.random.fold_in(jax.random.key(k2.DECODE_SEED), i)
+            key = jax.random.fold_in(jax.random.key(protocol.DECODE_SEED), i)
             outs = {w: e.run([ids], new, key) for w, e in engines.items()}
             for w, o in outs.items():
                 stats[w].add(o)
@@ -296,9 +298,9 @@ def render_reuse(results: dict) -> str:
     for label, stat in (("in-loop tau, T = 0", "tau_t0"), ("speedup, T = 0", "speedup_t0"),
                         ("in-loop tau, T = 1 block", "tau_t1_block"),
                         ("speedup, T = 1 block", "speedup_t1_block")):
-        lines.append(f"| {label} | {k2._ci(k2.interval(results, a, stat, seeds))} "
-                     f"| {k2._ci(k2.interval(results, b, stat, seeds))} "
-                     f"| {k2._ci(k2.paired(results, b, a, stat, seeds), '+.2f')} |")
+        lines.append(f"| {label} | {protocol.ci(protocol.interval(results, a, stat, seeds))} "
+                     f"| {protocol.ci(protocol.interval(results, b, stat, seeds))} "
+                     f"| {protocol.ci(protocol.paired(results, b, a, stat, seeds), '+.2f')} |")
     for setting, tag in (("t0", "T = 0"), ("t1_block", "T = 1 block")):
         d = results[b, SEED]["decode"].get(setting)
         if not d:
@@ -329,25 +331,26 @@ def render(results: dict) -> str:
             ("speedup, T = 0", "speedup_t0"), ("speedup, T = 1 block", "speedup_t1_block")]
     lines = ["| measure | eagle3 | medc | medc - eagle3 |", "|---|---|---|---|"]
     for label, stat in rows:
-        a = k2.interval(results, "eagle3", stat, seeds)
-        b = k2.interval(results, "medc", stat, seeds)
-        d = k2.paired(results, "medc", "eagle3", stat, seeds)
-        lines.append(f"| {label} | {k2._ci(a)} | {k2._ci(b)} | {k2._ci(d, '+.2f')} |")
+        a = protocol.interval(results, "eagle3", stat, seeds)
+        b = protocol.interval(results, "medc", stat, seeds)
+        d = protocol.paired(results, "medc", "eagle3", stat, seeds)
+        lines.append(f"| {label} | {protocol.ci(a)} | {protocol.ci(b)} "
+                     f"| {protocol.ci(d, '+.2f')} |")
     for key, label in (("draft_ms", "draft ms per step (G = 7, T = 0, B = 1; median of "
                                     "alternating calls)"),
                        ("verify_ms", "verify ms per step")):
-        cells = [k2._f((results.get((n, SEED)) or {}).get("step_timing", {}).get(key))
+        cells = [fmt((results.get((n, SEED)) or {}).get("step_timing", {}).get(key))
                  for n in ("eagle3", "medc")]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} | |")
     per = []
     for n in ("eagle3", "medc"):
         r = results.get((n, SEED))
-        t = k2.interval(results, n, "tau_t0", seeds)
-        per.append(k2._f(r["step_timing"]["draft_ms"] / t["estimate"], ".2f")
+        t = protocol.interval(results, n, "tau_t0", seeds)
+        per.append(fmt(r["step_timing"]["draft_ms"] / t["estimate"], ".2f")
                    if r and "step_timing" in r and t else "-")
     lines.append(f"| draft ms per accepted token (draft ms / tau T = 0) | {per[0]} | {per[1]} "
                  "| |")
-    params = [k2._f((results.get((n, SEED)) or {}).get("train", {}).get("params"), ",")
+    params = [fmt((results.get((n, SEED)) or {}).get("train", {}).get("params"), ",")
               for n in ("eagle3", "medc")]
     lines.append(f"| own parameters | {params[0]} | {params[1]} | |")
     same = [all(results[n, SEED]["decode"]["t0"]["identical"]) if (n, SEED) in results
@@ -398,17 +401,17 @@ def main(argv=None) -> int:
             assert all(len(kn) == 2 for kn in settings)
         except (ValueError, AssertionError):
             ap.error(f"--settings {' '.join(args.settings)}: expected K:N pairs, e.g. 4:32")
-        k2._write_json(TREE_RESULTS, tree(settings, args.prompts))
-        k2.log(f"wrote {TREE_RESULTS}")
+        write_json(TREE_RESULTS, tree(settings, args.prompts))
+        protocol.log(f"wrote {TREE_RESULTS}")
         return 0
     from benchmarks.lib.report import replace_doc_section
 
-    results = k2.load_results(RESULTS_DIR)
+    results = protocol.load_results(RESULTS_DIR)
     replace_doc_section(DOC, "medc:results", render(results), "# medc\n\n")
     replace_doc_section(DOC, "medc:reuse", render_reuse(results), "# medc\n\n")
     tree_rec = json.load(open(TREE_RESULTS)) if os.path.isfile(TREE_RESULTS) else None
     replace_doc_section(DOC, "medc:tree", render_tree(tree_rec), "# medc\n\n")
-    k2.log(f"{len(results)} runs with results; wrote {DOC}")
+    protocol.log(f"{len(results)} runs with results; wrote {DOC}")
     return 0
 
 

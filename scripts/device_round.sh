@@ -12,7 +12,7 @@
 #        target's f32 greedy continuations (the settings of configs/study2/'s
 #        benchmarks/data/study2: seed 5, 256 new tokens), -> OUT/study_{train,val}.npy.gz and
 #        OUT/study_manifest.json; STEP5=eagle3 runs scripts/gpu_eagle3_round.sh instead;
-#        STEP5=study trains and measures the KVShot matrix (benchmarks/kvshot_device.py all
+#        STEP5=study trains and measures the KVShot matrix (benchmarks/studies/kvshot/kvshot_device.py all
 #        -> OUT/study_train.tar.gz, OUT/study_measure.tar.gz).
 #
 #   bash scripts/device_round.sh --budget SECONDS --out DIR [--dry-run]
@@ -59,7 +59,7 @@ if [ "$STEP5" != none ] && { [ $DRY = 1 ] || [ "$LEFT" -ge "${STUDY_S:-120}" ]; 
   if [ "$STEP5" = study ]; then
     STUDY=(--out "$OUTD" --budget $(( LEFT - 20 )))
     [ $DRY = 1 ] && STUDY+=(--dry-run --seeds 0 --only eagle3 --jobs 1)
-    $PY benchmarks/kvshot_device.py all "${STUDY[@]}" 2>&1 | tail -40 >>"$OUTD/device_round.log"
+    $PY benchmarks/studies/kvshot/kvshot_device.py all "${STUDY[@]}" 2>&1 | tail -40 >>"$OUTD/device_round.log"
   elif [ "$STEP5" = eagle3 ] && [ $DRY = 0 ]; then
     bash scripts/gpu_eagle3_round.sh $(( LEFT - 20 )) "$OUTD/eagle3" 2>&1 | tail -40 \
       >>"$OUTD/device_round.log"

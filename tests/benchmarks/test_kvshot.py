@@ -1,4 +1,4 @@
-"""The KVShot study's configs and report (benchmarks/kvshot.py, kvshot_report.py): the
+"""The KVShot study's configs and report (benchmarks/studies/kvshot/kvshot.py, kvshot_report.py): the
 matrix is on equal terms, and the generated tables compute retention and gate columns
 from the records they are given (checked against arithmetic done here)."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from benchmarks import kvshot, kvshot_report
+from benchmarks.studies.kvshot import kvshot, kvshot_report
 from specjax.train import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +73,7 @@ def test_redone_study_configs_are_on_equal_terms():
     """configs/study2/ (issue 29): the same regenerated data, held-out stream, budget, G and
     optimizer for every run; as many supervised positions per sequence for TTT (chains x G)
     as for block-wise runs (blocks x G); every context read at the same target depths."""
-    from benchmarks import kvshot_runs
+    from benchmarks.studies.kvshot import kvshot_runs
 
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", "study2", "*.yaml")))
     names = [os.path.basename(p)[:-5] for p in paths]
@@ -101,7 +101,7 @@ def test_redone_study_configs_are_on_equal_terms():
 
 
 def test_matrix_jobs_seed_major_with_own_warm_start():
-    from benchmarks import kvshot_runs
+    from benchmarks.studies.kvshot import kvshot_runs
 
     jobs = kvshot.matrix_jobs(list(kvshot_runs.MATRIX), [0, 1])
     labels = [j[0] for j in jobs]

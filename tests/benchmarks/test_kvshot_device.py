@@ -1,4 +1,4 @@
-"""benchmarks/kvshot_device.py: the KVShot matrix on a lent accelerator, checked on the CPU
+"""benchmarks/studies/kvshot/kvshot_device.py: the KVShot matrix on a lent accelerator, checked on the CPU
 with --dry-run (a few training steps, tiny measurements)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import tarfile
 
 import pytest
 
-from benchmarks import kvshot_device as kd
+from benchmarks.studies.kvshot import kvshot_device as kd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "kvshot_device.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "studies", "kvshot", "kvshot_device.py")
 
 
 def test_selected_adds_warm_start_parents():

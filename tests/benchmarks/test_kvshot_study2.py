@@ -1,7 +1,7 @@
-"""The redone KVShot study's report tooling (benchmarks/kvshot_study2.py): the crossed,
-paired bootstrap against answers computed here (exact small cases, normal approximations
-on large synthetic data), the measure step end to end on a tiny fake run, and the report
-with runs missing."""
+"""The redone KVShot study's report tooling (benchmarks/studies/kvshot/kvshot_study2.py and
+its protocol.py): the crossed, paired bootstrap against answers computed here (exact small
+cases, normal approximations on large synthetic data), the measure step end to end on a
+tiny fake run, and the report with runs missing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from benchmarks import kvshot_study2 as k2
+from benchmarks.lib import stats
+from benchmarks.studies.kvshot import kvshot_study2 as k2
+from benchmarks.studies.kvshot import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "test_tiny_drafter.yaml")
@@ -28,22 +30,22 @@ def test_bootstrap_exact_small_case():
     # one seed, prompts [0, 1]: a resample's mean is 0, 0.5 or 1 with probability 1/4, 1/2,
     # 1/4, so the 2.5% and 97.5% percentiles are 0 and 1
     x = np.array([[0.0, 1.0]])
-    ci = k2.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=4000)
+    ci = stats.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=4000)
     assert ci["estimate"] == 0.5 and ci["lo"] == 0.0 and ci["hi"] == 1.0
     assert (ci["seeds"], ci["prompts"]) == (1, 2)
     const = np.full((3, 5), 2.0)
-    ci = k2.bootstrap_ci({"x": const, "n": np.ones_like(const)}, mean_stat)
+    ci = stats.bootstrap_ci({"x": const, "n": np.ones_like(const)}, mean_stat)
     assert ci["lo"] == ci["hi"] == ci["estimate"] == 2.0
     # a ratio of totals, not a mean of ratios: (1 + 3) / (1 + 1) = 2; with tau's offset 3
-    ci = k2.bootstrap_ci({"a": np.array([[1.0, 3.0]]), "s": np.array([[1.0, 1.0]])},
-                         k2.ratio("a", "s", 1.0))
+    ci = stats.bootstrap_ci({"a": np.array([[1.0, 3.0]]), "s": np.array([[1.0, 1.0]])},
+                         stats.ratio("a", "s", 1.0))
     assert ci["estimate"] == 3.0
 
 
 def test_bootstrap_matches_normal_approximation_over_prompts():
     rng = np.random.default_rng(1)
     x = rng.normal(0.0, 1.0, (1, 4000))
-    ci = k2.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=2000)
+    ci = stats.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=2000)
     half = (ci["hi"] - ci["lo"]) / 2
     assert half == pytest.approx(1.96 / np.sqrt(4000), rel=0.12)
     assert ci["lo"] < x.mean() < ci["hi"]
@@ -55,7 +57,7 @@ def test_bootstrap_crossed_seeds_and_prompts():
     rng = np.random.default_rng(2)
     S = P = 150
     x = rng.normal(0, 1, (S, 1)) + rng.normal(0, 1, (1, P))
-    ci = k2.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=2000)
+    ci = stats.bootstrap_ci({"x": x, "n": np.ones_like(x)}, mean_stat, resamples=2000)
     half = (ci["hi"] - ci["lo"]) / 2
     expect = 1.96 * np.sqrt(x.mean(1).var() / S + x.mean(0).var() / P)
     assert half == pytest.approx(expect, rel=0.15)
@@ -70,15 +72,15 @@ def test_bootstrap_difference_is_paired():
     a = v + 0.1 + rng.normal(0, 0.01, v.shape)
     b = v.copy()
     one = np.ones_like(v)
-    ci = k2.bootstrap_ci({"a.x": a, "a.n": one, "b.x": b, "b.n": one},
-                         k2.difference(mean_stat, mean_stat), resamples=2000)
+    ci = stats.bootstrap_ci({"a.x": a, "a.n": one, "b.x": b, "b.n": one},
+                         stats.difference(mean_stat, mean_stat), resamples=2000)
     assert ci["estimate"] == pytest.approx((a - b).mean())
     assert 0.0 < ci["lo"] < 0.1 < ci["hi"] and ci["hi"] - ci["lo"] < 0.01
 
 
 def test_bootstrap_rejects_ragged_arrays():
     with pytest.raises(ValueError):
-        k2.bootstrap_ci({"x": np.ones((1, 3)), "n": np.ones((1, 4))}, mean_stat)
+        stats.bootstrap_ci({"x": np.ones((1, 3)), "n": np.ones((1, 4))}, mean_stat)
 
 
 def test_verdict_reads_the_interval():
@@ -99,7 +101,7 @@ def fake_study(tmp_path_factory):
     kv2-s0 (a run dir without export)."""
     from flax import nnx
 
-    from benchmarks import kvshot_probes
+    from benchmarks.studies.kvshot import kvshot_probes
     from specjax.models.checkpoint import save_model
     from specjax.models.model import Transformer
     from specjax.testing.tiny import tiny_config, write_token_corpus
@@ -120,7 +122,7 @@ def fake_study(tmp_path_factory):
     overrides = [f"target={d / 'target'}", f"data.tokens_npy={paths['tokens']}",
                  f"data.val_tokens_npy={d / 'val.npy'}", "mesh.data=1"]
     runs = d / "runs"
-    cfg = k2.load_config_for("eagle3", 0, runs_root=str(runs), config_dir=str(configs),
+    cfg = protocol.load_config_for("eagle3", 0, runs_root=str(runs), config_dir=str(configs),
                              overrides=overrides)
     cfg, run = kvshot_probes.run_of_config(cfg)
     run.export(run.trainer.init_state(), 0, None)
@@ -135,7 +137,7 @@ SMALL = {"sim_start": 0, "sim_rows": 3, "prompts": 2, "prompt_tokens": 8, "new_t
 @pytest.fixture(scope="module")
 def measured(fake_study):
     f = fake_study
-    done = k2.measure(["eagle3", "kv2"], [0], runs_root=f["runs"], config_dir=f["configs"],
+    done = protocol.measure(["eagle3", "kv2"], [0], runs_root=f["runs"], config_dir=f["configs"],
                       results_dir=f["results"], overrides=f["overrides"], sizes=SMALL,
                       settings=("t0", "t1_block"))
     return done
@@ -144,8 +146,8 @@ def measured(fake_study):
 def test_measure_end_to_end_on_a_tiny_run(fake_study, measured):
     f = fake_study
     assert measured == ["eagle3-s0"]  # kv2-s0 is unfinished: skipped, never opened
-    assert not os.path.exists(k2.result_path("kv2", 0, f["results"]))
-    with open(k2.result_path("eagle3", 0, f["results"])) as fh:
+    assert not os.path.exists(protocol.result_path("kv2", 0, f["results"]))
+    with open(protocol.result_path("eagle3", 0, f["results"])) as fh:
         r = json.load(fh)
     G = 3
     sim = r["simulated"]
@@ -165,9 +167,9 @@ def test_measure_end_to_end_on_a_tiny_run(fake_study, measured):
     # the simulated figures are the trainer's own: the same totals as its validation
     import jax
 
-    from benchmarks import kvshot_probes
+    from benchmarks.studies.kvshot import kvshot_probes
 
-    cfg, run = kvshot_probes.run_of_config(k2.load_config_for(
+    cfg, run = kvshot_probes.run_of_config(protocol.load_config_for(
         "eagle3", 0, runs_root=f["runs"], config_dir=f["configs"], overrides=f["overrides"]))
     params = run.trainer.load_init_params(cfg.export_dir, cfg.target_dir)[0]
     rows, _ = run.data.val.batch(0, 3)  # the three sequences, as one batch (TTT: no key)
@@ -176,13 +178,13 @@ def test_measure_end_to_end_on_a_tiny_run(fake_study, measured):
                                        evaluation=True)
     np.testing.assert_allclose(np.asarray(st["accepted"]), acc.sum(0))
     # a second measure skips the measured run
-    assert k2.measure(["eagle3"], [0], runs_root=f["runs"], config_dir=f["configs"],
+    assert protocol.measure(["eagle3"], [0], runs_root=f["runs"], config_dir=f["configs"],
                       results_dir=f["results"], overrides=f["overrides"], sizes=SMALL) == []
 
 
 def test_report_renders_with_missing_runs(fake_study, measured, tmp_path):
     f = fake_study
-    results = k2.load_results(f["results"])
+    results = protocol.load_results(f["results"])
     assert list(results) == [("eagle3", 0)]
     doc = tmp_path / "kvshot2.md"
     text = k2.render(results, runs_root=f["runs"], doc=str(doc), img_dir=str(tmp_path))
@@ -211,7 +213,7 @@ def test_zero_kv_branch_zeroes_only_gate_d():
                      head_dim=8, intermediate_size=64)
     params = nnx.state(build_network(DrafterConfig.for_target(tc, "hybrid", gamma=3),
                                      rngs=nnx.Rngs(0)), nnx.Param)
-    out = k2.zero_kv_branch({"net": params, "embed": np.ones(2)})
+    out = protocol.zero_kv_branch({"net": params, "embed": np.ones(2)})
     flat_in = dict(nnx.to_flat_state(params))
     flat_out = dict(nnx.to_flat_state(out["net"]))
     assert np.abs(np.asarray(flat_in[("gate_d",)].get_value())).sum() > 0
@@ -224,7 +226,7 @@ def test_zero_kv_branch_zeroes_only_gate_d():
     eagle = nnx.state(build_network(DrafterConfig.for_target(tc, "eagle3", gamma=3),
                                     rngs=nnx.Rngs(0)), nnx.Param)
     with pytest.raises(ValueError):
-        k2.zero_kv_branch(eagle)
+        protocol.zero_kv_branch(eagle)
 
 
 @pytest.mark.parametrize("kind,sets", [
@@ -235,15 +237,15 @@ def test_zero_kv_branch_zeroes_only_gate_d():
 def test_probes_on_tiny_kv_drafters(fake_study, kind, sets):
     """The query and gradient probes run on both drafters with a KV memory (TTT and
     block-wise) and give cosines in [-1, 1] and gradient shares in [0, 1]."""
-    from benchmarks import kvshot_probes
+    from benchmarks.studies.kvshot import kvshot_probes
 
     f = fake_study
-    cfg = k2.load_config_for("eagle3", 0, runs_root=str(f["dir"] / f"runs_{kind}"),
+    cfg = protocol.load_config_for("eagle3", 0, runs_root=str(f["dir"] / f"runs_{kind}"),
                              config_dir=f["configs"], overrides=[*f["overrides"], *sets])
     cfg, run = kvshot_probes.run_of_config(cfg)
     run.export(run.trainer.init_state(), 0, None)
     params = run.trainer.load_init_params(cfg.export_dir, cfg.target_dir)[0]
-    got = k2.probes(kind, cfg, run, params, {"query": 1, "grad": 2})
+    got = protocol.probes(kind, cfg, run, params, {"query": 1, "grad": 2})
     q, g = got["query_cosine"], got["grad"]
     assert len(q["layers"]) == 2 and all(-1 <= x["trained"] <= 1 for x in q["layers"])
     assert ("trained_mask" in q["layers"][0]) == (kind == "block")
@@ -260,8 +262,8 @@ def test_decode_hybrid_with_its_kv_branch_zeroed(fake_study):
     f = fake_study
     drafter = save_random_drafter(str(f["dir"] / "target"), str(f["dir"] / "hybrid"),
                                   kind="hybrid", gamma=3)
-    prompts = k2.held_out_prompts(str(f["dir"] / "val.npy"), 2, 8)
-    got = k2.decode(str(f["dir"] / "target"), drafter, prompts, 5, settings=("t0",),
+    prompts = protocol.held_out_prompts(str(f["dir"] / "val.npy"), 2, 8)
+    got = protocol.decode(str(f["dir"] / "target"), drafter, prompts, 5, settings=("t0",),
                     ablate=True)
     assert set(got) == {"t0", "t0_nokv"}
     for rec in got.values():
@@ -275,7 +277,7 @@ def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
     import copy
 
     f = fake_study
-    base = k2.load_results(f["results"])["eagle3", 0]
+    base = protocol.load_results(f["results"])["eagle3", 0]
     results = {}
     for i, name in enumerate(k2.MATRIX):
         for seed in (0, 1):
@@ -288,7 +290,7 @@ def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
                 r["simulated_nokv"] = copy.deepcopy(base["simulated"])
                 sim["gate"], sim["gate_count"] = [1.0] * 3, [4.0] * 3
                 for s in ("t0", "t1_block"):
-                    r["decode"][k2.ABLATED[s]] = copy.deepcopy(r["decode"][s])
+                    r["decode"][protocol.ABLATED[s]] = copy.deepcopy(r["decode"][s])
             if name == "kv2":
                 r["probes"] = {"grad": {"objective": "ttt", **{w: {"total": 2.0, "parts": {
                     p: {"norm": 1.0, "fraction": 0.5} for p in
@@ -307,7 +309,7 @@ def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
         chains = sum(sum(results[name, s]["simulated"]["chains"]) for s in (0, 1))
         return 1 + acc / chains
 
-    d = k2.paired(results, "block_kv", "kv2", "tau_sim")
+    d = protocol.paired(results, "block_kv", "kv2", "tau_sim")
     assert d["seed_list"] == [0, 1] and d["seeds"] == 2
     assert d["estimate"] == pytest.approx(tau("block_kv") - tau("kv2"))
     assert d["lo"] <= d["estimate"] <= d["hi"]

@@ -1,12 +1,13 @@
-"""The KVShot study's run matrix, read by both benchmarks/kvshot.py (which trains it) and
-benchmarks/kvshot_report.py (which reports on it): the run names in training order and
-where each run lives."""
+"""The KVShot study's run matrix, read by both kvshot.py (which trains it) and
+kvshot_report.py (which reports on it), beside this file in benchmarks/studies/kvshot/: the
+run names in training order and where each run lives."""
 
 from __future__ import annotations
 
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 CONFIG_DIR = os.path.join(ROOT, "configs", "study")
 RUN_ROOT = os.path.join(ROOT, "runs", "study")
 # Training order: hybrid_from_eagle3 starts from eagle3's export, so eagle3 comes first.

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 
 def load_run(name: str):

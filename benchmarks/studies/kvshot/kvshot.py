@@ -1,10 +1,11 @@
 """The KVShot study (arXiv 2604.26412) on the demo target: trains the matrix of drafters in
 configs/study/ and rebuilds docs/kvshot.md from the finished runs.
 
-    python benchmarks/kvshot.py train [--only NAME ...]   # every run, skipping finished ones
-    python benchmarks/kvshot.py report [--measure]        # docs/kvshot.md + its plots
-    python benchmarks/kvshot.py matrix [--only NAME ...] [--seeds 0 1 2]   # the redone
-                                      # study: configs/study2/, runs/study2/NAME-sSEED
+    python benchmarks/studies/kvshot/kvshot.py train [--only NAME ...]  # every run, skipping
+                                                                        # finished ones
+    python benchmarks/studies/kvshot/kvshot.py report [--measure]       # docs/kvshot.md + plots
+    python benchmarks/studies/kvshot/kvshot.py matrix [--only NAME ...] [--seeds 0 1 2]
+                                      # the redone study: configs/study2/, runs/study2/NAME-sSEED
 
 `train` runs `train.py --config configs/study/NAME.yaml` for each run in RUNS order (a
 run is finished when runs/study/NAME/drafter/config.json exists; an unfinished one
@@ -21,10 +22,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 sys.path.append(ROOT)  # uninstalled checkout
 
-from benchmarks.kvshot_runs import (  # noqa: E402
+from benchmarks.studies.kvshot.kvshot_runs import (  # noqa: E402
     CONFIG_DIR,
     MATRIX,
     MATRIX_CONFIG_DIR,
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     m.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS),
                    help=f"seeds (default: {' '.join(map(str, SEEDS))})")
     sub.add_parser("report", help="rebuild docs/kvshot.md from the finished runs (options: "
-                   "python benchmarks/kvshot_report.py --help)")
+                   "python benchmarks/studies/kvshot/kvshot_report.py --help)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd in ("train", "matrix") and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     if args.cmd == "train":
         names = [n for n in RUNS if not args.only or n in args.only]
         return train_matrix(names)
-    from benchmarks import kvshot_report
+    from benchmarks.studies.kvshot import kvshot_report
 
     return kvshot_report.main(rest)
 

@@ -1,11 +1,14 @@
 """The redone KVShot study (issue 29, section 2) on a lent accelerator: trains the whole
 matrix (configs/study2/, every drafter x seeds) with a larger budget than the CPU can
 afford, in parallel processes on the one device, then measures every finished run with
-benchmarks/kvshot_study2.py, and packs what comes back under --out.
+benchmarks/studies/kvshot/kvshot_study2.py, and packs what comes back under --out.
 
-    python benchmarks/kvshot_device.py train   --out DIR --budget SECONDS [--jobs N] [--dry-run]
-    python benchmarks/kvshot_device.py measure --out DIR --budget SECONDS [--jobs N] [--dry-run]
-    python benchmarks/kvshot_device.py all     --out DIR --budget SECONDS [--jobs N] [--dry-run]
+    python benchmarks/studies/kvshot/kvshot_device.py train   --out DIR --budget SECONDS \
+        [--jobs N] [--dry-run]
+    python benchmarks/studies/kvshot/kvshot_device.py measure --out DIR --budget SECONDS \
+        [--jobs N] [--dry-run]
+    python benchmarks/studies/kvshot/kvshot_device.py all     --out DIR --budget SECONDS \
+        [--jobs N] [--dry-run]
 
 Why two steps: a device session returns at most 8 files and 64 MiB, and the 18 exported
 drafters are about 370 MB in bf16, so the weights cannot come back; every figure that needs
@@ -43,11 +46,17 @@ import sys
 import tarfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.kvshot_runs import MATRIX, MATRIX_CONFIG_DIR, SEEDS, WARM_START  # noqa: E402
+from benchmarks.studies.kvshot.kvshot_runs import (  # noqa: E402
+    MATRIX,
+    MATRIX_CONFIG_DIR,
+    SEEDS,
+    WARM_START,
+)
 from specjax import cli  # noqa: E402
 
 RUNS_ROOT = os.path.join(ROOT, "runs", "study2_device")
@@ -210,7 +219,8 @@ def measure_phase(args, root: str, results: str, deadline: float) -> bool:
             if not finished(root, n, s) or os.path.isfile(os.path.join(results,
                                                                        f"{n}-s{s}.json")):
                 continue
-            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "kvshot_study2.py"),
+            cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "kvshot_study2.py"),
                    "--runs-root", root, "--results-dir", results, "measure", "--only", n,
                    "--seeds", str(s), *extra]
             for o in overrides:

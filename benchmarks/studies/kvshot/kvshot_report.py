@@ -1,6 +1,6 @@
 """Rebuilds docs/kvshot.md's tables and plots from the finished study runs.
 
-    python benchmarks/kvshot.py report [--measure] [--only NAME ...] [--prompts N]
+    python benchmarks/studies/kvshot/kvshot.py report [--measure] [--only NAME ...] [--prompts N]
 
 Sources, per run in runs/study/NAME/: metrics.jsonl (validation alpha_k, tau and the
 hybrid's gate over training) and drafter/ (the exported best-tau drafter). With
@@ -9,7 +9,7 @@ hybrid's gate over training) and drafter/ (the exported best-tau drafter). With
     the drafter's G = 7): T=0, T=1 token verification and T=1 block verification, each
     against autoregressive decoding in the same process (--compare-ar);
   - benchmarks/profile_step.py (T=0, 2 prompts): the drafter's ms per step;
-  - the probes of benchmarks/kvshot_probes.py (KV runs).
+  - the probes of benchmarks/studies/kvshot/kvshot_probes.py (KV runs).
 Measurements are merged into docs/kvshot/results.json (committed: the report can be
 rebuilt without the runs); the markdown between `<!-- kvshot:NAME -->` and
 `<!-- /kvshot:NAME -->` markers in docs/kvshot.md is regenerated, the prose around it is
@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 sys.path.append(ROOT)
 
-from benchmarks.kvshot_runs import RUN_ROOT, RUNS, finished  # noqa: E402
+from benchmarks.studies.kvshot.kvshot_runs import RUN_ROOT, RUNS, finished  # noqa: E402
 from specjax import cli  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "kvshot.md")
@@ -141,7 +142,7 @@ def measure(names: list[str], results: dict, n_prompts: int, probes: bool,
     finally:
         os.unlink(prompts)
     if probes:
-        from benchmarks import kvshot_probes
+        from benchmarks.studies.kvshot import kvshot_probes
 
         for name in names:
             if name.startswith("kv"):
@@ -387,7 +388,7 @@ def main(argv=None) -> int:
     done = [n for n in RUNS if finished(n)]
     for name in done:
         results["runs"].setdefault(name, {})["train"] = read_run(name)
-    from benchmarks import kvshot_probes
+    from benchmarks.studies.kvshot import kvshot_probes
 
     for name in done:  # no timing involved: runs beside training
         r = results["runs"][name]
