@@ -1,6 +1,6 @@
 """medc against eagle3 on equal terms (issue 32, part 2; docs/medc.md).
 
-    python benchmarks/medc.py measure [--force]   # both runs -> benchmarks/results/medc/
+    python benchmarks/medc.py measure [--force]   # both runs -> benchmarks/results/studies/medc/
     python benchmarks/medc.py reuse               # medc with and without --draft-reuse
     python benchmarks/medc.py tree                # medc's trees: shared chain or per node
     python benchmarks/medc.py report              # the docs/medc.md sections from them
@@ -22,7 +22,7 @@ not covered).
 prompt, interleaved in one process: without reuse, with `--draft-reuse`, and
 autoregressively (one AR run shared by both), at T = 0 and T = 1 (block verification).
 Both drafter runs are ratios to the same AR run, so their difference is paired by
-prompt and machine state. It writes benchmarks/results/medc/medc_noreuse-s0.json and
+prompt and machine state. It writes benchmarks/results/studies/medc/medc_noreuse-s0.json and
 medc_reuse-s0.json (the same record layout as `measure`'s decode part, plus the reuse
 counts per prompt).
 
@@ -32,7 +32,7 @@ for medc, `Eagle3Drafter.share_tree_chain`) and with one drafter forward per fro
 node (eagle3's way). Per (K, N): the draft and step milliseconds of `Engine.step_timing`
 (median of 7 calls, the two alternating) and the loop's tokens per second on the
 held-out prompts (both ways and AR interleaved per prompt). Output:
-benchmarks/results/medc/tree.json and the `medc:tree` section of docs/medc.md.
+benchmarks/results/studies/medc/tree.json and the `medc:tree` section of docs/medc.md.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from benchmarks.lib.report import fmt, write_json  # noqa: E402
 from benchmarks.studies.kvshot import protocol  # noqa: E402
 from specjax import cli  # noqa: E402
 
-RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "medc")
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "studies", "medc")
 TREE_RESULTS = os.path.join(RESULTS_DIR, "tree.json")
 DOC = os.path.join(ROOT, "docs", "medc.md")
 RUNS = {"eagle3": (os.path.join(ROOT, "runs", "study2"), os.path.join(ROOT, "configs", "study2")),

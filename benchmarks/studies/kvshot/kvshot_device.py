@@ -17,7 +17,8 @@ records and result JSONs come back:
 
 - OUT/study_train.tar.gz: per run its config.yaml, metrics.jsonl, drafter/config.json
   (with the best-tau record) and the tail of its log, under runs/study2_device/;
-- OUT/study_measure.tar.gz: benchmarks/results/kvshot2_device/NAME-sSEED.json per run
+- OUT/study_measure.tar.gz: benchmarks/results/studies/kvshot/kvshot2_device/NAME-sSEED.json
+  per run
   (rewritten after every finished measurement, so a stop keeps what was done);
 - OUT/study_device.log: this driver's log.
 
@@ -60,7 +61,8 @@ from benchmarks.studies.kvshot.kvshot_runs import (  # noqa: E402
 from specjax import cli  # noqa: E402
 
 RUNS_ROOT = os.path.join(ROOT, "runs", "study2_device")
-RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "kvshot2_device")
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "studies", "kvshot",
+                           "kvshot2_device")
 DEVICE_OVERRIDES = ("train.batch_size=32", "train.checkpoint_every=256",
                     "train.eval_every=32")
 DRY_OVERRIDES = ("train.steps=3", "train.batch_size=2", "train.eval_every=3",
@@ -175,9 +177,9 @@ def pack_train(out: str, root: str) -> None:
 
 
 def pack_measure(out: str, results: str) -> None:
-    base = os.path.basename(results)
+    where = os.path.relpath(RESULTS_DIR, ROOT)  # where they go in the checkout
     pack(os.path.join(out, "study_measure.tar.gz"),
-         [(f"benchmarks/results/{base}/{os.path.basename(p)}", p)
+         [(f"{where}/{os.path.basename(p)}", p)
           for p in sorted(glob.glob(os.path.join(results, "*.json")))])
 
 

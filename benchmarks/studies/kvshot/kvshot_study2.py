@@ -8,7 +8,7 @@ same held-out sequences and prompts, with paired bootstrap intervals.
 
 `measure` opens only finished runs (drafter/config.json exists; a run still training is
 never read) and skips runs already measured unless --force. Per run it writes
-benchmarks/results/kvshot2/NAME-sSEED.json with, per held-out sequence or prompt:
+benchmarks/results/studies/kvshot/kvshot2/NAME-sSEED.json with, per held-out sequence or prompt:
 
 1. simulated acceptance: the trainer's own validation loss (DrafterTrainer.loss_and_stats,
    evaluation=True: TTT unrolls every position; block-wise draws `num_anchors` blocks with

@@ -37,7 +37,7 @@ from benchmarks.studies.kvshot.kvshot_runs import (  # noqa: E402
     SEEDS,
 )
 
-RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "kvshot2")
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results", "studies", "kvshot", "kvshot2")
 
 # Sizes of one run's measurement (about 3-6 minutes on 2 busy CPU cores for the demo
 # target; the report states the sizes it was given).
