@@ -40,9 +40,9 @@ This notebook
 **On Colab:** *Runtime -> Change runtime type -> TPU*, then *Runtime -> Run all*.
 It also runs on a GPU runtime (set `EXTRA = "cuda"` below) or on a CPU.
 Everything runs in this kernel's process: a TPU can be held by one process only, so the
-notebook decodes through the library (`specjax.load_target`, `specjax.load_drafter`,
-`specjax.decoding.engine.Engine`: what `decode.py` runs) and trains through `train.py`'s Python
-entry point (`train.main`) instead of starting them with `!python`.
+notebook decodes through the library (`specjax.decoding.session.build(DecodeConfig(...))`:
+the decoding session that `decode.py` runs, with `decode.py`'s options) and trains through
+`train.py`'s Python entry point (`train.main`) instead of starting them with `!python`.
 
 With the environment variable `SPECJAX_QUICK=1` every step shrinks (2 prompts of 32 new
 tokens, 2 training steps on a 377 kB corpus) so that the whole notebook runs in a few
@@ -113,69 +113,47 @@ for d in jax.devices():
     ("demo-md", "md", """\
 ## 3. The demo: target + its best drafter
 
-The demo is what `decode.py` runs with its defaults, here as library calls: target
-`checkpoints/demo/target` (`specjax.load_target`), drafter
-`checkpoints/demo/drafters/eagle3` (`specjax.load_drafter(None, target)`: the best
-bundled one, G = 7 draft tokens per step), greedy decoding of the bundled held-out
-prompts (`specjax.read_prompts`) with `specjax.decoding.engine.Engine`, and autoregressive
-decoding of the same prompts interleaved for the speedup. The summary gives tokens/s (compilation excluded), tau (tokens per
-target forward, bonus token included), alpha_k (acceptance rate at draft position k given
-the earlier ones were accepted), the speedup over autoregressive decoding, and whether
-the outputs are identical to it.
+The demo is `python decode.py` with its defaults, here as a library call:
+`DecodeConfig()` holds every `decode.py` option at its default (its fields are
+`decode.py`'s flags), `build` makes the session, `session.run` decodes. The defaults:
+target `checkpoints/demo/target`, the best bundled drafter
+`checkpoints/demo/drafters/eagle3` (trained for G = 7 draft tokens per step), `--gamma
+auto` (every step picks its draft length, 0 to 7, by expected tokens per millisecond from
+a cost table the session measures once and caches; docs/adaptive.md), greedy decoding of
+the bundled held-out prompts with EOS on, and autoregressive decoding of the same prompts
+interleaved batch by batch for the speedup. Only the number of prompts and of new tokens
+differ from `decode.py`'s defaults, and only in quick mode (`max_new_tokens=32`, the
+first 2 prompts). The summary is `decode.py`'s: tokens/s (compilation excluded), tau
+(tokens per target forward, bonus token included), the draft lengths chosen, alpha_k
+(acceptance rate at draft position k given the earlier ones were accepted), the speedup
+over autoregressive decoding, and whether the outputs are identical to it.
 
 On CPU the target runs float32 and the outputs are identical. On TPU it runs bfloat16
 (`dtype="auto"`), where a one-token and a multi-token forward may round differently, so
-a few outputs can differ from the autoregressive ones; pass `dtype="float32"` to
-`load_target` for the exact check. Both loops are compiled before the first prompt (`compile (s)` in the
-summary); tokens/s excludes it."""),
+a few outputs can differ from the autoregressive ones; pass `DecodeConfig(dtype="float32")`
+for the exact check. Both loops are compiled before the first prompt (`compile (s)` in
+the summary); tokens/s excludes it."""),
     ("demo", "code", """\
 import json
 
-from specjax import load_drafter, load_target, read_prompts
-from specjax.decoding.engine import Engine, Stats, prompt_width_for
+from specjax.decoding.options import DecodeConfig
+from specjax.decoding.report import format_summary, title
+from specjax.decoding.session import build
 
 WORK = os.environ.get("SPECJAX_WORK", "/tmp/specjax_colab")  # everything this notebook writes
 os.makedirs(WORK, exist_ok=True)
-n_prompts, new_tokens = (2, 32) if QUICK else (50, 128)
-target = load_target()  # the bundled target; dtype "auto": float32 on CPU, bf16 on TPU/GPU
-prompts = read_prompts(target.tokenizer, target.cfg.vocab_size)[:n_prompts]  # bundled
-spec = load_drafter(None, target)  # the best bundled drafter and the G it was trained for
-longest = max(len(ids) for _, ids in prompts)
-max_length = longest + new_tokens
-common = dict(max_length=max_length, prompt_width=prompt_width_for(longest, max_length),
-              eos_token_ids=target.cfg.eos_token_ids)
-engines = {"main": Engine(target.model, drafter=spec.drafter, drafter_params=spec.params,
-                          **common),
-           "ar": Engine(target.model, **common)}
-stats = {name: Stats() for name in engines}
-outputs = {name: [] for name in engines}
-for name, eng in engines.items():
-    stats[name].compile_s = eng.compile()
-for i, (_, ids) in enumerate(prompts):  # interleaved, so both see the same machine state
-    key = jax.random.fold_in(jax.random.key(0), i)
-    for name, eng in engines.items():
-        out = eng.run([ids], new_tokens, key)
-        stats[name].add(out)
-        outputs[name].extend(out.outputs)
-st, ar = stats["main"], stats["ar"]
-demo = {"new_tokens": st.new_tokens, "wall_s": st.wall_s, "compile_s": st.compile_s,
-        "tokens_per_s": st.tokens_per_s, "tau": st.tau, "alpha": st.alpha,
-        "drafter": spec.name, "gamma": spec.gamma, "prompts": len(prompts),
-        "ar_tokens_per_s": ar.tokens_per_s, "speedup": st.tokens_per_s / ar.tokens_per_s,
-        "ar_identical": outputs["ar"] == outputs["main"]}
+n_prompts, new_tokens = (2, 32) if QUICK else (50, 128)  # 50 x 128: decode.py's defaults
+session = build(DecodeConfig(max_new_tokens=new_tokens))  # every other option: decode.py's
+prompts, chat = session.read_prompts()  # the bundled held-out prompts
+report = session.run(prompts[:n_prompts], chat=chat)  # loads, compiles, calibrates, decodes
+demo = report.summary  # what `decode.py --summary FILE` writes
 with open(os.path.join(WORK, "demo_summary.json"), "w") as f:
     json.dump(demo, f, indent=2)
-print(f"=== prompt {prompts[0][0]}: completion ({len(outputs['main'][0])} tokens)")
-print(target.tokenizer.decode(outputs["main"][0], skip_special_tokens=True))
-print(f"\\nsummary ({spec.name}, G={spec.gamma}, greedy):")
-for label, value in [
-        ("new tokens", demo["new_tokens"]), ("compile (s)", f"{st.compile_s:.2f}"),
-        ("tokens/s", f"{st.tokens_per_s:.1f}"), ("tau (tokens/step)", f"{st.tau:.3f}"),
-        ("alpha_k", " ".join("-" if a is None else f"{a:.2f}" for a in st.alpha)),
-        ("AR tokens/s", f"{ar.tokens_per_s:.1f}"),
-        ("speedup over AR", f"{demo['speedup']:.2f}x"),
-        ("identical to AR", demo["ar_identical"])]:
-    print(f"  {label:<20}  {value}")"""),
+first = report.records[0]
+print(f"=== prompt {first['id']}: completion ({len(first['output_ids'])} tokens)")
+print(first["text"])
+print("\\n" + title(demo))
+print(format_summary(demo))"""),
     ("train-md", "md", """\
 ## 4. Train a drafter on a mesh of all devices
 
@@ -257,8 +235,8 @@ display(Image(filename=png))"""),
     ("next-md", "md", """\
 ## Next
 
-- Decode with the drafter just trained: `load_drafter(f"{run_dir}/drafter", target)`
-  in place of `spec` in section 3 (or `python decode.py --drafter DIR` in a shell).
+- Decode with the drafter just trained: `build(DecodeConfig(drafter=f"{run_dir}/drafter"))`
+  in place of section 3's session (or `python decode.py --drafter DIR` in a shell).
 - Train it for longer (`train.steps`, and `train.eval_every` for more lines in the
   plot), or another kind: `configs/drafters/block.yaml` (DFlash-style block drafter),
   `kv.yaml`, `hybrid.yaml`.
