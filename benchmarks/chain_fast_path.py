@@ -5,15 +5,17 @@ node (`specjax.decoding.loop.step.step_phases(chain_as_tree=True)`), in ONE proc
     python benchmarks/chain_fast_path.py                 # eagle3, G 7, 8 prompts x 128 tokens
     python benchmarks/chain_fast_path.py --prompts 4 --json out/chain.json
 
-Batch 1, T = 0, f32 target, EOS on, the bundled prompts; each prompt runs both programs in
+Batch 1, f32 target, EOS on, the bundled prompts (--kernels, --temperature: the
+verification path and the sampling); each prompt runs both programs in
 alternating order after one untimed warm-up of each; the figure is tokens/s over all
 prompts and the ratio fast / tree. Greedy outputs must be identical (both are lossless).
 Progress goes to stderr, the result to stdout; --json writes it
-(benchmarks/results/chain_fast_path.json by default).
+(benchmarks/results/studies/redesign_51/chain_fast_path_off_t0.json by default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +38,8 @@ from specjax.decoding.options import DecodeConfig  # noqa: E402
 from specjax.decoding.session import build  # noqa: E402
 from specjax.fileio import atomic_write, check_output_file  # noqa: E402
 
-OUT = os.path.join(ROOT, "benchmarks", "results", "chain_fast_path.json")
+OUT = os.path.join(ROOT, "benchmarks", "results", "studies", "redesign_51",
+                   "chain_fast_path_off_t0.json")
 
 
 def program(graphdef, drafter, cfg, chain_as_tree: bool):
@@ -58,6 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--kernels", choices=("off", "reference"), default="off",
+                    help="the loop's verification path (reference: the fused jnp twin of the "
+                         "Pallas verifier, decode.py's default on CPU; chains only)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above it block verification (K = 1 trees: the same rule)")
     ap.add_argument("--json", default=OUT)
     args = ap.parse_args(argv)
     check_output_file(args.json, "--json")
@@ -69,8 +77,14 @@ def main(argv=None) -> int:
     drafter, dparams = session.drafter, session.loaded.params
     width = prompt_width_for(max(len(p) for _, p in prompts),
                              max(len(p) for _, p in prompts) + args.new_tokens)
+    from specjax.core.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature)
+    if not sampling.greedy:
+        drafter = dataclasses.replace(drafter, sampling=sampling)
     cfg = LoopConfig(max_length=width + args.new_tokens, prompt_width=width,
-                     eos_token_ids=tuple(session.model_cfg.eos_token_ids), verify="greedy")
+                     eos_token_ids=tuple(session.model_cfg.eos_token_ids), verify="block",
+                     sampling=sampling, kernels=args.kernels)
     programs = {"chain": program(graphdef, drafter, cfg, False),
                 "tree": program(graphdef, drafter, cfg, True)}
     budgets = jnp.asarray([args.new_tokens], jnp.int32)
@@ -97,10 +111,12 @@ def main(argv=None) -> int:
         print(f"[chain_fast_path] prompt {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     rate = {name: t[1] / t[0] for name, t in totals.items()}
     result = {"drafter": args.drafter, "gamma": args.gamma, "prompts": len(prompts),
+              "kernels": args.kernels, "temperature": args.temperature,
               "new_tokens": args.new_tokens,
               "tokens_per_s": {k: round(v, 2) for k, v in rate.items()},
               "tau": {k: round(t[1] / max(t[2], 1), 3) for k, t in totals.items()},
               "fast_over_tree": round(rate["chain"] / rate["tree"], 3),
+              # greedy: identical outputs; sampled: both exact, the draws may differ
               "identical": outputs["chain"] == outputs["tree"],
               "environment": environment([usable_cores()])}
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1))
