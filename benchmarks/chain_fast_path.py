@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     session = build(DecodeConfig(drafter=args.drafter, gamma=args.gamma, compare_ar=False))
     prompts, _ = session.read_prompts()
     prompts = prompts[:args.prompts]
-    session._load()
+    session.load()
     graphdef, params = nnx.split(session.target.model)
     drafter, dparams = session.drafter, session.loaded.params
     width = prompt_width_for(max(len(p) for _, p in prompts),

@@ -4,7 +4,6 @@ outputs, and the adaptive schedule's cost table (read, or measured once and cach
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -46,17 +45,14 @@ class EngineSet:
     calibrated_s: its provenance for the report."""
 
     def __init__(self, session, engines: dict, schedule, table, max_new_tokens: int,
-                 mesh=None):
+                 mesh=None, measured_at: str | None = None):
         self.session, self.engines, self.schedule, self.table = session, engines, schedule, table
         self.mesh = mesh
         self.max_new_tokens = max_new_tokens
         self.stats = {name: Stats() for name in engines}
         self.outputs = {name: [] for name in engines}
-        self.measured_at, self.table_written, self.relative = None, False, None
+        self.measured_at, self.table_written, self.relative = measured_at, False, None
         self.calibrated_s = None
-        if table is not None and os.path.isfile(table):
-            with open(table) as f:  # read_table has checked that it is a JSON object
-                self.measured_at = json.load(f).get("measured_at")
 
     @property
     def main(self) -> Engine | AdaptiveEngine:
@@ -134,7 +130,7 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
     common = dict(sampling=session.sampling, verify=session.rule(), max_length=max_length,
                   prompt_width=prompt_width, batch_size=c.batch_size, eos_token_ids=eos,
                   kernels=c.kernels, mesh=mesh)
-    schedule = table = costs = baseline = alpha = None
+    schedule = table = costs = baseline = alpha = measured_at = None
     if c.adaptive and drafter is not None:
         schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
         table = c.cost_table or default_cost_table(session, schedule, max_length, prompt_width)
@@ -142,6 +138,7 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
             costs = adaptive.read_table(table, schedule.choices)
             baseline = adaptive.read_baseline(table)
             alpha = adaptive.read_alpha(table, schedule.gamma)
+            measured_at = adaptive.read_field(table, "measured_at")
     target = session.target.model
     # alpha0: the acceptance the table's calibration observed (the first run's estimates,
     # and where they drift while batches fall back)
@@ -155,4 +152,4 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
         # compilation for both)
         engines["ar"] = main.fallback_engine() if schedule is not None else Engine(target,
                                                                                    **common)
-    return EngineSet(session, engines, schedule, table, c.max_new_tokens, mesh)
+    return EngineSet(session, engines, schedule, table, c.max_new_tokens, mesh, measured_at)

@@ -19,8 +19,8 @@ def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) ->
            "tau": st.tau if drafter is not None else None,
            "alpha": st.alpha if drafter is not None else [],
            "drafter": loaded.name, "gamma": loaded.gamma if drafter is not None else 0,
-           "verify": c.verify if c.verify == "fly" else "greedy" if greedy else c.verify,
-           "lossy": c.verify == "fly" or partial is not None,
+           "verify": main.cfg.rule().name,
+           "lossy": main.cfg.lossy,
            "fly": ({"window": main.cfg.verify.window,
                     "entropy_threshold": main.cfg.verify.threshold}
                    if c.verify == "fly" else None),

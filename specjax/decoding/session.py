@@ -122,7 +122,7 @@ class Session:
                 "--allow-long-context to run anyway")
         return max_length, prompt_width_for(longest, max_length)
 
-    def _load(self) -> None:
+    def load(self) -> None:
         """The target's and the drafter's weights, once per session."""
         if self.target is not None:
             return
@@ -190,7 +190,7 @@ class Session:
         key = (*shapes, chat)
         if key not in self._engines:
             check_memory(self.cfg, self.model_cfg, self.dtype, *shapes)
-            self._load()
+            self.load()
             self._engines[key] = build_engines(self, *shapes, self.eos_ids(chat))
         return self._engines[key]
 

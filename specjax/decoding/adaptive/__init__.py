@@ -38,6 +38,7 @@ from specjax.decoding.adaptive.policy import (
 from specjax.decoding.adaptive.table import (
     read_alpha,
     read_baseline,
+    read_field,
     read_table,
     table_key,
     write_table,
@@ -47,5 +48,5 @@ __all__ = ["FALLBACK_DRIFT", "MARGIN_RANGE", "NOISY_SPREAD", "POLICIES", "AdaptS
            "Baseline", "GammaSchedule", "calibration_batch", "calibration_spread", "choose",
            "default_choices", "drift_to_prior", "expected_max_normal", "expected_tokens",
            "finish_time", "fit_costs", "init_state", "measured_margin", "observe",
-           "predicted_ms", "read_alpha", "read_baseline", "read_table", "speculation_pays",
+           "predicted_ms", "read_alpha", "read_baseline", "read_field", "read_table", "speculation_pays",
            "table_key", "token_variance", "with_gamma", "write_table"]

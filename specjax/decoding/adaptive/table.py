@@ -45,7 +45,7 @@ def read_table(path: str, choices: tuple[int, ...]) -> list[float]:
     return out
 
 
-def _optional_field(path: str, name: str):
+def read_field(path: str, name: str):
     """The cost table's top-level `name` (None where absent). Raises: SpecjaxError (one
     line) for an unreadable file."""
     try:
@@ -62,7 +62,7 @@ def read_baseline(path: str) -> Baseline | None:
     has none (a table written by hand, or by an older specjax): then every batch runs
     the speculative program. Raises: SpecjaxError (one line) for a baseline that is not
     three numbers >= 0 (and a margin in [0, 1))."""
-    raw = _optional_field(path, "baseline")
+    raw = read_field(path, "baseline")
     if raw is None:
         return None
     try:
@@ -81,7 +81,7 @@ def read_alpha(path: str, gamma: int):
     which seeds `AdaptiveEngine.alpha0` in place of the prior; None where the table has none.
     Raises: SpecjaxError (one line) for an unreadable file or an alpha that is not G
     numbers in [0, 1]."""
-    raw = _optional_field(path, "alpha")
+    raw = read_field(path, "alpha")
     if raw is None:
         return None
     if (not isinstance(raw, list) or len(raw) != max(gamma, 1)

@@ -182,7 +182,9 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         tree_rule = rule.tree_rule(
             max_depth=G, max_children=drafter.max_children if own_tree else cfg.num_drafts,
             drafts=not own_tree)
-        tree_update = getattr(drafter, "update_after_tree", drafter.update)
+    if drafter is not None:  # after a tree of proposals whose states were dropped
+        drafter_update = (getattr(drafter, "update_after_tree", drafter.update)
+                          if tree_mode and not chain_as_tree else drafter.update)
     offsets = jnp.arange(G + 1, dtype=jnp.int32)
 
     def keys(s: LoopState):
@@ -224,11 +226,13 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         model = nnx.merge(graphdef, params)
         key, _, k_verify = keys(s)
         base = s.lengths - 1  # the pending token's (the root's) position and slot
-        drafter_state = s.drafter_state if tree_mode else proposal.state
-        if chain_as_tree:  # the chain as the tree with one child per node (a measurement)
+        if isinstance(proposal, Chain):  # the drafter's state after proposing
             drafter_state = proposal.state
-            proposal = chain_tree(take_rows(s.tokens, base), proposal.draft,
-                                  None if cfg.sampling.greedy else proposal.q)
+            if chain_as_tree:  # the tree with one child per node (a measurement)
+                proposal = chain_tree(take_rows(s.tokens, base), proposal.draft,
+                                      None if cfg.sampling.greedy else proposal.q)
+        else:  # a tree: its proposals' states were dropped
+            drafter_state = s.drafter_state
         if tree_mode:
             fed, positions = proposal.tokens, base[:, None] + proposal.depths
             mask = ancestor_mask(proposal, G)
@@ -276,7 +280,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         with jax.named_scope("drafter_update"):
             if update is not None:
                 return update(drafter_params, new, after, tau)
-            fn = tree_update if tree_mode and not chain_as_tree else drafter.update
-            return new.replace(drafter_state=fn(drafter_params, new.drafter_state, after, tau))
+            return new.replace(drafter_state=drafter_update(drafter_params, new.drafter_state,
+                                                            after, tau))
 
     return Phases(start, propose, finish)
