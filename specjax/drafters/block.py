@@ -12,7 +12,9 @@ its own block and to a context of committed positions strictly before the pendin
   both:   both sources, concatenated along S.
 
 Logits at block positions 1..G are the draft distributions (each position sampled on its
-own: q_k does not depend on x_<k, which keeps the verifiers lossless). Decoding state:
+own: q_k does not depend on x_<k, which keeps the verifiers lossless), or, with DFlash2's
+path selector (`selector_rank` > 0, `specjax.drafters.selector`), the chain is chosen left
+to right among each position's top-K candidates with q_k conditioned on x_{k-1}. Decoding state:
 the context K/V of committed positions, [Ld,B,K,S,H] per source, extended per
 verification for the newly committed positions only.
 """
@@ -28,7 +30,7 @@ from flax import nnx, struct
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
 from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
-from specjax.drafters import registry
+from specjax.drafters import registry, selector
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
@@ -42,7 +44,8 @@ from specjax.models.matmul import linear
 
 class BlockNet(nnx.Module):
     """Ld layers (weights.layer_weights), final_norm [D]; context hidden/both adds fc
-    [D,C*D] and hidden_norm [D]; kv/both adds merge_k/merge_v [Ld,K*H,Ls*K*H]."""
+    [D,C*D] and hidden_norm [D]; kv/both adds merge_k/merge_v [Ld,K*H,Ls*K*H]; a path
+    selector (selector_rank R > 0) adds sel_pred, sel_succ [V,R] and sel_proj [D,R]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -55,6 +58,21 @@ class BlockNet(nnx.Module):
         if cfg.uses_kv:
             self.merge_k, self.merge_v = merge_init(cfg, dtype)
         self.final_norm = ones((D,), dtype)
+        if cfg.selector_rank:
+            R, V = cfg.selector_rank, cfg.vocab_size
+            self.sel_pred = normal(rngs, (V, R), dtype)
+            self.sel_succ = normal(rngs, (V, R), dtype)
+            self.sel_proj = normal(rngs, (D, R), dtype)
+
+    def selector(self):
+        """(pred, succ, proj) of the path selector, or None without one."""
+        if not self.cfg.selector_rank:
+            return None
+        return self.sel_pred[...], self.sel_succ[...], self.sel_proj[...]
+
+    def final_hidden(self, out):
+        """The final-normed outputs [...,D] the selector reads."""
+        return layers.rms_norm(out, self.final_norm[...], self.cfg.rms_norm_eps)
 
     def logits(self, out, head):
         return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
@@ -172,6 +190,10 @@ class BlockDrafter(LearnedDrafter):
 
     def block_logits(self, params, state, view):
         """f32[B,G,V]: the draft logits of block positions 1..G (one forward)."""
+        return self.block_outputs(params, state, view)[1]
+
+    def block_outputs(self, params, state, view):
+        """(outputs [B,G,D] pre-norm, logits f32[B,G,V]) of block positions 1..G."""
         net = self.net(params)
         G, B = self.gamma, view.lengths.shape[0]
         offsets = jnp.arange(G + 1, dtype=jnp.int32)
@@ -188,10 +210,19 @@ class BlockDrafter(LearnedDrafter):
                 contexts.append(((cache.k, cache.v), visible))
         out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
                             params["inv_freq"], self.attention)
-        return self.logits(net, out[:, 1:], params)  # [B,G,V]
+        return out[:, 1:], self.logits(net, out[:, 1:], params)  # [B,G,D], [B,G,V]
 
     def propose(self, params, state, view, key, first_rank=None):
-        logits = self.block_logits(params, state, view)
+        out, logits = self.block_outputs(params, state, view)
+        net = self.net(params)
+        if net.selector() is not None:  # DFlash2: the chain left to right, q_k | x_{k-1}
+            if first_rank is not None:
+                raise ValueError("a block drafter with a path selector drafts one chain: "
+                                 "--num-drafts must be 1")
+            draft, q = selector.draft_chain(*net.selector(), self.cfg.selector_top_k,
+                                            net.final_hidden(out), logits, view.pending,
+                                            key, self.sampling)
+            return draft, q, state
         keys = jax.random.split(key, self.gamma)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)
@@ -212,6 +243,9 @@ class BlockDrafter(LearnedDrafter):
         (`specjax.core.tree.tree_from_candidates`). q: one-hot at each node's token
         above temperature 0 (deterministic choices), None at 0. `key` is unused."""
         del key
+        if self.cfg.selector_rank:
+            raise ValueError("a block drafter with a path selector drafts one chain: "
+                             "--tree-topk is not supported")
         G, K = self.gamma, topk
         logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
         B, V = logp.shape[0], logp.shape[-1]

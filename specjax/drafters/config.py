@@ -61,6 +61,9 @@ class DrafterConfig:
       context: block only: "hidden", "kv" or "both".
       mask_token_id: block only: the id whose (frozen) target embedding fills the G
         draft slots of a block; the tokenizer's pad token by default.
+      selector_rank: block only: R of DFlash2's path selector (`specjax.drafters.selector`;
+        0: none, each block position drafted on its own).
+      selector_top_k: block only: K candidates per position the selector scores.
       qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3-style, the default);
         False for EAGLE-3 heads trained in Llama layout (SafeAILab/EAGLE, SpecForge).
       target_num_layers: L of the target it was built for (checked at load).
@@ -83,6 +86,8 @@ class DrafterConfig:
     context: str | None = None
     mask_token_id: int | None = None
     qk_norm: bool = True
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     def __post_init__(self):
         def is_int(v):
@@ -109,6 +114,15 @@ class DrafterConfig:
         if self.mask_token_id is not None and not is_int(self.mask_token_id):
             raise SpecjaxError(f"drafter mask_token_id={self.mask_token_id!r} must be a "
                                "token id or null")
+        for name in ("selector_rank", "selector_top_k"):
+            if not is_int(getattr(self, name)):
+                raise SpecjaxError(f"drafter {name}={getattr(self, name)!r} must be an integer")
+        if self.selector_rank < 0 or (self.selector_rank and
+                                      not 1 <= self.selector_top_k <= self.vocab_size):
+            raise SpecjaxError(f"drafter selector_rank={self.selector_rank} must be >= 0 and "
+                               f"selector_top_k={self.selector_top_k} in [1, {self.vocab_size}]")
+        if self.selector_rank and self.kind != "block":
+            raise SpecjaxError(f"selector_rank is a block drafter setting, not {self.kind}'s")
         if not isinstance(self.qk_norm, bool):
             raise SpecjaxError(f"drafter qk_norm={self.qk_norm!r} must be true or false")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
@@ -216,6 +230,8 @@ class DrafterConfig:
         out["capture"], out["kv_layers"] = list(self.capture), list(self.kv_layers)
         if self.qk_norm:
             del out["qk_norm"]  # the default: drafter dirs written before it stay identical
+        if not self.selector_rank:  # likewise
+            del out["selector_rank"], out["selector_top_k"]
         return {"format": FORMAT, **out}
 
     @classmethod

@@ -280,6 +280,8 @@ class DrafterTrainConfig:
       ttt_positions: ttt only: chains unrolled per sequence per step, at random anchors
         resampled every step (None: every position, as EAGLE-3). The LM head of every
         unroll step dominates the cost; 64 of 256 positions cut it 4x.
+      selector_rank, selector_top_k: block only: DFlash2's path selector (rank R over the
+        top-K candidates of each block position, `specjax.drafters.selector`; rank 0: none).
       qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
         drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
         --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
@@ -300,6 +302,8 @@ class DrafterTrainConfig:
     ttt_decay: float = 0.8
     ttt_positions: int | None = None
     qk_norm: bool = True
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     def __post_init__(self):
         from specjax.drafters import registry
@@ -348,6 +352,9 @@ class DrafterTrainConfig:
                 num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
                 qk_norm=self.qk_norm)
             override = {}
+            if self.selector_rank:
+                override.update(selector_rank=self.selector_rank,
+                                selector_top_k=self.selector_top_k)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
                 value = getattr(self, name)
                 if value is None:

@@ -2,6 +2,7 @@
 autoregressive decoding token for token, for every kind, G in {1, 3, 5}, ragged budgets
 and EOS; random-init drafters are enough for identity (the verifier decides)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -23,14 +24,17 @@ from tests.decoding.test_speculative_greedy import (
 )
 
 KINDS = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
-         ("block", "kv"), ("block", "both")]
+         ("block", "kv"), ("block", "both"), ("block", "selector")]
 
 
 @functools.cache
 def drafter_net(kind, context, seed=0):
     target, _ = models()
-    dcfg = DrafterConfig.for_target(target.cfg, kind, context=context, gamma=3,
-                                    mask_token_id=1 if kind == "block" else None)
+    selector = context == "selector"  # block, hidden context, DFlash2's path selector
+    dcfg = DrafterConfig.for_target(target.cfg, kind, context="hidden" if selector else context,
+                                    gamma=3, mask_token_id=1 if kind == "block" else None)
+    if selector:
+        dcfg = dataclasses.replace(dcfg, selector_rank=8, selector_top_k=4)
     return dcfg, build_network(dcfg, rngs=nnx.Rngs(seed))
 
 

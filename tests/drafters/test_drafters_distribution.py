@@ -5,6 +5,7 @@ under token and block verification (same harness as tests/decoding/test_distribu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,10 +31,13 @@ from tests.decoding.test_distribution import (
 
 
 @functools.cache
-def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None, stop: float = 0.0):
+def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None, stop: float = 0.0,
+             selector: tuple[int, int] | None = None):
     target = _models()[0]
     dcfg = DrafterConfig.for_target(du.CFG, kind, gamma=gamma,
                                     mask_token_id=PAD if kind == "block" else None)
+    if selector is not None:  # DFlash2's path selector: (rank, top-K)
+        dcfg = dataclasses.replace(dcfg, selector_rank=selector[0], selector_top_k=selector[1])
     net = build_network(dcfg, rngs=nnx.Rngs(7))
     state = nnx.state(net, nnx.Param)
     nnx.update(net, jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 and x.shape[-1] != x.shape[-2]
@@ -42,9 +46,9 @@ def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None, stop: fl
                         stop_below=stop)
 
 
-def _tokens(kind, verify, gamma, hot=None, stop=0.0):
+def _tokens(kind, verify, gamma, hot=None, stop=0.0, selector=None):
     _, _, graphdef, params = _models()
-    drafter, dparams = _learned(kind, gamma, hot, stop)
+    drafter, dparams = _learned(kind, gamma, hot, stop, selector)
     lc = LoopConfig(max_length=len(PROMPT) + N_NEW, prompt_width=PROMPT_WIDTH, sampling=PLAIN,
                     verify=verify)
     prompt = np.full((PROMPT_WIDTH,), PAD, np.int32)
@@ -87,3 +91,28 @@ def test_early_stop_sampling_is_lossless(verify):
     """--draft-stop: the fillers after an early stop (one-hot q) keep the output
     distribution exactly the target's, for token and block verification."""
     _assert_lossless(*_tokens("eagle3", verify, 3, stop=0.8), f"early stop {verify}")
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_path_selector_sampling_is_lossless(verify):
+    """DFlash2's path selector (rank 4 over the top-3 of 6 ids): each draft's q is the
+    selector's distribution given the token drafted before it, so the output follows the
+    target's exact distribution."""
+    _assert_lossless(*_tokens("block", verify, 3, selector=(4, 3)), f"selector {verify}")
+
+
+def test_path_selector_with_the_unconditioned_q_fails(monkeypatch):
+    """Power check: reporting the block's own distribution as q (not the selector's, which
+    the drafts were drawn from) must be caught by the same test."""
+    from specjax.core.sampling import filtered_probs
+    from specjax.drafters import selector
+
+    real = selector.draft_chain
+
+    def wrong(pred, succ, proj, top_k, h, logits, first, key, sampling):
+        draft, _ = real(pred, succ, proj, top_k, h, logits, first, key, sampling)
+        return draft, filtered_probs(logits, sampling)
+
+    monkeypatch.setattr(selector, "draft_chain", wrong)
+    with pytest.raises(AssertionError):
+        _assert_lossless(*_tokens("block", "token", 3, selector=(5, 3)), "selector wrong q")

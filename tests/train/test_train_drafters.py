@@ -31,7 +31,9 @@ TINY = os.path.join(ROOT, "configs", "test_tiny_drafter.yaml")
 STEPS = 5
 # (objective, drafter settings) of the two drafters the runs train
 KINDS = {"eagle3": ("ttt", ["drafter.kind=eagle3"]),
-         "block": ("block", ["drafter.kind=block", "drafter.num_anchors=4"])}
+         "block": ("block", ["drafter.kind=block", "drafter.num_anchors=4"]),
+         "block_selector": ("block", ["drafter.kind=block", "drafter.num_anchors=4",
+                                      "drafter.selector_rank=8", "drafter.selector_top_k=4"])}
 
 
 @pytest.fixture(scope="module")
@@ -482,3 +484,23 @@ def test_init_from_other_target_when_asked(runs, setup, tmp_path):
     res = train(load_config(TINY, base + ["train.init_from_other_target=true"],
                             run_dir=str(tmp_path / "refit")), progress=False)
     assert np.isfinite(res.losses[2])
+
+
+def test_block_with_path_selector_trains_exports_and_loads(runs):
+    """DFlash2's path selector trains with the block (its loss falls), is exported with the
+    selector's weights and config, and loads back as the same network."""
+    from safetensors.numpy import load_file
+
+    from specjax.drafters.io import load_drafter
+
+    res = runs("block_selector", (1, 1, 1))
+    losses = [res.losses[s] for s in sorted(res.losses)]
+    assert losses[-1] < losses[0]
+    raw = json.load(open(os.path.join(res.export_dir, "config.json")))
+    assert raw["selector_rank"] == 8 and raw["selector_top_k"] == 4
+    tensors = load_file(os.path.join(res.export_dir, "model.safetensors"))
+    assert tensors["sel_pred"].shape == (320, 8) and tensors["sel_proj"].shape == (32, 8)
+    dcfg, params, _ = load_drafter(res.export_dir)
+    assert dcfg.selector_rank == 8
+    np.testing.assert_array_equal(np.asarray(params["sel_succ"].get_value()),
+                                  tensors["sel_succ"])

@@ -7,7 +7,9 @@ token at anchor_j + k: soft label softmax(target logits at anchor_j + k - 1), or
 label the data token. Loss weights w_k = exp(-(k-1) / gamma_w); the loss is the
 w-weighted mean over all block positions (with a loss mask, over the block positions
 whose token has mask 1; anchors a with mask[a+1] = 1 are drawn first, and a block counts
-in the statistics only when all its G predicted tokens have mask 1).
+in the statistics only when all its G predicted tokens have mask 1). With DFlash2's path
+selector (`specjax.drafters.selector`), its cross-entropy over each position's candidates
+is added to the block's (same weights), and the statistics count the selector's picks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+
+from specjax.drafters import selector
 
 
 def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int,
@@ -60,7 +64,16 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         hard = jnp.take_along_axis(rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, hard)
     w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / gamma_w)
-    match = jnp.argmax(logits, axis=-1) == jnp.argmax(tl, axis=-1)  # [B,A,G]
+    best = jnp.argmax(tl, axis=-1).astype(jnp.int32)  # the target's greedy tokens [B,A,G]
+    match = jnp.argmax(logits, axis=-1) == best  # [B,A,G]
+    if net.selector() is not None:  # DFlash2: its CE joins the block's; its picks decide
+        labels = best if soft else jnp.take_along_axis(
+            rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
+        first = jnp.take_along_axis(rows, anchors, axis=1)
+        sel_ce, match = selector.train_terms(*net.selector(), net.cfg.selector_top_k,
+                                             net.final_hidden(out[:, :, 1:]), logits,
+                                             first, labels, best)
+        ce = ce + sel_ce
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
     if mask is None:
         loss = jnp.sum(ce * w) / (jnp.sum(w) * B * anchors.shape[1])

@@ -1,0 +1,95 @@
+"""DFlash2's path selector over a block's candidates (z-lab/dflash `dflash/model.py`,
+`CandidateSelector`): the block forward drafts every position at once, so position k's
+distribution cannot see the token drafted at k-1; the selector adds that dependency back
+at the cost of a rank-R product per position, no extra transformer forward.
+
+Per block position k (1..G), with h_k the block's final-normed output [D] and prev the
+token chosen at k-1 (the block's first, committed token for k = 1):
+
+    candidates c_1..c_K = top-K of the block's logits at k          (`selector_top_k`)
+    score(c) = logit_k(c) + < pred[prev] * (h_k @ proj), succ[c] >  (rank R, `selector_rank`)
+
+pred, succ [V,R] (the predecessor and successor codebooks) and proj [D,R] are the
+selector's own weights. Drafting walks the block left to right: at temperature 0 the
+argmax candidate, above it a sample of the sampling filter over the K scores (every other
+token -inf), whose distribution is the q that verification needs: q_k depends on x_{k-1},
+the draft is a proper sequential proposal, and the verifiers stay exact.
+
+Training (`train_terms`): teacher forcing (prev = the label at k-1), the label inserted
+among the candidates in place of the K-th when the top-K misses it (so that every
+position has a target), cross-entropy over the K scores. DFlash2's trainer is not public;
+this follows the paper's description (the gold token inserted, rank-limited scoring).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from specjax.core.sampling import SamplingParams, sample_logits
+
+
+def scores(pred, succ, proj, h, prev, cand, unary):
+    """f32[...,K]: unary [...,K] + <pred[prev] * (h @ proj), succ[cand]>.
+
+    pred, succ: [V,R]; proj: [D,R]; h: [...,D]; prev: i32[...]; cand: i32[...,K]."""
+    ph = jnp.take(pred, prev, axis=0).astype(jnp.float32) * \
+        (h.astype(jnp.float32) @ proj.astype(jnp.float32))  # [...,R]
+    sc = jnp.take(succ, cand, axis=0).astype(jnp.float32)  # [...,K,R]
+    return unary.astype(jnp.float32) + jnp.einsum("...r,...kr->...k", ph, sc)
+
+
+def draft_chain(pred, succ, proj, top_k: int, h, logits, first, key,
+                sampling: SamplingParams):
+    """A chain drafted left to right through the selector.
+
+    Args:
+      pred, succ [V,R], proj [D,R]: the selector's weights.
+      h: [B,G,D] the block's final-normed outputs at positions 1..G;
+      logits: f32[B,G,V] the block's draft logits there; first: i32[B] the block's
+        committed first token; key: PRNG key (unused at temperature 0).
+    Returns: draft i32[B,G] and q f32[B,G,V] (the filtered distribution each token was
+      drawn from: zero outside its position's K candidates)."""
+    B, G, V = logits.shape
+    unary, cand = jax.lax.top_k(logits.astype(jnp.float32), top_k)  # [B,G,K]
+    cand = cand.astype(jnp.int32)
+    keys = jax.random.split(key, G)
+    prev, draft, qs = first, [], []
+    for k in range(G):  # static G: one rank-R product per position
+        s = scores(pred, succ, proj, h[:, k], prev, cand[:, k], unary[:, k])  # [B,K]
+        full = jnp.full((B, V), -jnp.inf, jnp.float32)
+        full = full.at[jnp.arange(B)[:, None], cand[:, k]].set(s)
+        x, q = sample_logits(keys[k], full, sampling)
+        draft.append(x)
+        qs.append(q)
+        prev = x
+    return jnp.stack(draft, 1), jnp.stack(qs, 1)
+
+
+def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
+    """The selector's training loss and its teacher-forced greedy matches.
+
+    Args:
+      h: [...,G,D] final-normed block outputs at positions 1..G; logits: f32[...,G,V];
+      first: i32[...] the block's first token; labels: i32[...,G] the tokens to select
+        (teacher forcing: the predecessor of position k is labels[k-1]);
+      check: i32[...,G] the tokens a greedy chain must draw to be accepted (the target's
+        argmax).
+    Returns: ce f32[...,G] (cross-entropy over the K scores, the label inserted in place of
+      the K-th candidate where the top-K misses it) and match bool[...,G] (the greedy pick
+      among the plain top-K, predecessor from `check`, equals `check`)."""
+    unary, cand = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    cand = cand.astype(jnp.int32)
+    prev = jnp.concatenate([first[..., None], labels[..., :-1]], axis=-1)
+    present = jnp.any(cand == labels[..., None], axis=-1, keepdims=True)
+    last = jnp.arange(top_k) == top_k - 1
+    cand_t = jnp.where(~present & last, labels[..., None], cand)
+    unary_t = jnp.take_along_axis(logits.astype(jnp.float32), cand_t, axis=-1)
+    s = scores(pred, succ, proj, h, prev, cand_t, unary_t)
+    target = jnp.argmax(cand_t == labels[..., None], axis=-1)
+    ce = optax.softmax_cross_entropy_with_integer_labels(s, target)
+    prev_c = jnp.concatenate([first[..., None], check[..., :-1]], axis=-1)
+    s_c = scores(pred, succ, proj, h, prev_c, cand, unary)
+    pick = jnp.take_along_axis(cand, jnp.argmax(s_c, axis=-1)[..., None], axis=-1)[..., 0]
+    return ce, pick == check
