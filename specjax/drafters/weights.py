@@ -24,6 +24,11 @@ def ones(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype))
 
 
+def zeros(shape, dtype) -> nnx.Param:
+    """A zero-initialised parameter."""
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
 def layer_weights(cfg: DrafterConfig, rngs: nnx.Rngs, dtype, num_layers: int,
                   in_dim: int | None = None, input_norm: bool = True) -> dict[str, nnx.Param]:
     """Stacked weights of `num_layers` decoder layers whose q/k/v read `in_dim` features

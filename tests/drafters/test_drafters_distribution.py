@@ -42,6 +42,8 @@ def _learned(kind: str, gamma: int, hot: tuple[int, ...] | None = None, stop: fl
     state = nnx.state(net, nnx.Param)
     nnx.update(net, jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 and x.shape[-1] != x.shape[-2]
                                  else x, state))
+    if selector is not None:  # its successor codebook starts at 0: give it an opinion
+        net.sel_succ.set_value(jax.random.normal(jax.random.key(5), net.sel_succ.shape) * 2.0)
     return make_drafter(dcfg, net, target, gamma=gamma, sampling=PLAIN, draft_vocab=hot,
                         stop_below=stop)
 
