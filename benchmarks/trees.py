@@ -78,9 +78,11 @@ KV_BYTES_PER_TOKEN = 2 * kb.QWEN3_8B["L"] * kb.QWEN3_8B["K"] * kb.QWEN3_8B["H"] 
 
 @dataclasses.dataclass(frozen=True)
 class System:
-    """name; drafter: "eagle3" (the shipped head) or "ngram" / "logitspec"; num_drafts K;
-    tree: (topk, nodes) for an EAGLE-2 dynamic tree or None; rules it can verify at T > 0;
-    gamma: the draft length G (None: the drafter's own); greedy: whether it runs at T = 0."""
+    """name; drafter: "eagle3" / "block" (the shipped heads), "ngram" / "logitspec", or a
+    drafter directory; num_drafts K; tree: (topk, nodes) for a dynamic tree or None; rules
+    it can verify at T > 0; gamma: the draft length G (None: the drafter's own); greedy:
+    whether it runs at T = 0; kind: the drafter's kind for the projection's draft cost
+    (None: `drafter`)."""
 
     name: str
     drafter: str
@@ -89,6 +91,7 @@ class System:
     rules: tuple[str, ...] = ("token", "block")
     gamma: int | None = None
     greedy: bool = True
+    kind: str | None = None
 
 
 SYSTEMS = (
@@ -146,9 +149,10 @@ def _draft_cost(system: System, gamma: int) -> tuple[int, int, float]:
     count at Qwen3-8B width): G forwards of K rows for eagle3 (K drafts or a tree frontier
     of K), one forward of G + 1 rows for the block drafter (its tree comes from the same
     forward), none for the retrieval drafters."""
-    if system.drafter in ("ngram", "logitspec"):
+    kind = system.kind or system.drafter
+    if kind in ("ngram", "logitspec"):
         return 0, 0, 0.0
-    if system.drafter == "block":
+    if kind == "block":
         return 1, gamma + 1, BLOCK_PARAMS
     return gamma, system.tree[0] if system.tree is not None else system.num_drafts, \
         DRAFT_PARAMS
@@ -250,7 +254,9 @@ def measure(n_prompts: int, new_tokens: int, temps, batches, only=None,
             or platform.machine(), "cores": os.cpu_count(), "numpy": np.__version__,
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "dtype": str(np.dtype(ar0.dtype)),
-            "weights": [os.path.relpath(d, ROOT) for d in (EAGLE3, BLOCK)], "sweep": sweep}
+            "weights": sorted({os.path.relpath({"eagle3": EAGLE3, "block": BLOCK}.get(
+                s.drafter, s.drafter), ROOT) for s in systems
+                if s.drafter not in ("ngram", "logitspec")}), "sweep": sweep}
 
 
 def _row_key(r: dict) -> tuple:
