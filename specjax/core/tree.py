@@ -171,3 +171,85 @@ def expand_frontier(scores, parent_ids, child_logp, child_tokens, start: int):
     fs, ni = jax.lax.top_k(cand_s, K)
     ni = ni.astype(jnp.int32)
     return (cand_s, cand_t, cand_p), (fs, start + ni, ni)
+
+
+def best_first_tree(pending, scores, tokens, nodes: int, vocab=None) -> DraftTree:
+    """The exact best `nodes` - 1 prefixes of a block of independent per-position draft
+    distributions, as a DraftTree (DDTree's best-first heap: "Accelerating speculative
+    decoding with block diffusion draft trees", arXiv 2604.12989).
+
+    pending: i32[B] the root tokens; scores: f32[B,G,K] log q_d of position d's top-K
+    tokens, sorted best first along K (`lax.top_k` of a log_softmax); tokens: i32[B,G,K]
+    those tokens; nodes: N (static), the budget with the root; vocab: V for q one-hot at
+    each node's token (deterministic choices, sampling), None for q = None (greedy).
+
+    A prefix x_1..x_d (d <= G, x_k among the top-K of position k) scores
+    sum_k log q_k(x_k). The tree holds the N - 1 best prefixes; it is closed under
+    ancestors because log q <= 0 (a prefix scores at least as much as its extensions).
+    The search pops the best candidate N - 1 times (a `lax.fori_loop`) from a static
+    array of 1 + 2(N - 1) slots per row: the first candidate is position 1's rank-0
+    token; popping (depth d, rank r) records it as the next node and pushes its first
+    child (depth d + 1, rank 0; d < G) and its next sibling (depth d, rank r + 1;
+    r + 1 < K), scores summed left to right from the parent's. Every prefix is pushed by
+    exactly one predecessor (its parent for rank 0, its previous sibling otherwise) whose
+    score is at least its own, so the pops come in descending score, every prefix after
+    its parent: node i is the i-th pop (parents[i] < i). Ties go to the shallower slot,
+    then the lower rank, then the earlier push; a predecessor is never deeper, so among
+    prefixes of one score the shallower ones are kept.
+
+    Nodes the budget has no prefix for (N - 1 > sum_d K^d), and prefixes of score -inf,
+    are unused (valid False, parent -1, depth 0, token the root's). Same conventions as
+    `tree_from_candidates`."""
+    B, G, K = scores.shape
+    N, C = nodes, 1 + 2 * (nodes - 1)
+    i32, f32 = jnp.int32, scores.dtype
+    rows = jnp.arange(B)
+    slot = jnp.arange(C, dtype=i32)
+    pending = pending.astype(i32)
+    tokens = tokens.astype(i32)
+    # candidate slots: alive, score, the parent's score, depth (1..G), rank, parent node
+    cand = (jnp.zeros((B, C), bool).at[:, 0].set(True),
+            jnp.full((B, C), -jnp.inf, f32).at[:, 0].set(scores[:, 0, 0]),
+            jnp.zeros((B, C), f32), jnp.ones((B, C), i32), jnp.zeros((B, C), i32),
+            jnp.zeros((B, C), i32))
+    out = (jnp.broadcast_to(pending[:, None], (B, N)),  # tokens
+           jnp.full((B, N), -1, i32), jnp.zeros((B, N), i32),  # parents, depths
+           jnp.zeros((B, N), bool).at[:, 0].set(True))  # valid
+
+    def pop(t, carry):
+        (alive, score, base, depth, rank, parent), (otok, opar, odep, oval) = carry
+        # the best alive slot: score desc, then depth, then rank, then slot (push order)
+        best = jnp.max(jnp.where(alive, score, -jnp.inf), axis=1, keepdims=True)
+        tied = alive & (score == best)
+        d_min = jnp.min(jnp.where(tied, depth, G + 1), axis=1, keepdims=True)
+        tied &= depth == d_min
+        r_min = jnp.min(jnp.where(tied, rank, K), axis=1, keepdims=True)
+        tied &= rank == r_min
+        c = jnp.argmax(tied, axis=1)  # the first tied slot; 0 when none is alive
+        any_alive = alive.any(axis=1)
+        s, b0, d, r, p = (x[rows, c] for x in (score, base, depth, rank, parent))
+        ok = any_alive & jnp.isfinite(s)
+        node = t + 1
+        otok = otok.at[:, node].set(jnp.where(ok, tokens[rows, d - 1, r], pending))
+        opar = opar.at[:, node].set(jnp.where(ok, p, -1))
+        odep = odep.at[:, node].set(jnp.where(ok, d, 0))
+        oval = oval.at[:, node].set(ok)
+        alive = alive & (slot[None, :] != c[:, None])
+        # push the first child into slot 1 + 2t and the next sibling into slot 2 + 2t
+        dc = jnp.minimum(d, G - 1)  # the child's position index (d is its 1-based depth)
+        rs = jnp.minimum(r + 1, K - 1)
+        child = (any_alive & (d < G), s + scores[rows, dc, 0], s, d + 1, jnp.zeros_like(r),
+                 jnp.full_like(p, node))
+        sib = (any_alive & (r + 1 < K), b0 + scores[rows, d - 1, rs], b0, d, r + 1, p)
+        new = []
+        for field, xc, xs in zip((alive, score, base, depth, rank, parent), child, sib,
+                                 strict=True):
+            field = field.at[:, 1 + 2 * t].set(xc.astype(field.dtype))
+            new.append(field.at[:, 2 + 2 * t].set(xs.astype(field.dtype)))
+        return tuple(new), (otok, opar, odep, oval)
+
+    _, (otok, opar, odep, oval) = jax.lax.fori_loop(0, N - 1, pop, (cand, out))
+    q = None
+    if vocab is not None:
+        q = jax.nn.one_hot(otok, vocab, dtype=jnp.float32).at[:, 0].set(0.0)
+    return DraftTree(tokens=otok, parents=opar, depths=odep, valid=oval, q=q)

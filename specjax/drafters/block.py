@@ -29,7 +29,7 @@ from flax import nnx, struct
 
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
-from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
+from specjax.core.tree import best_first_tree
 from specjax.drafters import registry, selector
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -233,39 +233,21 @@ class BlockDrafter(LearnedDrafter):
 
     def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):
         """A draft tree from one block forward (`specjax.drafters.dynamic_tree.DynamicTree`
-        calls it): the block's per-position distributions (temperature 1, log_softmax of
-        the draft logits) combined as EAGLE-2 combines a step-wise drafter's. Depth 1:
-        the top-K tokens of position 1; depth d: each of the K best nodes of depth d-1
-        takes the top-K tokens of position d as children (score = parent's + log q_d:
-        position d's distribution does not depend on the tokens before it, the block was
-        drafted from mask tokens); the K best of those K*K form the next frontier; the
-        tree is the N - 1 best of all K + (G-1)*K*K candidates
-        (`specjax.core.tree.tree_from_candidates`). q: one-hot at each node's token
-        above temperature 0 (deterministic choices), None at 0. `key` is unused."""
+        calls it), DDTree's (`specjax.core.tree.best_first_tree`): of all prefixes
+        x_1..x_d (d <= G) whose tokens are each among the top-K of their position, the
+        N - 1 of highest sum_k log q_k(x_k), with the block's per-position distributions
+        at temperature 1 (log_softmax of the draft logits; position k's does not depend
+        on the tokens before it, the block was drafted from mask tokens), found by a
+        best-first search of N - 1 pops. q: one-hot at each node's token above
+        temperature 0 (deterministic choices), None at 0. `key` is unused."""
         del key
         if self.cfg.selector_rank:
             raise ValueError("a block drafter with a path selector drafts one chain: "
                              "--tree-topk is not supported")
-        G, K = self.gamma, topk
         logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
-        B, V = logp.shape[0], logp.shape[-1]
-        ls, lt = jax.lax.top_k(logp, K)  # [B,G,K] per position
-        lt = lt.astype(jnp.int32)
-        scores, toks, parents = [ls[:, 0]], [lt[:, 0]], [jnp.full((B, K), -1, jnp.int32)]
-        fs, fg = ls[:, 0], jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
-        start = K  # the candidate index of depth d's first candidate
-        for d in range(1, G):  # static: G - 1 levels of K*K candidates
-            kids = (jnp.broadcast_to(ls[:, d][:, None], (B, K, K)),
-                    jnp.broadcast_to(lt[:, d][:, None], (B, K, K)))
-            cand, (fs, fg, _) = expand_frontier(fs, fg, *kids, start)
-            for acc, x in zip((scores, toks, parents), cand, strict=True):
-                acc.append(x)
-            start += K * K
-        depth = candidate_depths(K, G)
-        pending = view.pending
-        tree = tree_from_candidates(pending, jnp.concatenate(scores, 1),
-                                    jnp.concatenate(toks, 1), jnp.concatenate(parents, 1),
-                                    depth, nodes, None if self.sampling.greedy else V)
+        ls, lt = jax.lax.top_k(logp, topk)  # [B,G,K] per position, best first
+        tree = best_first_tree(view.pending, ls, lt, nodes,
+                               None if self.sampling.greedy else logp.shape[-1])
         return tree, state
 
     def update(self, params, state, view, num_accepted):

@@ -8,8 +8,10 @@ eagle3 family (eagle3, hybrid, imported EAGLE-3 heads; `Eagle3Drafter`), kv and 
 Each step the inner drafter expands the top-`topk` children of the `topk` best nodes per
 depth (one batched drafter forward per depth, G - 1 forwards as for one chain), reranks
 every expanded candidate by its cumulative draft log-probability and keeps the best
-`nodes` - 1 (`Eagle3Drafter.propose_tree_topk`; kv and block drafters build the same
-rule from their own distributions); the loop verifies the tree with one
+`nodes` - 1 (`Eagle3Drafter.propose_tree_topk`; kv drafters and draft LMs build the same
+rule from their own distributions; the block drafter, whose positions are independent,
+keeps the exact best `nodes` - 1 prefixes instead, DDTree's best-first tree,
+`specjax.core.tree.best_first_tree`); the loop verifies the tree with one
 tree-masked target forward and hands the accepted path to the inner drafter's `update`.
 The children of a node are deterministic (top-K), so at T > 0 the node's q is one-hot at
 its token: verify with "token" (recursive rejection over siblings, exact); "block" needs

@@ -1,9 +1,10 @@
 """Dynamic draft trees (`DynamicTree`) from the block (DFlash-style) and the KV-only
-drafters (issue 30): `BlockDrafter.propose_tree_topk` against a numpy rebuild from the
-block's own per-position distributions, `KVDrafter.propose_tree_topk` against the
-drafter's chain `propose`, greedy identity with autoregressive decoding, and exactness at
-T = 1 through the multi-round harness of tests/drafters/test_lossless_drafters.py. The eagle3
-family's trees: tests/drafters/test_dynamic_tree.py."""
+drafters (issue 30): `BlockDrafter.propose_tree_topk` (DDTree's best-first tree, issue
+52) against a numpy enumeration from the block's own per-position distributions,
+`KVDrafter.propose_tree_topk` against the drafter's chain `propose`, greedy identity with
+autoregressive decoding, and exactness at T = 1 through the multi-round harness of
+tests/drafters/test_lossless_drafters.py. The eagle3 family's trees:
+tests/drafters/test_dynamic_tree.py."""
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from specjax.drafters import make_drafter
 from specjax.drafters.dynamic_tree import DynamicTree
 from specjax.testing import distribution as du
 from tests.decoding import test_speculative_greedy as sg
+from tests.drafters import test_block_best_first_tree as bf
 from tests.drafters import test_lossless_drafters as tl
 from tests.drafters.test_drafters import net_for
 
@@ -44,24 +46,18 @@ def _first_view(drafter, dparams, G):
 
 
 def _reference(logp, K, N):
-    """numpy: (tokens, parents, depths) per row of EAGLE-2's expansion and rerank over
-    per-position log-probabilities logp [G,V] whose children do not depend on the parent."""
+    """numpy float64: (tokens, parents, depths) per row of the best-first tree (DDTree's):
+    the N - 1 best prefixes over each position's top-K tokens of per-position
+    log-probabilities logp [G,V] (independent positions), best first
+    (tests/drafters/test_block_best_first_tree.py's enumeration)."""
     G = logp.shape[0]
-    order = [np.argsort(-logp[d], kind="stable")[:K] for d in range(G)]
-    cands = [(float(logp[0, t]), int(t), -1, 1) for t in order[0]]  # (score, tok, par, depth)
-    frontier = list(range(K))
-    for d in range(1, G):
-        start = len(cands)
-        level = [(cands[f][0] + float(logp[d, t]), int(t), f, d + 1)
-                 for f in frontier for t in order[d]]
-        cands += level
-        ranked = sorted(range(len(level)), key=lambda i: (-level[i][0], i))[:K]
-        frontier = [start + i for i in ranked]
-    keep = sorted(sorted(range(len(cands)), key=lambda i: (-cands[i][0], i))[:N - 1])
-    node = {c: n + 1 for n, c in enumerate(keep)}
-    toks = [cands[c][1] for c in keep]
-    pars = [node[cands[c][2]] if cands[c][2] >= 0 else 0 for c in keep]
-    deps = [cands[c][3] for c in keep]
+    order = np.stack([np.argsort(-logp[d], kind="stable")[:K] for d in range(G)])
+    ls = np.take_along_axis(logp, order, axis=1)
+    ranks, _ = bf.reference(ls, N)
+    node = {rk: n + 1 for n, rk in enumerate(ranks)}
+    toks = [int(order[len(rk) - 1, rk[-1]]) for rk in ranks]
+    pars = [node[rk[:-1]] if len(rk) > 1 else 0 for rk in ranks]
+    deps = [len(rk) for rk in ranks]
     return toks, pars, deps
 
 
