@@ -30,7 +30,7 @@ from flax import nnx, struct
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
 from specjax.core.tree import best_first_tree
-from specjax.drafters import registry, selector
+from specjax.drafters import conv, registry, selector
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
@@ -45,7 +45,10 @@ from specjax.models.matmul import linear
 class BlockNet(nnx.Module):
     """Ld layers (weights.layer_weights), final_norm [D]; context hidden/both adds fc
     [D,C*D] and hidden_norm [D]; kv/both adds merge_k/merge_v [Ld,K*H,Ls*K*H]; a path
-    selector (selector_rank R > 0) adds sel_pred, sel_succ [V,R] and sel_proj [D,R]."""
+    selector (selector_rank R > 0) adds sel_pred, sel_succ [V,R] and sel_proj [D,R];
+    DFlash2's convolution (conv_kernel_size T > 0, `specjax.drafters.conv`) adds
+    attn_conv_base, mlp_conv_base [Ld,2,T,D] and attn_conv_proj, mlp_conv_proj
+    [Ld,2*T*D/g,D]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -63,6 +66,9 @@ class BlockNet(nnx.Module):
             self.sel_pred = normal(rngs, (V, R), dtype)
             self.sel_succ = normal(rngs, (V, R), dtype)
             self.sel_proj = normal(rngs, (D, R), dtype)
+        if cfg.conv_kernel_size:
+            for name, p in conv.conv_weights(cfg, dtype).items():
+                setattr(self, name, p)
 
     def selector(self):
         """(pred, succ, proj) of the path selector, or None without one."""
@@ -75,7 +81,16 @@ class BlockNet(nnx.Module):
         return layers.rms_norm(out, self.final_norm[...], self.cfg.rms_norm_eps)
 
     def logits(self, out, head):
-        return layers.logits(out, self.final_norm[...], head, self.cfg.rms_norm_eps)
+        """f32[...,V]: head(final_norm(out)), times output_multiplier, then softcapped
+        (tanh(l / c) * c) when final_logit_softcapping c > 0 (DFlash2's compute_logits)."""
+        c = self.cfg
+        lg = layers.logits(out, self.final_norm[...], head, c.rms_norm_eps)
+        if c.output_multiplier != 1.0:
+            lg = lg * jnp.float32(c.output_multiplier)
+        if c.final_logit_softcapping > 0:
+            cap = jnp.float32(c.final_logit_softcapping)
+            lg = jnp.tanh(lg / cap) * cap
+        return lg
 
     def hidden_context(self, hidden, positions, inv_freq):
         """Per-layer context K/V from target features hidden [C,B,T,D] at `positions`
@@ -144,19 +159,56 @@ class BlockNet(nnx.Module):
           contexts: list of ((k, v) [Ld,B,K,S,H], mask) context sources, mask a bool[B,Q,S]
             or a `Limit`.
           block_size: G+1: Q holds Q / block_size blocks, each query sees every entry of
-            its own block (`Blocks`).
+            its own block (`Blocks`); DFlash2's convolution runs along each block.
           embed: [V,D]; inv_freq: f32[H/2].
           kernel: the attention kernel of `attend` (None: jnp).
         Returns: outputs [B,Q,D] (pre-norm).
         """
+        c = self.cfg
+        if any(0 < w < block_size for w in c.sliding_windows):
+            raise SpecjaxError(f"a block of {block_size} positions does not fit the drafter's "
+                               f"sliding windows {list(c.sliding_windows)}; use a smaller gamma")
         x = jnp.take(embed, tokens, axis=0)
         cos, sin = layers.rope_cos_sin(inv_freq, positions, self.dtype)
-        for i in range(self.cfg.num_layers):
+        for i in range(c.num_layers):
+            sources = [(kv[0][i], kv[1][i], _in_window(mask, positions, c.window(i)))
+                       for kv, mask in contexts]
+            if c.conv_kernel_size:
+                x = self._conv_layer(i, x, cos, sin, sources, block_size, kernel)
+                continue
             q, k, v = layer_qkv(self, i, x, cos, sin)
-            sources = [(kv[0][i], kv[1][i], mask) for kv, mask in contexts]
             sources.append((k, v, Blocks(block_size)))
             x = layer_out(self, i, x, attend(q, sources, kernel=kernel))
         return x
+
+    def _conv_layer(self, i, x, cos, sin, sources, block_size, kernel):
+        """Layer i with DFlash2's convolution around its attention and its MLP
+        (`specjax.drafters.conv`): x + c(attention(c(norm(x)))), then the same for the MLP."""
+        c, w = self.cfg, layer_params(self, i)
+        eps, g = c.rms_norm_eps, c.conv_group_size
+
+        def attention(h):
+            q, k, v = layers.qkv(w, h, cos, sin, eps, c.num_heads, c.num_kv_heads, c.head_dim)
+            out = attend(q, [*sources, (k, v, Blocks(block_size))], kernel=kernel)
+            return layers.attention_proj(w, out)
+
+        (ab, ap), (mb, mp) = (tuple(getattr(self, n)[i] for n in names)
+                              for names in (conv.ATTN, conv.MLP))
+        x = x + conv.wrap(layers.rms_norm(x, w["input_norm"], eps), ab, ap, g, block_size,
+                          attention)
+        return x + conv.wrap(layers.rms_norm(x, w["post_norm"], eps), mb, mp, g, block_size,
+                             lambda h: layers.swiglu(w, h))
+
+
+def _in_window(mask, positions, window: int):
+    """A context mask (bool[B,Q,S] or `Limit`) narrowed to a layer's sliding window: the
+    query at position p sees slot s only if p - s < window (0: unchanged)."""
+    if not window:
+        return mask
+    lo = jnp.maximum(positions - (window - 1), 0).astype(jnp.int32)  # [B,Q]
+    if isinstance(mask, Limit):
+        return Limit(mask.pos, lo if mask.lo is None else jnp.maximum(mask.lo, lo))
+    return mask & (jnp.arange(mask.shape[-1])[None, None, :] >= lo[:, :, None])
 
 
 @struct.dataclass

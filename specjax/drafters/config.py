@@ -64,6 +64,17 @@ class DrafterConfig:
       selector_rank: block only: R of DFlash2's path selector (`specjax.drafters.selector`;
         0: none, each block position drafted on its own).
       selector_top_k: block only: K candidates per position the selector scores.
+      conv_kernel_size: block only: taps of DFlash2's grouped dynamic causal convolution
+        around each layer's attention and MLP (`specjax.drafters.conv`; 0: none,
+        DFlash2: 2).
+      conv_group_size: block only: channels per group of that convolution's dynamic
+        coefficients (DFlash2: 16); hidden_size must be a multiple of it.
+      output_multiplier, final_logit_softcapping: block only: the draft logits are
+        l * output_multiplier, then tanh(l / c) * c when c = final_logit_softcapping > 0
+        (DFlash2's `compute_logits`; defaults 1.0 and 0: unchanged).
+      sliding_windows: block only: per drafter layer, the sliding window W of its
+        attention (a block query at position p sees context positions s > p - W; 0: the
+        whole context); empty: no layer has one (DFlash2's `sliding_attention` layers).
       qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3-style, the default);
         False for EAGLE-3 heads trained in Llama layout (SafeAILab/EAGLE, SpecForge).
       target_num_layers: L of the target it was built for (checked at load).
@@ -88,6 +99,11 @@ class DrafterConfig:
     qk_norm: bool = True
     selector_rank: int = 0
     selector_top_k: int = 16
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
         def is_int(v):
@@ -123,6 +139,7 @@ class DrafterConfig:
                                f"selector_top_k={self.selector_top_k} in [1, {self.vocab_size}]")
         if self.selector_rank and self.kind != "block":
             raise SpecjaxError(f"selector_rank is a block drafter setting, not {self.kind}'s")
+        self._check_dflash2()
         if not isinstance(self.qk_norm, bool):
             raise SpecjaxError(f"drafter qk_norm={self.qk_norm!r} must be true or false")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
@@ -151,6 +168,46 @@ class DrafterConfig:
         for layer in self.kv_layers:
             if not 0 <= layer < self.target_num_layers:
                 raise SpecjaxError(f"kv layer {layer} outside 0..{self.target_num_layers - 1}")
+
+    def _check_dflash2(self):
+        """Validates the DFlash2 layer options (conv, logit transforms, sliding windows)."""
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                abs(v) != float("inf") and v == v
+
+        k, g = self.conv_kernel_size, self.conv_group_size
+        if not is_int(k) or not is_int(g) or k < 0 or g < 1:
+            raise SpecjaxError(f"drafter conv_kernel_size={k!r} must be an integer >= 0 and "
+                               f"conv_group_size={g!r} >= 1")
+        if k and self.hidden_size % g:
+            raise SpecjaxError(f"drafter hidden_size={self.hidden_size} must be a multiple of "
+                               f"conv_group_size={g}")
+        m, cap = self.output_multiplier, self.final_logit_softcapping
+        if not is_num(m) or not m > 0 or not is_num(cap) or cap < 0:
+            raise SpecjaxError(f"drafter output_multiplier={m!r} must be a positive number "
+                               f"and final_logit_softcapping={cap!r} >= 0 (0: off)")
+        w = self.sliding_windows
+        if not isinstance(w, tuple) or not all(is_int(x) and x >= 0 for x in w) or \
+                (w and len(w) != self.num_layers):
+            raise SpecjaxError(f"drafter sliding_windows={w!r} must list one window >= 0 per "
+                               f"layer ({self.num_layers}; 0: the whole context) or be empty")
+        if any(0 < x <= self.gamma for x in w):
+            raise SpecjaxError(f"drafter sliding_windows={list(w)}: a window must exceed "
+                               f"gamma={self.gamma} (the block of G+1 positions sees itself "
+                               "whole)")
+        used = [name for name, on in (("conv_kernel_size", k), ("output_multiplier", m != 1),
+                                      ("final_logit_softcapping", cap), ("sliding_windows",
+                                                                         any(w)))
+                if on]
+        if used and self.kind != "block":
+            raise SpecjaxError(f"{used[0]} is a block drafter setting, not {self.kind}'s")
+
+    def window(self, layer: int) -> int:
+        """The sliding window of drafter layer `layer` (0: none)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     # ------------------------------------------------------------------ derived
 
@@ -232,6 +289,14 @@ class DrafterConfig:
             del out["qk_norm"]  # the default: drafter dirs written before it stay identical
         if not self.selector_rank:  # likewise
             del out["selector_rank"], out["selector_top_k"]
+        if not self.conv_kernel_size:  # and for the DFlash2 options at their defaults
+            del out["conv_kernel_size"], out["conv_group_size"]
+        for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
+                          ("sliding_windows", ())):
+            if out[name] == off:
+                del out[name]
+        if "sliding_windows" in out:
+            out["sliding_windows"] = list(self.sliding_windows)
         return {"format": FORMAT, **out}
 
     @classmethod
@@ -241,7 +306,7 @@ class DrafterConfig:
         unknown = sorted(set(raw) - names)
         if unknown:
             raise SpecjaxError(f"{where}: unknown keys {unknown}")
-        for key in ("capture", "kv_layers"):
+        for key in ("capture", "kv_layers", "sliding_windows"):
             if key in raw:
                 if not isinstance(raw[key], list):
                     raise SpecjaxError(f"{where}: {key} must be a list of integers")

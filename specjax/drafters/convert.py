@@ -22,7 +22,12 @@ What an export writes beyond the drafter's own weights:
   eagle3 uses the target's RoPE). A drafter with q/k norms is refused: those engines
   have none and would drop the tensors silently (train with `drafter.qk_norm: false`).
 - dflash: `block_size` = G + 1, `dflash_config.target_layer_ids` = capture depths - 1,
-  `mask_token_id` the drafter's; no embedding or LM head.
+  `mask_token_id` the drafter's; no embedding or LM head. A drafter with DFlash2's
+  convolution and path selector is written as z-lab's `DFlash2DraftModel` (their
+  tensors and `dflash_config` keys, `external.tensor_table`); one with only one of
+  them is refused (z-lab's DFlash2 builds both). The logit transforms go into
+  `dflash_config` (`output_multiplier`, `final_logit_softcapping`), sliding windows into
+  `layer_types` / `sliding_window` with `is_causal: false` (one window size only).
 
 Raises SpecjaxError (exit 2 from the CLI, one line) for drafters the layout cannot hold:
 hybrid and kv drafters, block drafters whose context reads the target KV cache, capture
@@ -42,7 +47,14 @@ import ml_dtypes
 import numpy as np
 
 from specjax.drafters.config import DrafterConfig
-from specjax.drafters.external import DFLASH, EAGLE3, LAYOUTS, tensor_table
+from specjax.drafters.external import (
+    DFLASH,
+    DFLASH2_ARCH,
+    EAGLE3,
+    LAYOUTS,
+    TRANSPOSED,
+    tensor_table,
+)
 from specjax.dtypes import storage_dtype
 from specjax.errors import SpecjaxError
 from specjax.models.config import ModelConfig
@@ -88,6 +100,33 @@ def target_head(target_dir: str, target: ModelConfig) -> np.ndarray:
                 if name in f.keys():
                     return f.get_tensor(name)
     raise SpecjaxError(f"{target_dir}: no tensor {names[0]} (the target's LM head)")
+
+
+def _dflash2_fields(dcfg: DrafterConfig, extra: dict) -> None:
+    """Adds a block drafter's DFlash2 pieces to its DFlash config.json fields `extra`.
+    Raises SpecjaxError for a drafter no z-lab class runs."""
+    dc = extra["dflash_config"]
+    if bool(dcfg.conv_kernel_size) != bool(dcfg.selector_rank):
+        has, lacks = (("convolution", "path selector") if dcfg.conv_kernel_size else
+                      ("path selector", "convolution"))
+        raise SpecjaxError(f"this block drafter has DFlash2's {has} but no {lacks}; z-lab's "
+                           "DFlash2DraftModel builds both, so no DFlash layout holds it")
+    if dcfg.conv_kernel_size:
+        extra["architectures"] = [DFLASH2_ARCH]
+        dc.update(conv_kernel_size=dcfg.conv_kernel_size, conv_group_size=dcfg.conv_group_size,
+                  selector_rank=dcfg.selector_rank, selector_top_k=dcfg.selector_top_k)
+    if dcfg.output_multiplier != 1.0:
+        dc["output_multiplier"] = dcfg.output_multiplier
+    if dcfg.final_logit_softcapping > 0:
+        dc["final_logit_softcapping"] = dcfg.final_logit_softcapping
+    sizes = sorted({w for w in dcfg.sliding_windows if w})
+    if len(sizes) > 1:
+        raise SpecjaxError(f"sliding windows {list(dcfg.sliding_windows)}: a Qwen3Config "
+                           "holds one sliding_window for all its sliding layers")
+    if sizes:
+        extra.update(layer_types=["sliding_attention" if w else "full_attention"
+                                  for w in dcfg.sliding_windows],
+                     use_sliding_window=True, sliding_window=sizes[0], is_causal=False)
 
 
 def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,
@@ -142,12 +181,14 @@ def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,
                                    "target_layer_ids": [d - 1 for d in dcfg.capture]},
                  "layer_types": ["full_attention"] * dcfg.num_layers,
                  "use_sliding_window": False, "sliding_window": None}
+        _dflash2_fields(dcfg, extra)
     else:
         raise SpecjaxError(f"--to {layout!r}; use one of {LAYOUTS}")
     out = {}
     for name, (attr, i) in tensor_table(dcfg).items():
         w = np.asarray(weights[attr])
-        out[name] = np.ascontiguousarray(w if i is None else w[i])
+        w = w if i is None else w[i]
+        out[name] = np.ascontiguousarray(w.T if name in TRANSPOSED else w)
     if layout == EAGLE3:
         V = dcfg.vocab_size
         if head is None or tuple(head.shape) != (V, dcfg.hidden_size):

@@ -45,11 +45,26 @@ writes the same tables back. Facts taken from the public code:
   SpecForge's `dflash_config.projector_type` is "dflash" (or absent) for this layout;
   "domino" and "dspark" heads carry other networks and are refused, as is a trained
   mask embedding (`mask_embedding.pt`) and attention shapes other than the target's.
+- DFlash2 (z-lab `DFlash2DraftModel`, `tests/fixtures/dflash2-config.json`; read as the
+  same "dflash" layout, `is_dflash2`): DFlash plus, per layer, `attention_conv` and
+  `mlp_conv` (`base_kernel` [2,T,D], `kernel_projection.weight` [2*T*D/g,D]; dflash_config
+  `conv_kernel_size` T, `conv_group_size` g: `specjax.drafters.conv`) and a
+  `candidate_selector` (`predecessor_codebook`, `successor_codebook` [V,R] stored without
+  a `.weight` suffix, `hidden_projection.weight` [R,D]; `selector_rank` R,
+  `selector_top_k`: `specjax.drafters.selector`). z-lab reads every dflash setting from
+  `dflash_config` first, then the top level (`_draft_value`), so does specjax:
+  `output_multiplier` and `final_logit_softcapping` (`compute_logits`, DFlash's too)
+  become the block drafter's logit transforms. Layers of `layer_types`
+  "sliding_attention" see the context positions s with p - s < `sliding_window` (as
+  Qwen3Config: only with `use_sliding_window`; without `layer_types`, the layers from
+  `max_window_layers` on) and are causal unless `is_causal` says otherwise: specjax
+  runs the non-causal ones (the fixture's `is_causal: false`) with a per-layer window on
+  the context and refuses causal draft attention.
 
-Anything these layouts can say that specjax cannot run exactly (biases, fc_norm, sliding
-windows, causal draft attention, other RoPE types, ...) raises SpecjaxError naming the key
-or tensor: an inexact import would still be lossless (the target verifies) but slower
-than the user was promised, silently.
+Anything these layouts can say that specjax cannot run exactly (biases, fc_norm, causal
+draft attention, input_embedding_scale, other RoPE types, ...) raises SpecjaxError naming
+the key or tensor: an inexact import would still be lossless (the target verifies) but
+slower than the user was promised, silently.
 """
 
 from __future__ import annotations
@@ -83,11 +98,24 @@ _LAYER = {
 # the target's own embedding (SpecForge and EAGLE may save a frozen copy; specjax always
 # reads the target's).
 _OUTSIDE = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
+# DFlash2's names (z-lab `DFlash2DraftModel`): per layer (suffix -> BlockNet weight), the
+# selector's (whole weights; hidden_projection [R,D] is sel_proj [D,R] transposed).
+_CONV = {"attention_conv.base_kernel": "attn_conv_base",
+         "attention_conv.kernel_projection.weight": "attn_conv_proj",
+         "mlp_conv.base_kernel": "mlp_conv_base",
+         "mlp_conv.kernel_projection.weight": "mlp_conv_proj"}
+_SELECTOR = {"candidate_selector.predecessor_codebook": "sel_pred",
+             "candidate_selector.successor_codebook": "sel_succ",
+             "candidate_selector.hidden_projection.weight": "sel_proj"}
+TRANSPOSED = ("candidate_selector.hidden_projection.weight",)
+DFLASH2_ARCH = "DFlash2DraftModel"
 
 
 def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
     """External tensor name -> (specjax weight name, layer index or None) for an eagle3
-    (EAGLE-3 layout) or block-hidden (DFlash layout) drafter config."""
+    (EAGLE-3 layout) or block-hidden (DFlash layout; DFlash2's convolution and selector
+    names when the drafter has them) drafter config. The tensors named in `TRANSPOSED`
+    are their specjax weight transposed."""
     if dcfg.kind == "eagle3":
         out = {"fc.weight": ("fc", None), "norm.weight": ("final_norm", None),
                "midlayer.input_layernorm.weight": ("embed_norm", None),
@@ -99,13 +127,18 @@ def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
         for i in range(dcfg.num_layers):
             out[f"layers.{i}.input_layernorm.weight"] = ("input_norm", i)
             out.update({f"layers.{i}.{k}": (v, i) for k, v in _LAYER.items()})
+            if dcfg.conv_kernel_size:
+                out.update({f"layers.{i}.{k}": (v, i) for k, v in _CONV.items()})
+        if dcfg.selector_rank:
+            out.update({k: (v, None) for k, v in _SELECTOR.items()})
     if not dcfg.qk_norm:
         out = {k: v for k, v in out.items() if v[0] not in ("q_norm", "k_norm")}
     return out
 
 
 def detect_layout(path: str) -> str | None:
-    """"dflash" for a config.json with `dflash_config`, "eagle3-hf" for one naming an
+    """"dflash" for a config.json with `dflash_config` or naming DFlashDraftModel /
+    DFlash2DraftModel (DFlash2 is read by the same reader), "eagle3-hf" for one naming an
     Eagle3 architecture or carrying `draft_vocab_size`, else None (a specjax drafter
     directory, an HF draft LM, or not a directory). Never raises."""
     try:
@@ -119,9 +152,9 @@ def layout_of(raw: dict) -> str | None:
     """`detect_layout` of a config.json already read (a JSON object)."""
     if raw.get("format") == "specjax-drafter":
         return None
-    if "dflash_config" in raw:
-        return DFLASH
     archs = raw.get("architectures") or []
+    if "dflash_config" in raw or any(a in ("DFlashDraftModel", DFLASH2_ARCH) for a in archs):
+        return DFLASH
     if any("eagle3" in str(a).lower() for a in archs) or "draft_vocab_size" in raw:
         return EAGLE3
     return None
@@ -237,7 +270,6 @@ def _common_config(raw: dict, target: ModelConfig, where: str) -> dict:
         ("mlp_bias", raw.get("mlp_bias", False), (False, None)),
         ("hidden_act", raw.get("hidden_act", "silu"), ("silu",)),
         ("logit_scale", raw.get("logit_scale", 1.0), (1.0, 1, None)),
-        ("use_sliding_window", raw.get("use_sliding_window", False), (False, None)),
     ])
     N = raw["num_attention_heads"]
     return dict(hidden_size=D, num_heads=N, num_kv_heads=raw.get("num_key_value_heads") or N,
@@ -313,6 +345,7 @@ def eagle3_config(raw: dict, target: ModelConfig, where: str, qk_norm: bool) -> 
         ("norm_before_fc", raw.get("norm_before_fc", False), (False, None)),
         ("norm_output", raw.get("norm_output", True), (True, None)),
         ("norm_before_residual", raw.get("norm_before_residual", False), (False, None)),
+        ("use_sliding_window", raw.get("use_sliding_window", False), (False, None)),
         ("eagle_config.use_aux_hidden_state", eagle.get("use_aux_hidden_state", True)
          if isinstance(eagle, dict) else True, (True,)),
     ])
@@ -333,10 +366,108 @@ def zlab_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list
             for i in range(num_draft_layers)]
 
 
-def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
-    """DrafterConfig (block, context hidden) of a z-lab DFlash config.json."""
-    L = target.num_layers
+def is_dflash2(raw: dict) -> bool:
+    """A DFlash2 head: architectures name DFlash2DraftModel, or dflash_config sets
+    selector_rank or conv_kernel_size."""
     dc = raw.get("dflash_config")
+    dc = dc if isinstance(dc, dict) else {}
+    return DFLASH2_ARCH in (raw.get("architectures") or []) or \
+        any(dc.get(k) is not None for k in ("selector_rank", "conv_kernel_size"))
+
+
+def _positive_int(value, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecjaxError(f"{where}: {key}={value!r} must be a positive integer")
+    return value
+
+
+def _dflash2_options(raw: dict, dc: dict, fields: dict, layers: int, gamma: int,
+                     where: str) -> dict:
+    """The DrafterConfig fields of DFlash2's pieces (and of DFlash's logit transforms and
+    sliding windows), each read as z-lab's `_draft_value`: dflash_config first, then the
+    top level. Raises SpecjaxError (one line) for what specjax cannot run."""
+    def value(name, default=None):
+        return dc.get(name, raw.get(name, default))
+
+    out = {}
+    two = DFLASH2_ARCH in (raw.get("architectures") or [])
+    for size, group, what in (("conv_kernel_size", "conv_group_size", "convolution"),
+                              ("selector_rank", "selector_top_k", "candidate selector")):
+        if value(size) is None and not two:
+            continue
+        if value(size) is None or value(group) is None:
+            raise SpecjaxError(f"{where}: DFlash2's {what} needs dflash_config.{size} and "
+                               f"dflash_config.{group}")
+        out[size] = _positive_int(value(size), f"dflash_config.{size}", where)
+        out[group] = _positive_int(value(group), f"dflash_config.{group}", where)
+    if "conv_group_size" in out and fields["hidden_size"] % out["conv_group_size"]:
+        raise SpecjaxError(f"{where}: hidden_size {fields['hidden_size']} is not a multiple of "
+                           f"dflash_config.conv_group_size={out['conv_group_size']}")
+    for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        v = value(name, off)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                              v != v or abs(v) == float("inf")):
+            raise SpecjaxError(f"{where}: {name}={v!r} must be a number")
+        if name == "output_multiplier" and v != 1:
+            if not v > 0:
+                raise SpecjaxError(f"{where}: output_multiplier={v!r} is not supported by "
+                                   "specjax's drafter (a positive number)")
+            out[name] = float(v)
+        elif name == "final_logit_softcapping" and v is not None and v > 0:
+            out[name] = float(v)  # z-lab: None or <= 0 is off
+    scale = value("input_embedding_scale", 1.0)
+    if scale not in (1.0, 1, None):
+        raise SpecjaxError(f"{where}: input_embedding_scale={scale!r} is not supported by "
+                           "specjax's drafter (its block embeds tokens with the target's "
+                           "frozen embedding unscaled; supported: 1.0)")
+    out.update(_sliding_windows(raw, layers, gamma, where))
+    return out
+
+
+def _sliding_windows(raw: dict, layers: int, gamma: int, where: str) -> dict:
+    """{"sliding_windows": per-layer windows} (or {}) of a Qwen3Config-style config as
+    z-lab's `Qwen3DFlashAttention` reads it: Qwen3Config keeps `sliding_window` (default
+    4096) only with `use_sliding_window`, and without `layer_types` makes the layers from
+    `max_window_layers` (default 28) on sliding; a "sliding_attention" layer has the window
+    and is causal unless `is_causal` is set. Raises SpecjaxError for causal layers."""
+    use = raw.get("use_sliding_window", False)
+    if use not in (True, False, None):
+        raise SpecjaxError(f"{where}: use_sliding_window={use!r} must be true or false")
+    window = raw.get("sliding_window", 4096) if use else None
+    if window is not None:
+        window = _positive_int(window, "sliding_window", where)
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else
+                 "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            not set(types) <= {"full_attention", "sliding_attention"}:
+        raise SpecjaxError(f"{where}: layer_types={types!r} must list {layers} of "
+                           "'full_attention' / 'sliding_attention'")
+    causal = raw.get("is_causal")
+    if causal not in (None, False, True):
+        raise SpecjaxError(f"{where}: is_causal={causal!r} must be true, false or absent")
+    if causal or (causal is None and "sliding_attention" in types):
+        why = ("is_causal=true" if causal else
+               "layer_types 'sliding_attention' without is_causal (z-lab makes such layers "
+               "causal)")
+        raise SpecjaxError(f"{where}: {why}: causal draft attention inside the block is not "
+                           "supported by specjax's drafter (supported: is_causal false)")
+    windows = tuple(window if t == "sliding_attention" and window else 0 for t in types)
+    if not any(windows):
+        return {}
+    if window <= gamma:
+        raise SpecjaxError(f"{where}: sliding_window {window} is not longer than the block "
+                           f"({gamma + 1} positions); specjax's block drafter sees its block "
+                           "whole")
+    return {"sliding_windows": windows}
+
+
+def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
+    """DrafterConfig (block, context hidden) of a z-lab DFlash or DFlash2 config.json."""
+    L = target.num_layers
+    dc = raw.get("dflash_config", {})
     if not isinstance(dc, dict):
         raise SpecjaxError(f"{where}: dflash_config must be an object")
     layers = raw.get("num_hidden_layers")
@@ -350,10 +481,7 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
         raise SpecjaxError(f"{where}: dflash_config.projector_type={projector!r} is a "
                            "SpecForge draft family other than DFlash (its extra heads have "
                            "no counterpart in specjax's block drafter); supported: 'dflash'")
-    types = raw.get("layer_types") or []
     _refuse(raw, where, [
-        ("layer_types", sorted(set(types)), ([], ["full_attention"])),
-        ("is_causal", raw.get("is_causal"), (None, False)),
         ("is_neox_style", raw.get("is_neox_style", True), (True,)),
         ("dflash_config.causal", dc.get("causal"), (None, False)),
         ("dflash_config.use_swa", dc.get("use_swa", False), (False,)),
@@ -362,13 +490,11 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
         ("dflash_config.attention_modes", dc.get("attention_modes"), (None,)),
         ("dflash_config.pure_draft_prefix_len", dc.get("pure_draft_prefix_len", 0), (0,)),
         ("dflash_config.shift_label", dc.get("shift_label", False), (False,)),
-        ("input_embedding_scale", raw.get("input_embedding_scale", 1.0), (1.0, 1, None)),
-        ("output_multiplier", raw.get("output_multiplier", 1.0), (1.0, 1, None)),
-        ("final_logit_softcapping", raw.get("final_logit_softcapping"), (None,)),
     ])
     key = "eagle_aux_hidden_state_layer_ids"
     top = _id_list(raw.get(key), key, where)
-    ids = _id_list(dc.get("target_layer_ids"), "dflash_config.target_layer_ids", where)
+    ids = _id_list(dc.get("target_layer_ids", raw.get("target_layer_ids")),
+                   "dflash_config.target_layer_ids", where)
     if top is not None:  # vLLM's precedence: the top-level key, as layer inputs
         depths, said = top, f"{key} {top} (inputs of target layers)"
     else:
@@ -380,6 +506,10 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
                            "which specjax does not capture")
     mask = dc.get("mask_token_id", raw.get("mask_token_id"))
     block = raw.get("block_size", dc.get("block_size", 16))
+    if dc.get("block_size", block) != block:
+        raise SpecjaxError(f"{where}: block_size {block} and dflash_config.block_size "
+                           f"{dc['block_size']} differ (z-lab reads the latter, vLLM the "
+                           "former); keep one")
     if not isinstance(block, int) or block < 2:
         raise SpecjaxError(f"{where}: block_size={block!r} must be an integer >= 2")
     if not isinstance(mask, int):
@@ -392,8 +522,10 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
                            f"{mine} differ from the target's {theirs}; specjax's block drafter "
                            "runs with the target's attention shapes, so this head is not "
                            "supported")
+    extra = _dflash2_options(raw, dc, fields, layers, block - 1, where)
     return DrafterConfig(kind="block", context="hidden", num_layers=layers,
-                         capture=tuple(depths), mask_token_id=mask, gamma=block - 1, **fields)
+                         capture=tuple(depths), mask_token_id=mask, gamma=block - 1, **fields,
+                         **extra)
 
 
 def _hot_vocab(tensors, raw, dcfg: DrafterConfig, where: dict, path: str):
@@ -477,10 +609,12 @@ def read_external(path: str, target: ModelConfig, config: dict | None = None) ->
     parts: dict[str, dict] = {}
     for name, (attr, i) in table.items():
         arr, want = tensors[name], shapes[attr][1:] if i is not None else shapes[attr]
+        if name in TRANSPOSED:
+            want = want[::-1]
         if tuple(arr.shape) != want:
             raise SpecjaxError(f"{where[name]}: tensor {name} has shape {tuple(arr.shape)}, "
                                f"expected {want} from config.json")
-        parts.setdefault(attr, {})[i] = arr.astype(np.float32)
+        parts.setdefault(attr, {})[i] = (arr.T if name in TRANSPOSED else arr).astype(np.float32)
     # p[None]: a whole weight; else the per-layer slices stacked in layer order
     weights = {a: (p[None] if None in p else np.stack([p[i] for i in sorted(p)]))
                for a, p in parts.items()}

@@ -90,20 +90,29 @@ def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: 
                num_kv_heads, head_dim)
 
 
-def attention_out(w, x, attn):
-    """x + o_proj(attn) (+ o_bias when w has it) for attn [B,T,N*H]."""
+def attention_proj(w, attn):
+    """o_proj(attn) (+ o_bias when w has it) for attn [B,T,N*H] -> [B,T,D]."""
     o = linear(attn, w["o_proj"])
     if "o_bias" in w:
         o = o + w["o_bias"]
-    return x + o
+    return o
+
+
+def attention_out(w, x, attn):
+    """x + `attention_proj`(attn) for attn [B,T,N*H]."""
+    return x + attention_proj(w, attn)
+
+
+def swiglu(w, h):
+    """down_proj(silu(gate_proj(h)) * up_proj(h)) for the normed h [B,T,D] -> [B,T,D]."""
+    gate = linear(h, w["gate_proj"])
+    up = linear(h, w["up_proj"])
+    return linear(jax.nn.silu(gate) * up, w["down_proj"])
 
 
 def mlp(w, x, eps):
     """x + SwiGLU(post_norm(x)) for x [B,T,D]."""
-    h = rms_norm(x, w["post_norm"], eps)
-    gate = linear(h, w["gate_proj"])
-    up = linear(h, w["up_proj"])
-    return x + linear(jax.nn.silu(gate) * up, w["down_proj"])
+    return x + swiglu(w, rms_norm(x, w["post_norm"], eps))
 
 
 def layer_out(w, x, attn, eps):

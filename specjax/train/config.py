@@ -282,6 +282,11 @@ class DrafterTrainConfig:
         unroll step dominates the cost; 64 of 256 positions cut it 4x.
       selector_rank, selector_top_k: block only: DFlash2's path selector (rank R over the
         top-K candidates of each block position, `specjax.drafters.selector`; rank 0: none).
+      conv_kernel_size, conv_group_size: block only: DFlash2's grouped dynamic causal
+        convolution around each layer's attention and MLP (`specjax.drafters.conv`; taps
+        0: none; DFlash2: 2 taps, groups of 16 channels).
+      output_multiplier, final_logit_softcapping: block only: DFlash2's logit transforms
+        (l * m, then tanh(l / c) * c for c > 0; 1.0 and 0: none).
       qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
         drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
         --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
@@ -304,6 +309,10 @@ class DrafterTrainConfig:
     qk_norm: bool = True
     selector_rank: int = 0
     selector_top_k: int = 16
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self):
         from specjax.drafters import registry
@@ -355,6 +364,12 @@ class DrafterTrainConfig:
             if self.selector_rank:
                 override.update(selector_rank=self.selector_rank,
                                 selector_top_k=self.selector_top_k)
+            if self.conv_kernel_size:
+                override.update(conv_kernel_size=self.conv_kernel_size,
+                                conv_group_size=self.conv_group_size)
+            for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
+                if getattr(self, name) != off:
+                    override[name] = getattr(self, name)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
                 value = getattr(self, name)
                 if value is None:
