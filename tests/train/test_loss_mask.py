@@ -100,6 +100,9 @@ class _FakeBlockNet:
     def logits(self, out, head):
         return out
 
+    def selector(self):  # no path selector
+        return None
+
 
 def test_ttt_loss_with_a_mask_matches_a_float64_reference():
     B, T, V, G, decay = 3, 12, 7, 3, 0.8
