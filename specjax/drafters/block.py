@@ -35,8 +35,15 @@ from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
 from specjax.drafters.memory import memory_from_target, memory_update, merge_init, scatter_positions
-from specjax.drafters.weights import (layer_out, layer_params, layer_qkv, layer_weights, normal,
-                                      ones, zeros)
+from specjax.drafters.weights import (
+    layer_out,
+    layer_params,
+    layer_qkv,
+    layer_weights,
+    normal,
+    ones,
+    zeros,
+)
 from specjax.errors import SpecjaxError
 from specjax.models import layers
 from specjax.models.kv_cache import KVCache
