@@ -33,6 +33,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "layers4": ("4 draft layers (DFlash: 5 for Qwen3-8B)", ["drafter.num_layers=4"]),
     "block16": ("block 16: G = 15 (DFlash's block size)", ["drafter.gamma=15"]),
     "hard": ("hard labels (the data's tokens)", ["drafter.soft_labels=false"]),
+    "conv": ("DFlash2's two-tap grouped dynamic convolution (groups of 16)",
+             ["drafter.conv_kernel_size=2", "drafter.conv_group_size=16"]),
     "decay4": ("position decay gamma_w 4 (the producers' at a block of 8)",
                ["drafter.gamma_w=4.0"]),
     "selector": ("DFlash2's path selector (rank 64, top-16)",
