@@ -29,7 +29,7 @@ from specjax.decoding import kernel_policy
 from specjax.decoding.adaptive import policy
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.state import LoopState
-from specjax.decoding.loop.step import step_phases
+from specjax.decoding.loop.step import Chain, step_phases
 
 NAME = "adaptive"  # the schedule's key in LoopState.ext (GammaSchedule.name)
 
@@ -149,23 +149,81 @@ def adaptive_phases(graphdef, drafter: Drafter, cfg: LoopConfig, inputs: dict | 
         return branch
 
     branches = [make_branch(i, g) for i, g in enumerate(sched.choices)]
+    # the steps the schedule takes: with confidence, every speculative index drafts the
+    # whole block and picks its verify length after (`branch` keeps the fixed lengths: a
+    # cost table times each)
+    stepping = branches
+    if sched.confidence:  # [the autoregressive branch (if a choice),] the confident step
+        stepping = [b for b, g in zip(branches, sched.choices, strict=True) if g == 0]
+        stepping.append(confident_step(graphdef, drafter, fixed, full, sched, costs,
+                                       catch_up))
+    is_ar = jnp.asarray([g == 0 for g in sched.choices])
 
-    def run_branch(params, drafter_params, s: LoopState, index) -> LoopState:
+    def run(steps, params, drafter_params, s: LoopState, index) -> LoopState:
         # Not `lax.switch`: XLA copies the KV cache in and out of a conditional's branches
         # (every step, the whole cache); a while loop that runs once or not at all updates
         # its carry in place, as the outer loop does. One runs per step.
-        for i, b in enumerate(branches):
+        for i, b in enumerate(steps):
             s, index = jax.lax.while_loop(
                 lambda c, i=i: c[1] == i,
                 lambda c, b=b: (b(params, drafter_params, c[0]), jnp.int32(-1)),
                 (s, index))
         return s
 
+    def run_branch(params, drafter_params, s: LoopState, index) -> LoopState:
+        return run(branches, params, drafter_params, s, index)
+
     def step(params, drafter_params, s: LoopState) -> LoopState:
         k_choose = jax.random.fold_in(s.key, 0x5EED)  # its own stream (policy "random")
         remaining = s.budgets - (s.lengths - s.prompt_lengths)
         index = policy.choose(sched, s.ext[NAME], costs, ~s.done, remaining, k_choose)
-        return run_branch(params, drafter_params, s, index)
+        if sched.confidence:  # a speculative index: the confident step (the last)
+            index = jnp.where(is_ar[index], 0, len(stepping) - 1).astype(jnp.int32)
+        return run(stepping, params, drafter_params, s, index)
 
     return AdaptivePhases(start, step, run_branch)
 
+
+
+def confident_step(graphdef, drafter, fixed: LoopConfig, full, sched, costs, catch_up
+                   ) -> Callable:
+    """The speculative step of a confidence schedule (`GammaSchedule.confidence`): the
+    whole block drafted at the schedule's G, then the verify length chosen among the
+    speculative choices by `policy.finish_time` with the drafter's confidence as this
+    step's acceptance (policy "random": uniformly, from the loop's key), and the step
+    finished with the first g drafts and their q. The choice reads nothing of the target,
+    so every verification stays exact."""
+    spec = [(i, g) for i, g in enumerate(sched.choices) if g > 0]
+    spec_g = tuple(g for _, g in spec)
+    spec_costs = costs[jnp.asarray([i for i, _ in spec])]
+    propose = step_phases(graphdef, policy.with_gamma(drafter, sched.gamma), fixed).propose
+    finishes = [step_phases(graphdef, policy.with_gamma(drafter, g), fixed).finish
+                for _, g in spec]
+
+    def step(params, drafter_params, s: LoopState) -> LoopState:
+        s = catch_up(drafter_params, s)
+        prop = propose(params, drafter_params, s)
+        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+        with jax.named_scope("drafter_confidence"):
+            conf = full.confidence(drafter_params, prop.state, view, prop.draft)  # [B,G]
+        remaining = s.budgets - (s.lengths - s.prompt_lengths)
+        if sched.policy == "random":
+            key = jax.random.fold_in(s.key, 0xC0F)
+            j = jax.random.randint(key, (), 0, len(spec), dtype=jnp.int32)
+        else:
+            t = policy.finish_time(conf.astype(jnp.float32), spec_g, spec_costs, ~s.done,
+                                   jnp.maximum(remaining, 1), sched.stragglers)
+            j = jnp.argmin(t).astype(jnp.int32)
+        for jj, ((i, g), finish) in enumerate(zip(spec, finishes, strict=True)):
+            def run(c, i=i, g=g, finish=finish):
+                sub = Chain(prop.draft[:, :g], None if prop.q is None else prop.q[:, :g],
+                            prop.state)
+                new = finish(params, drafter_params, c[0], sub)
+                tau = jnp.sum(new.accepted - c[0].accepted, axis=1)
+                return (_with_adapt(new, policy.observe(sched, new.ext[NAME], i, g, tau,
+                                                        ~c[0].done)), jnp.int32(-1))
+            # run once or not at all (see run_branch: no conditional over the cache)
+            s, j = jax.lax.while_loop(lambda c, jj=jj: c[1] == jj, run, (s, j))
+        return s
+
+    return step

@@ -79,6 +79,13 @@ class GammaSchedule(LoopExtension):
       length moves toward its drift target (module docstring; 0: never).
     stragglers: count the spread of each row's step count (`finish_time`): a batch
       waits for its unluckiest row, and only speculation makes rows unlucky.
+    confidence: a speculative step drafts the drafter's whole block first and then picks
+      its verify length from the speculative choices by the same rule, with E_b(g) from
+      the drafter's confidence in this step's drafts (`drafter.confidence(params, state,
+      view, draft)` -> f32[B,G], its predicted per-position acceptance, e.g. DSpark's
+      confidence head) in place of alpha; alpha still decides between an
+      autoregressive and a speculative step, and learns from every step. For drafters
+      that draft a block in one forward (its cost does not depend on the verify length).
     defer_update: autoregressive steps buffer the drafter's update and the drafter
       catches up in one update per G + 1 such steps, or before the next speculative step
       (`specjax.decoding.adaptive.loop.Deferred`); False: one update per autoregressive step
@@ -93,6 +100,7 @@ class GammaSchedule(LoopExtension):
     recover: float = 0.05
     stragglers: bool = False
     defer_update: bool = True
+    confidence: bool = False
 
     def __post_init__(self):
         c = self.choices
@@ -117,6 +125,11 @@ class GammaSchedule(LoopExtension):
             raise ValueError("an adaptive schedule drafts chains: num_drafts must be 1")
         if drafter is not None and hasattr(drafter, "propose_tree"):
             raise ValueError("an adaptive schedule drafts chains; this drafter proposes trees")
+        if self.confidence and drafter is not None and not getattr(
+                drafter, "has_confidence", False):
+            raise ValueError("a confidence schedule needs a drafter with a confidence head")
+        if self.confidence and not any(g > 0 for g in self.choices):
+            raise ValueError("a confidence schedule needs a speculative choice")
         if drafter is not None and self.gamma > drafter.gamma:
             raise ValueError(f"schedule choices {self.choices} exceed the drafter's G "
                              f"{drafter.gamma}")
