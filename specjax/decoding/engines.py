@@ -132,7 +132,11 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
                   kernels=c.kernels, mesh=mesh)
     schedule = table = costs = baseline = alpha = measured_at = None
     if c.adaptive and drafter is not None:
-        schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma))
+        # a drafter with a confidence head (DSpark's) picks each step's verify length from
+        # its confidence in the drafts (one policy: GammaSchedule.confidence)
+        schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma),
+                                          confidence=getattr(drafter, "has_confidence",
+                                                             False))
         table = c.cost_table or default_cost_table(session, schedule, max_length, prompt_width)
         if table is not None and os.path.isfile(table):
             costs = adaptive.read_table(table, schedule.choices)
