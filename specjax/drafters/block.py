@@ -14,7 +14,12 @@ its own block and to a context of committed positions strictly before the pendin
 Logits at block positions 1..G are the draft distributions (each position sampled on its
 own: q_k does not depend on x_<k, which keeps the verifiers lossless), or, with DFlash2's
 path selector (`selector_rank` > 0, `specjax.drafters.selector`), the chain is chosen left
-to right among each position's top-K candidates with q_k conditioned on x_{k-1}. Decoding state:
+to right among each position's top-K candidates with q_k conditioned on x_{k-1}; with
+DSpark's Markov head (`markov_rank` > 0, `specjax.drafters.markov`) the chain is drafted
+left to right from the logits corrected by x_{k-1}. DSpark's layout (`sample_from_anchor`):
+the block is [pending token, G-1 mask tokens] and all G slots draft (slot k the token after
+position lengths-1+k). DSpark's confidence head gives each draft's predicted acceptance
+(`BlockDrafter.confidence`). Decoding state:
 the context K/V of committed positions, [Ld,B,K,S,H] per source, extended per
 verification for the newly committed positions only.
 """
@@ -30,7 +35,7 @@ from flax import nnx, struct
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
 from specjax.core.tree import best_first_tree
-from specjax.drafters import conv, registry, selector
+from specjax.drafters import conv, markov, registry, selector
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
 from specjax.drafters.learned import LearnedDrafter
@@ -56,7 +61,11 @@ class BlockNet(nnx.Module):
     selector (selector_rank R > 0) adds sel_pred, sel_succ [V,R] and sel_proj [D,R];
     DFlash2's convolution (conv_kernel_size T > 0, `specjax.drafters.conv`) adds
     attn_conv_base, mlp_conv_base [Ld,2,T,D] and attn_conv_proj, mlp_conv_proj
-    [Ld,2*T*D/g,D]."""
+    [Ld,2*T*D/g,D]; DSpark's Markov head (markov_rank R > 0, `specjax.drafters.markov`)
+    adds markov_w1, markov_w2 [V,R] (W2 zero-initialised: a new head ranks as the block
+    does), gated markov_gate [R,D+R] and markov_gate_bias [R], rnn markov_joint
+    [3R,2R+D] and markov_joint_bias [3R]; its confidence head adds conf_proj [1,D(+R)]
+    and conf_bias [1]."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -77,6 +86,45 @@ class BlockNet(nnx.Module):
         if cfg.conv_kernel_size:
             for name, p in conv.conv_weights(cfg, dtype).items():
                 setattr(self, name, p)
+        if cfg.markov_rank:
+            R, V = cfg.markov_rank, cfg.vocab_size
+            self.markov_w1 = normal(rngs, (V, R), dtype)
+            self.markov_w2 = zeros((V, R), dtype)
+            if cfg.markov_head_type == "gated":
+                self.markov_gate = normal(rngs, (R, D + R), dtype)
+                self.markov_gate_bias = zeros((R,), dtype)
+            elif cfg.markov_head_type == "rnn":
+                self.markov_joint = normal(rngs, (3 * R, 2 * R + D), dtype)
+                self.markov_joint_bias = zeros((3 * R,), dtype)
+        if cfg.confidence_head:
+            width = D + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.conf_proj = normal(rngs, (1, width), dtype)
+            self.conf_bias = zeros((1,), dtype)
+
+    def layout(self, gamma: int) -> tuple[int, int]:
+        """(slots, first): a block drafting `gamma` tokens has `slots` positions, of which
+        slots first.. draft (DFlash: G+1 and 1; DSpark's sample_from_anchor: G and 0)."""
+        return (gamma, 0) if self.cfg.sample_from_anchor else (gamma + 1, 1)
+
+    def markov(self) -> markov.Head | None:
+        """DSpark's Markov head, or None without one."""
+        c = self.cfg
+        if not c.markov_rank:
+            return None
+        get = {n: getattr(self, n)[...] for n in ("markov_gate", "markov_gate_bias",
+                                                   "markov_joint", "markov_joint_bias")
+               if hasattr(self, n)}
+        return markov.Head(c.markov_head_type, self.markov_w1[...], self.markov_w2[...],
+                           get.get("markov_gate"), get.get("markov_gate_bias"),
+                           get.get("markov_joint"), get.get("markov_joint_bias"))
+
+    def confidence_logits(self, h, prev):
+        """f32[...,G]: DSpark's confidence logits of draft positions with final-normed
+        outputs h [...,G,D] and predecessors prev i32[...,G]."""
+        c = self.cfg
+        e = markov.prev_embedding(self.markov(), prev) if c.confidence_head_with_markov \
+            else None
+        return markov.confidence_logits(self.conf_proj[...], self.conf_bias[...], h, e)
 
     def selector(self):
         """(pred, succ, proj) of the path selector, or None without one."""
@@ -135,27 +183,28 @@ class BlockNet(nnx.Module):
     def blocks(self, contexts, anchors, tokens, embed, inv_freq, gamma: int,
                kernel: AttentionKernel | None = None):
         """Packed training blocks (DFlash; docs/design.md section 6): block j of row b is
-        [tokens[b, anchors[b,j]], G mask tokens] at positions anchor .. anchor+G; it sees
+        [tokens[b, anchors[b,j]], G mask tokens] at positions anchor .. anchor+G (with
+        sample_from_anchor, DSpark's, G-1 mask tokens: anchor .. anchor+G-1); it sees
         context positions strictly before its anchor and its own block (bidirectional).
 
         Args:
           contexts: context sources (k, v) [Ld,B,K,T,H] at positions 0..T-1.
           anchors: i32[B,A] anchor positions; tokens: i32[B,T].
           kernel: the attention kernel of `attend` (`specjax.decoding.kernel_policy`; None: jnp).
-        Returns: outputs [B,A,G+1,D] (pre-norm); block position k >= 1 predicts the
-          token at anchor + k.
+        Returns: outputs [B,A,S,D] (pre-norm), S = `layout(G)`'s slots; slot first + k
+          (k = 0..G-1) predicts the token at anchor + k + 1.
         """
         B, A = anchors.shape
-        G = gamma
-        pos = (anchors[:, :, None] + jnp.arange(G + 1, dtype=jnp.int32)).reshape(B, -1)
+        S, _ = self.layout(gamma)
+        pos = (anchors[:, :, None] + jnp.arange(S, dtype=jnp.int32)).reshape(B, -1)
         first = jnp.take_along_axis(tokens, anchors, axis=1)[:, :, None]
-        blk = jnp.concatenate([first, jnp.full((B, A, G), self.cfg.mask_token_id, jnp.int32)],
-                              axis=2).reshape(B, -1)
-        anchor_q = jnp.repeat(anchors, G + 1, axis=1)  # [B,Q]
+        blk = jnp.concatenate([first, jnp.full((B, A, S - 1), self.cfg.mask_token_id,
+                                               jnp.int32)], axis=2).reshape(B, -1)
+        anchor_q = jnp.repeat(anchors, S, axis=1)  # [B,Q]
         ctx_mask = Limit(anchor_q - 1)  # context strictly before the anchor
-        out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], G + 1, embed,
+        out = self.run_block(blk, pos, [(c, ctx_mask) for c in contexts], S, embed,
                              inv_freq, kernel)
-        return out.reshape(B, A, G + 1, -1)
+        return out.reshape(B, A, S, -1)
 
     def run_block(self, tokens, positions, contexts, block_size: int, embed, inv_freq,
                   kernel: AttentionKernel | None = None):
@@ -253,24 +302,46 @@ class BlockDrafter(LearnedDrafter):
         return self.block_outputs(params, state, view)[1]
 
     def block_outputs(self, params, state, view):
-        """(outputs [B,G,D] pre-norm, logits f32[B,G,V]) of block positions 1..G."""
+        """(outputs [B,G,D] pre-norm, logits f32[B,G,V]) of the G draft slots: block
+        positions 1..G, or 0..G-1 with DSpark's sample_from_anchor (`BlockNet.layout`)."""
         net = self.net(params)
         G, B = self.gamma, view.lengths.shape[0]
-        offsets = jnp.arange(G + 1, dtype=jnp.int32)
-        pos = (view.lengths - 1)[:, None] + offsets[None, :]  # [B,G+1]
+        S, first = net.layout(G)
+        offsets = jnp.arange(S, dtype=jnp.int32)
+        pos = (view.lengths - 1)[:, None] + offsets[None, :]  # [B,S]
         pending = jnp.take_along_axis(view.tokens, pos[:, :1], axis=1)
         tokens = jnp.concatenate(
-            [pending, jnp.full((B, G), self.cfg.mask_token_id, jnp.int32)], axis=1)
+            [pending, jnp.full((B, S - 1), self.cfg.mask_token_id, jnp.int32)], axis=1)
         contexts = []
         for cache in (state.hidden, state.memory):
             if cache is not None:
                 # context strictly before the anchor, read up to the longest row only
-                visible = windowed(jnp.broadcast_to(pos[:, :1] - 1, (B, G + 1)),
-                                   self.window)
+                visible = windowed(jnp.broadcast_to(pos[:, :1] - 1, (B, S)), self.window)
                 contexts.append(((cache.k, cache.v), visible))
-        out = net.run_block(tokens, pos, contexts, G + 1, params["embed"],
-                            params["inv_freq"], self.attention)
-        return out[:, 1:], self.logits(net, out[:, 1:], params)  # [B,G,D], [B,G,V]
+        out = net.run_block(tokens, pos, contexts, S, params["embed"],
+                            params["inv_freq"], self.attention)[:, first:]
+        return out, self.logits(net, out, params)  # [B,G,D], [B,G,V]
+
+    @property
+    def has_confidence(self) -> bool:
+        """The drafter has DSpark's confidence head (`confidence`; the protocol flag a
+        confidence schedule checks, `specjax.decoding.adaptive`)."""
+        return self.cfg.confidence_head
+
+    def confidence(self, params, state, view, draft):
+        """f32[B,G]: DSpark's predicted acceptance of each draft position, sigmoid of the
+        confidence head at that position's output, given the drafts before it (draft
+        i32[B,G], this step's `propose`; the pending token before the first). Reads the
+        drafter's own params and state and view.tokens/lengths; runs the block forward
+        again (the same computation as `propose`'s, which XLA may share inside one
+        program). Raises ValueError for a drafter without a confidence head."""
+        if not self.cfg.confidence_head:
+            raise ValueError("this block drafter has no confidence head (DSpark's "
+                             "confidence_head)")
+        out, _ = self.block_outputs(params, state, view)
+        net = self.net(params)
+        prev = markov.predecessors(view.pending, draft)
+        return jax.nn.sigmoid(net.confidence_logits(net.final_hidden(out), prev))
 
     def propose(self, params, state, view, key, first_rank=None):
         out, logits = self.block_outputs(params, state, view)
@@ -282,6 +353,13 @@ class BlockDrafter(LearnedDrafter):
             draft, q = selector.draft_chain(*net.selector(), self.cfg.selector_top_k,
                                             net.final_hidden(out), logits, view.pending,
                                             key, self.sampling)
+            return draft, q, state
+        if net.markov() is not None:  # DSpark: the chain left to right, q_k | x_{k-1}
+            if first_rank is not None:
+                raise ValueError("a block drafter with a Markov head drafts one chain: "
+                                 "--num-drafts must be 1")
+            draft, q = markov.draft_chain(net.markov(), net.final_hidden(out), logits,
+                                          view.pending, key, self.sampling)
             return draft, q, state
         if first_rank is None and not self.sampling.greedy:
             # One chain above temperature 0: each position's argmax with a one-hot q.
@@ -308,9 +386,11 @@ class BlockDrafter(LearnedDrafter):
         best-first search of N - 1 pops. q: one-hot at each node's token above
         temperature 0 (deterministic choices), None at 0. `key` is unused."""
         del key
-        if self.cfg.selector_rank:
-            raise ValueError("a block drafter with a path selector drafts one chain: "
-                             "--tree-topk is not supported")
+        for on, what in ((self.cfg.selector_rank, "path selector"),
+                         (self.cfg.markov_rank, "Markov head")):
+            if on:
+                raise ValueError(f"a block drafter with a {what} drafts one chain: "
+                                 "--tree-topk is not supported")
         logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
         ls, lt = jax.lax.top_k(logp, topk)  # [B,G,K] per position, best first
         tree = best_first_tree(view.pending, ls, lt, nodes,

@@ -18,6 +18,7 @@ from specjax.errors import SpecjaxError
 from specjax.models.config import ModelConfig
 
 CONTEXTS = ("hidden", "kv", "both")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # SpecForge's `build_markov_head`
 CONFIG_NAME = "config.json"
 FORMAT = "specjax-drafter"
 
@@ -75,6 +76,21 @@ class DrafterConfig:
       sliding_windows: block only: per drafter layer, the sliding window W of its
         attention (a block query at position p sees context positions s > p - W; 0: the
         whole context); empty: no layer has one (DFlash2's `sliding_attention` layers).
+      markov_rank: block only: R of DSpark's Markov head (`specjax.drafters.markov`; 0:
+        none): draft position k's logits gain W2 W1[x_{k-1}] (x_{k-1} the token drafted
+        before it, the pending token for the first), and the block is drafted left to
+        right.
+      markov_head_type: block only: "vanilla" (that bias), "gated" (W1[x_{k-1}] gated by
+        sigmoid of a linear map of [h_k ; W1[x_{k-1}]]) or "rnn" (a recurrent state over
+        the block's positions), SpecForge's three heads.
+      confidence_head: block only: DSpark's confidence head, one logit per draft
+        position from h_k (and W1[x_{k-1}] with confidence_head_with_markov) whose
+        sigmoid predicts that position's acceptance (`BlockDrafter.confidence`).
+      confidence_head_with_markov: block only: the confidence head also reads W1[x_{k-1}]
+        (needs markov_rank > 0).
+      sample_from_anchor: block only: DSpark's block layout: the block is [pending, G-1
+        mask tokens] and every slot drafts, slot k the token after position pending + k
+        (G slots for G drafts); False: DFlash's [pending, G mask tokens], slots 1..G draft.
       qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3-style, the default);
         False for EAGLE-3 heads trained in Llama layout (SafeAILab/EAGLE, SpecForge).
       target_num_layers: L of the target it was built for (checked at load).
@@ -104,6 +120,11 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
     sliding_windows: tuple[int, ...] = ()
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    sample_from_anchor: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -140,6 +161,7 @@ class DrafterConfig:
         if self.selector_rank and self.kind != "block":
             raise SpecjaxError(f"selector_rank is a block drafter setting, not {self.kind}'s")
         self._check_dflash2()
+        self._check_dspark()
         if not isinstance(self.qk_norm, bool):
             raise SpecjaxError(f"drafter qk_norm={self.qk_norm!r} must be true or false")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
@@ -202,6 +224,32 @@ class DrafterConfig:
                                       ("final_logit_softcapping", cap), ("sliding_windows",
                                                                          any(w)))
                 if on]
+        if used and self.kind != "block":
+            raise SpecjaxError(f"{used[0]} is a block drafter setting, not {self.kind}'s")
+
+    def _check_dspark(self):
+        """Validates DSpark's options (Markov head, confidence head, block layout)."""
+        r, kind = self.markov_rank, self.markov_head_type
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise SpecjaxError(f"drafter markov_rank={r!r} must be an integer >= 0 (0: none)")
+        if kind not in MARKOV_HEAD_TYPES:
+            raise SpecjaxError(f"drafter markov_head_type={kind!r}; use one of "
+                               f"{MARKOV_HEAD_TYPES}")
+        for name in ("confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecjaxError(f"drafter {name}={getattr(self, name)!r} must be true or "
+                                   "false")
+        if self.confidence_head_with_markov and not (self.confidence_head and r):
+            raise SpecjaxError("drafter confidence_head_with_markov needs confidence_head and "
+                               "markov_rank > 0 (it reads the Markov head's W1[x_{k-1}])")
+        if self.selector_rank and (r or self.confidence_head):
+            what = "markov_rank" if r else "confidence_head"
+            raise SpecjaxError(f"drafter {what} and selector_rank together: DSpark's heads and "
+                               "DFlash2's path selector are not combined by any producer; "
+                               "use one")
+        used = [name for name, on in (("markov_rank", r), ("confidence_head",
+                                                           self.confidence_head),
+                                      ("sample_from_anchor", self.sample_from_anchor)) if on]
         if used and self.kind != "block":
             raise SpecjaxError(f"{used[0]} is a block drafter setting, not {self.kind}'s")
 
@@ -297,6 +345,11 @@ class DrafterConfig:
                 del out[name]
         if "sliding_windows" in out:
             out["sliding_windows"] = list(self.sliding_windows)
+        for name, off in (("markov_rank", 0), ("markov_head_type", "vanilla"),
+                          ("confidence_head", False), ("confidence_head_with_markov", False),
+                          ("sample_from_anchor", False)):  # DSpark's options at their defaults
+            if out[name] == off:
+                del out[name]
         return {"format": FORMAT, **out}
 
     @classmethod

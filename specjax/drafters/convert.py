@@ -27,7 +27,14 @@ What an export writes beyond the drafter's own weights:
   tensors and `dflash_config` keys, `external.tensor_table`); one with only one of
   them is refused (z-lab's DFlash2 builds both). The logit transforms go into
   `dflash_config` (`output_multiplier`, `final_logit_softcapping`), sliding windows into
-  `layer_types` / `sliding_window` with `is_causal: false` (one window size only).
+  `layer_types` / `sliding_window` with `is_causal: false` (one window size only). A
+  drafter in DSpark's layout (`sample_from_anchor`, with or without a Markov or confidence
+  head) is written as SpecForge's `DSparkDraftModel`: `projector_type: "dspark"`,
+  `block_size` = G, `markov_rank`, `markov_head_type`, `enable_confidence_head`,
+  `confidence_head_with_markov` in `dflash_config`, the heads' tensors under SpecForge's
+  names; a Markov or confidence head in DFlash's layout is refused (SpecForge's DSpark
+  trainer always lets the anchor slot draft), as are DFlash2's pieces, logit transforms
+  and sliding windows on a DSpark drafter.
 
 Raises SpecjaxError (exit 2 from the CLI, one line) for drafters the layout cannot hold:
 hybrid and kv drafters, block drafters whose context reads the target KV cache, capture
@@ -50,6 +57,7 @@ from specjax.drafters.config import DrafterConfig
 from specjax.drafters.external import (
     DFLASH,
     DFLASH2_ARCH,
+    DSPARK_ARCH,
     EAGLE3,
     LAYOUTS,
     TRANSPOSED,
@@ -106,6 +114,9 @@ def _dflash2_fields(dcfg: DrafterConfig, extra: dict) -> None:
     """Adds a block drafter's DFlash2 pieces to its DFlash config.json fields `extra`.
     Raises SpecjaxError for a drafter no z-lab class runs."""
     dc = extra["dflash_config"]
+    if dcfg.sample_from_anchor or dcfg.markov_rank or dcfg.confidence_head:
+        _dspark_fields(dcfg, extra)
+        return
     if bool(dcfg.conv_kernel_size) != bool(dcfg.selector_rank):
         has, lacks = (("convolution", "path selector") if dcfg.conv_kernel_size else
                       ("path selector", "convolution"))
@@ -127,6 +138,30 @@ def _dflash2_fields(dcfg: DrafterConfig, extra: dict) -> None:
         extra.update(layer_types=["sliding_attention" if w else "full_attention"
                                   for w in dcfg.sliding_windows],
                      use_sliding_window=True, sliding_window=sizes[0], is_causal=False)
+
+
+def _dspark_fields(dcfg: DrafterConfig, extra: dict) -> None:
+    """Makes a DFlash config.json's fields `extra` SpecForge's DSparkDraftModel's.
+    Raises SpecjaxError for a drafter that layout cannot hold."""
+    if not dcfg.sample_from_anchor:
+        what = "Markov head" if dcfg.markov_rank else "confidence head"
+        raise SpecjaxError(f"this block drafter has DSpark's {what} in DFlash's block layout; "
+                           "SpecForge's DSpark lets the anchor slot draft (train with "
+                           "drafter.sample_from_anchor: true)")
+    other = [n for n, on in (("conv_kernel_size", dcfg.conv_kernel_size),
+                             ("selector_rank", dcfg.selector_rank),
+                             ("output_multiplier", dcfg.output_multiplier != 1.0),
+                             ("final_logit_softcapping", dcfg.final_logit_softcapping),
+                             ("sliding_windows", any(dcfg.sliding_windows))) if on]
+    if other:
+        raise SpecjaxError(f"this DSpark-layout drafter has {other[0]}, which SpecForge's "
+                           "DSparkDraftModel does not run")
+    extra["architectures"] = [DSPARK_ARCH]
+    extra["block_size"] = dcfg.gamma
+    extra["dflash_config"].update(
+        projector_type="dspark", markov_rank=dcfg.markov_rank,
+        markov_head_type=dcfg.markov_head_type, enable_confidence_head=dcfg.confidence_head,
+        confidence_head_with_markov=dcfg.confidence_head_with_markov)
 
 
 def export_tensors(dcfg: DrafterConfig, weights: dict, layout: str,

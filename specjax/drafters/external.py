@@ -42,9 +42,10 @@ writes the same tables back. Facts taken from the public code:
   hidden_states[id + 1], the input of layer id + 1 = a specjax capture depth). Without
   them, z-lab's `build_target_layer_ids` (`zlab_target_layer_ids`); a top-level
   `eagle_aux_hidden_state_layer_ids` takes precedence as in vLLM (layer inputs).
-  SpecForge's `dflash_config.projector_type` is "dflash" (or absent) for this layout;
-  "domino" and "dspark" heads carry other networks and are refused, as is a trained
-  mask embedding (`mask_embedding.pt`) and attention shapes other than the target's.
+  SpecForge's `dflash_config.projector_type` is "dflash" (or absent) for this layout and
+  "dspark" for DSpark's (below); "domino" heads carry another network and are refused, as
+  is a trained mask embedding (`mask_embedding.pt`) and attention shapes other than the
+  target's.
 - DFlash2 (z-lab `DFlash2DraftModel`, `tests/fixtures/dflash2-config.json`; read as the
   same "dflash" layout, `is_dflash2`): DFlash plus, per layer, `attention_conv` and
   `mlp_conv` (`base_kernel` [2,T,D], `kernel_projection.weight` [2*T*D/g,D]; dflash_config
@@ -60,6 +61,28 @@ writes the same tables back. Facts taken from the public code:
   `max_window_layers` on) and are causal unless `is_causal` says otherwise: specjax
   runs the non-causal ones (the fixture's `is_causal: false`) with a per-layer window on
   the context and refuses causal draft attention.
+
+- DSpark (SpecForge `DSparkDraftModel`: `architectures: ["DSparkDraftModel"]` or
+  `dflash_config.projector_type: "dspark"`, `is_dspark`; `specforge/modeling/draft/
+  dspark.py`): the DFlash backbone plus, read as SpecForge reads its dflash_config (here
+  dflash_config first, then the top level), `markov_rank` R (0 or absent: no Markov
+  head), `markov_head_type` ("vanilla" default, "gated", "rnn"),
+  `enable_confidence_head` (default: `confidence_head_alpha` > 0) and
+  `confidence_head_with_markov` (needs R > 0). Tensors: `markov_head.markov_w1.weight`
+  [V,R] (an nn.Embedding), `markov_head.markov_w2.weight` [V,R] (nn.Linear(R, V)),
+  gated `markov_head.gate_proj.{weight [R,D+R], bias}`, rnn `markov_head.joint_proj.
+  {weight [3R,2R+D], bias}`, `confidence_head.proj.{weight [1,D(+R)], bias [1]}`, all
+  stored as specjax holds them; early checkpoints' `logit_head.markov_head.*` /
+  `logit_head.confidence_head.*` are read as those (SpecForge's
+  `normalize_draft_head_checkpoint_keys`). The anchor slot drafts too: SpecForge's
+  trainer labels slot k with the token at anchor + k + 1 and feeds the Markov head the
+  anchor token first, and SGLang and vLLM serve DSpark with `sample_from_anchor` true
+  unless the config says otherwise, `block_size` drafts per block; specjax reads
+  `sample_from_anchor` (default true) into the block drafter's option of that name, so
+  G = block_size (block_size - 1 when false). Refused: DFlash2 keys, logit transforms
+  and sliding layers on a DSpark head (SpecForge's DSpark has none of the first two and
+  makes sliding layers causal inside the block), `dspark_*`-prefixed keys (another
+  checkpoint convention).
 
 Anything these layouts can say that specjax cannot run exactly (biases, fc_norm, causal
 draft attention, input_embedding_scale, other RoPE types, ...) raises SpecjaxError naming
@@ -78,7 +101,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.config import DrafterConfig
+from specjax.drafters.config import MARKOV_HEAD_TYPES, DrafterConfig
 from specjax.errors import SpecjaxError
 from specjax.fileio import read_config_json
 from specjax.models.config import ModelConfig, rope_scaling_pairs
@@ -109,6 +132,17 @@ _SELECTOR = {"candidate_selector.predecessor_codebook": "sel_pred",
              "candidate_selector.hidden_projection.weight": "sel_proj"}
 TRANSPOSED = ("candidate_selector.hidden_projection.weight",)
 DFLASH2_ARCH = "DFlash2DraftModel"
+# DSpark's heads (SpecForge `DSparkDraftModel`): external name -> BlockNet weight, by piece
+_MARKOV = {"markov_head.markov_w1.weight": "markov_w1",
+           "markov_head.markov_w2.weight": "markov_w2"}
+_MARKOV_KIND = {"gated": {"markov_head.gate_proj.weight": "markov_gate",
+                          "markov_head.gate_proj.bias": "markov_gate_bias"},
+                "rnn": {"markov_head.joint_proj.weight": "markov_joint",
+                        "markov_head.joint_proj.bias": "markov_joint_bias"}}
+_CONFIDENCE = {"confidence_head.proj.weight": "conf_proj",
+               "confidence_head.proj.bias": "conf_bias"}
+_LEGACY_HEADS = ("logit_head.markov_head.", "logit_head.confidence_head.")
+DSPARK_ARCH = "DSparkDraftModel"
 
 
 def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
@@ -131,6 +165,12 @@ def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
                 out.update({f"layers.{i}.{k}": (v, i) for k, v in _CONV.items()})
         if dcfg.selector_rank:
             out.update({k: (v, None) for k, v in _SELECTOR.items()})
+        if dcfg.markov_rank:
+            out.update({k: (v, None) for k, v in _MARKOV.items()})
+            out.update({k: (v, None) for k, v in
+                        _MARKOV_KIND.get(dcfg.markov_head_type, {}).items()})
+        if dcfg.confidence_head:
+            out.update({k: (v, None) for k, v in _CONFIDENCE.items()})
     if not dcfg.qk_norm:
         out = {k: v for k, v in out.items() if v[0] not in ("q_norm", "k_norm")}
     return out
@@ -138,7 +178,7 @@ def tensor_table(dcfg: DrafterConfig) -> dict[str, tuple[str, int | None]]:
 
 def detect_layout(path: str) -> str | None:
     """"dflash" for a config.json with `dflash_config` or naming DFlashDraftModel /
-    DFlash2DraftModel (DFlash2 is read by the same reader), "eagle3-hf" for one naming an
+    DFlash2DraftModel / DSparkDraftModel (DFlash2 and DSpark are read by the same reader), "eagle3-hf" for one naming an
     Eagle3 architecture or carrying `draft_vocab_size`, else None (a specjax drafter
     directory, an HF draft LM, or not a directory). Never raises."""
     try:
@@ -153,7 +193,8 @@ def layout_of(raw: dict) -> str | None:
     if raw.get("format") == "specjax-drafter":
         return None
     archs = raw.get("architectures") or []
-    if "dflash_config" in raw or any(a in ("DFlashDraftModel", DFLASH2_ARCH) for a in archs):
+    if "dflash_config" in raw or any(a in ("DFlashDraftModel", DFLASH2_ARCH, DSPARK_ARCH)
+                                     for a in archs):
         return DFLASH
     if any("eagle3" in str(a).lower() for a in archs) or "draft_vocab_size" in raw:
         return EAGLE3
@@ -477,10 +518,16 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
         raise SpecjaxError(f"{where}: num_target_layers {raw['num_target_layers']} != the "
                            f"target's {L} layers")
     projector = dc.get("projector_type")
-    if projector not in (None, "dflash"):
+    if projector not in (None, "dflash", "dspark"):
         raise SpecjaxError(f"{where}: dflash_config.projector_type={projector!r} is a "
-                           "SpecForge draft family other than DFlash (its extra heads have "
-                           "no counterpart in specjax's block drafter); supported: 'dflash'")
+                           "SpecForge draft family other than DFlash and DSpark (its extra "
+                           "heads have no counterpart in specjax's block drafter); supported: "
+                           "'dflash', 'dspark'")
+    dspark = is_dspark(raw)
+    if dspark and projector not in (None, "dspark"):
+        raise SpecjaxError(f"{where}: architectures name {DSPARK_ARCH} but "
+                           f"dflash_config.projector_type={projector!r} (SpecForge's "
+                           "DSparkDraftModel requires 'dspark')")
     _refuse(raw, where, [
         ("is_neox_style", raw.get("is_neox_style", True), (True,)),
         ("dflash_config.causal", dc.get("causal"), (None, False)),
@@ -514,6 +561,8 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
         raise SpecjaxError(f"{where}: block_size={block!r} must be an integer >= 2")
     if not isinstance(mask, int):
         raise SpecjaxError(f"{where}: dflash_config.mask_token_id is missing")
+    heads = _dspark_options(raw, dc, where) if dspark else {}
+    gamma = block if heads.get("sample_from_anchor") else block - 1
     fields = _common_config(raw, target, where)
     mine = (fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
     theirs = (target.num_heads, target.num_kv_heads, target.head_dim)
@@ -522,10 +571,68 @@ def dflash_config(raw: dict, target: ModelConfig, where: str) -> DrafterConfig:
                            f"{mine} differ from the target's {theirs}; specjax's block drafter "
                            "runs with the target's attention shapes, so this head is not "
                            "supported")
-    extra = _dflash2_options(raw, dc, fields, layers, block - 1, where)
+    extra = _dflash2_options(raw, dc, fields, layers, gamma, where)
+    if dspark:
+        extra_keys = [k for k in ("conv_kernel_size", "selector_rank", "output_multiplier",
+                                  "final_logit_softcapping", "sliding_windows") if k in extra]
+        if extra_keys or DFLASH2_ARCH in (raw.get("architectures") or []):
+            what = extra_keys[0] if extra_keys else f"architectures {DFLASH2_ARCH}"
+            raise SpecjaxError(f"{where}: {what} on a DSpark head is not supported (SpecForge's "
+                               "DSparkDraftModel is a DFlash backbone without DFlash2's pieces "
+                               "or logit transforms, and its sliding layers are causal inside "
+                               "the block)")
     return DrafterConfig(kind="block", context="hidden", num_layers=layers,
-                         capture=tuple(depths), mask_token_id=mask, gamma=block - 1, **fields,
-                         **extra)
+                         capture=tuple(depths), mask_token_id=mask, gamma=gamma, **fields,
+                         **extra, **heads)
+
+
+def is_dspark(raw: dict) -> bool:
+    """A DSpark head: architectures name DSparkDraftModel, or dflash_config.projector_type
+    is "dspark" (SpecForge)."""
+    dc = raw.get("dflash_config")
+    dc = dc if isinstance(dc, dict) else {}
+    return DSPARK_ARCH in (raw.get("architectures") or []) or \
+        dc.get("projector_type") == "dspark"
+
+
+def _dspark_options(raw: dict, dc: dict, where: str) -> dict:
+    """The DrafterConfig fields of a DSpark head's Markov and confidence heads and block
+    layout, read as SpecForge's `DSparkDraftModel._init_draft_head` / `build_markov_head`
+    (dflash_config first, then the top level). Raises SpecjaxError (one line)."""
+    def value(name, default=None):
+        return dc.get(name, raw.get(name, default))
+
+    prefixed = sorted(k for k in list(raw) + list(dc) if str(k).startswith("dspark_"))
+    if prefixed:
+        raise SpecjaxError(f"{where}: {prefixed[0]}: the dspark_*-prefixed convention is not "
+                           "supported (specjax reads SpecForge's dflash_config keys)")
+    rank = value("markov_rank", 0) or 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise SpecjaxError(f"{where}: dflash_config.markov_rank={rank!r} must be an integer "
+                           ">= 0")
+    kind = value("markov_head_type", "vanilla")
+    kind = kind.lower() if isinstance(kind, str) else kind
+    if rank and kind not in MARKOV_HEAD_TYPES:
+        raise SpecjaxError(f"{where}: dflash_config.markov_head_type={kind!r} is not "
+                           f"supported (supported: {', '.join(MARKOV_HEAD_TYPES)})")
+    alpha = value("confidence_head_alpha", 0.0) or 0.0
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise SpecjaxError(f"{where}: dflash_config.confidence_head_alpha={alpha!r} must be a "
+                           "number")
+    flags = {}
+    for name, key, default in (("confidence_head", "enable_confidence_head", alpha > 0),
+                               ("confidence_head_with_markov", "confidence_head_with_markov",
+                                False),
+                               ("sample_from_anchor", "sample_from_anchor", True)):
+        v = value(key, default)
+        if not isinstance(v, bool):
+            raise SpecjaxError(f"{where}: dflash_config.{key}={v!r} must be true or false")
+        flags[name] = v
+    if flags["confidence_head_with_markov"] and not rank:
+        raise SpecjaxError(f"{where}: confidence_head_with_markov=true requires markov_rank > 0 "
+                           "(as SpecForge's DSparkDraftModel)")
+    flags["confidence_head_with_markov"] &= flags["confidence_head"]  # unused without a head
+    return dict(markov_rank=rank, markov_head_type=kind if rank else "vanilla", **flags)
 
 
 def _hot_vocab(tensors, raw, dcfg: DrafterConfig, where: dict, path: str):
@@ -585,6 +692,11 @@ def read_external(path: str, target: ModelConfig, config: dict | None = None) ->
                                "supported (specjax's block drafter embeds mask_token_id with "
                                "the target's frozen embedding row)")
     tensors, where = read_tensors(path)
+    for name in [n for n in tensors if n.startswith(_LEGACY_HEADS)]:  # SpecForge's renaming
+        new = name[len("logit_head."):]
+        if new not in tensors:
+            tensors[new], where[new] = tensors[name], where[name]
+        del tensors[name]
     if layout == EAGLE3:
         qk = "midlayer.self_attn.q_norm.weight" in tensors
         dcfg = eagle3_config(raw, target, where_cfg, qk)

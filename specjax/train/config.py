@@ -287,6 +287,15 @@ class DrafterTrainConfig:
         0: none; DFlash2: 2 taps, groups of 16 channels).
       output_multiplier, final_logit_softcapping: block only: DFlash2's logit transforms
         (l * m, then tanh(l / c) * c for c > 0; 1.0 and 0: none).
+      markov_rank, markov_head_type: block only: DSpark's Markov head (rank R, 0: none;
+        vanilla, gated or rnn; `specjax.drafters.markov`), teacher-forced, its corrected
+        logits in the cross-entropy.
+      confidence_head, confidence_head_with_markov, confidence_alpha: block only: DSpark's
+        confidence head (reading the Markov head's W1[x_{k-1}] too when with_markov),
+        trained by BCE against 1 - TV(p_target, q_draft) with weight confidence_alpha
+        (SpecForge: 1.0).
+      sample_from_anchor: block only: DSpark's block layout ([anchor, G-1 masks], every
+        slot drafts).
       qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
         drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
         --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
@@ -313,6 +322,12 @@ class DrafterTrainConfig:
     conv_group_size: int = 16
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    confidence_alpha: float = 1.0
+    sample_from_anchor: bool = False
 
     def __post_init__(self):
         from specjax.drafters import registry
@@ -345,6 +360,9 @@ class DrafterTrainConfig:
             _check_positive("drafter.ttt_positions", self.ttt_positions)
         if not 0 < self.ttt_decay <= 1:
             raise SpecjaxError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+        a = self.confidence_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
+            raise SpecjaxError(f"drafter.confidence_alpha={a!r} must be a number >= 0")
 
     def for_target(self, target: ModelConfig):
         """The `specjax.drafters.config.DrafterConfig` of this drafter for `target`.
@@ -367,7 +385,10 @@ class DrafterTrainConfig:
             if self.conv_kernel_size:
                 override.update(conv_kernel_size=self.conv_kernel_size,
                                 conv_group_size=self.conv_group_size)
-            for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
+            for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
+                              ("markov_rank", 0), ("markov_head_type", "vanilla"),
+                              ("confidence_head", False), ("confidence_head_with_markov", False),
+                              ("sample_from_anchor", False)):
                 if getattr(self, name) != off:
                     override[name] = getattr(self, name)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):

@@ -63,7 +63,7 @@ def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False,
 
         return functools.partial(block_loss, num_anchors=opts.num_anchors,
                                  soft=opts.soft_labels, gamma_w=opts.gamma_w, gamma=gamma,
-                                 kernel=kernel)
+                                 kernel=kernel, confidence_alpha=opts.confidence_alpha)
     raise ValueError(f"objective {objective!r} does not train a drafter")
 
 

@@ -481,7 +481,7 @@ def test_dflash_layer_ids_default_and_precedence(layers, ids, top, tmp_path):
 
 @pytest.mark.parametrize("edit,needle", [
     ("projector_type=dflash", None),  # what SpecForge writes for a plain DFlash head
-    ("projector_type=dspark", "projector_type='dspark'"),
+    ("projector_type=dspark", None),  # loads (DSpark: tests/drafters/test_dspark.py)
     ("projector_type=domino", "projector_type='domino'"),
     ("mask_embedding.pt", "trained mask embedding is not supported"),
     ("attention_mode=mla", "attention_mode='mla'"),

@@ -103,6 +103,15 @@ class _FakeBlockNet:
     def selector(self):  # no path selector
         return None
 
+    def layout(self, G):  # DFlash's block [anchor, G masks]: slots 1..G draft
+        return G + 1, 1
+
+    def markov(self):  # no Markov head
+        return None
+
+    class cfg:  # the config as the loss reads it: no confidence head
+        confidence_head = False
+
 
 def test_ttt_loss_with_a_mask_matches_a_float64_reference():
     B, T, V, G, decay = 3, 12, 7, 3, 0.8

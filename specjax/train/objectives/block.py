@@ -10,6 +10,17 @@ whose token has mask 1; anchors a with mask[a+1] = 1 are drawn first, and a bloc
 in the statistics only when all its G predicted tokens have mask 1). With DFlash2's path
 selector (`specjax.drafters.selector`), its cross-entropy over each position's candidates
 is added to the block's (same weights), and the statistics count the selector's picks.
+
+DSpark (`specjax.drafters.markov`; SpecForge's `OnlineDSparkModel`): with
+`sample_from_anchor` the block is [token at anchor_j, G-1 mask tokens] and slot k (0..G-1)
+predicts the token at anchor_j + k + 1: the same targets, one slot fewer. A Markov head is
+teacher-forced: its predecessor at draft position k is the data token at anchor_j + k (the
+anchor token first; the token the soft label at k is conditioned on, the label at k-1 under
+hard labels), and its corrected logits replace the block's in the cross-entropy; the
+statistics count its greedy chain (predecessors the target's argmax). A confidence head
+adds confidence_alpha x BCE(c_k, 1 - TV(p_target, q_k)) per position (q_k the softmax of
+the draft logits there, p_target the target's softmax, TV = half the L1 distance; the
+target is not differentiated), under the same weights and normaliser.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from specjax.drafters import selector
+from specjax.drafters import markov, selector
 
 
 def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int,
@@ -34,7 +45,8 @@ def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int,
 
 
 def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = True,
-               gamma_w: float = 7.0, gamma: int | None = None, kernel=None, mask=None):
+               gamma_w: float = 7.0, gamma: int | None = None, kernel=None, mask=None,
+               confidence_alpha: float = 1.0):
     """Weighted block loss and acceptance statistics.
 
     Args:
@@ -43,8 +55,10 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         objectives.Frozen; key: anchor sampling; gamma: G (default net.cfg.gamma);
         kernel: the drafter's attention kernel (`specjax.decoding.kernel_policy`; None: jnp);
         mask: optional f32[B,T+1] loss mask (1 where the row's token is a target).
+        confidence_alpha: weight of a confidence head's BCE (SpecForge's
+          `confidence_head_alpha`, 1.0).
     Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
-      block positions 1..k+1 all equal the target's argmax.
+      draft positions 0..k all equal the target's argmax.
     """
     G = gamma or net.cfg.gamma
     B, T = rows.shape[0], rows.shape[1] - 1
@@ -53,11 +67,17 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     contexts = net.contexts(tgt.hidden, tgt.kv, pos, frozen.inv_freq)
     out = net.blocks(contexts, anchors, rows[:, :T], frozen.embed, frozen.inv_freq, G,
-                     kernel)
-    logits = net.logits(out[:, :, 1:], frozen.head)  # [B,A,G,V]
+                     kernel)[:, :, net.layout(G)[1]:]  # the G draft slots [B,A,G,D]
+    logits = net.logits(out, frozen.head)  # [B,A,G,V]
     at = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # target positions [B,A,G]
     tl = jnp.take_along_axis(tgt.logits, at.reshape(B, -1)[:, :, None], axis=1)
     tl = tl.reshape(*at.shape, -1)
+    head, conf = net.markov(), net.cfg.confidence_head
+    if head is not None or conf:  # DSpark: the token before each draft position
+        h = net.final_hidden(out)
+        prev = jnp.take_along_axis(rows, at.reshape(B, -1), axis=1).reshape(at.shape)
+    if head is not None:
+        base, logits = logits, markov.block_logits(head, logits, h, prev)
     if soft:
         ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(tl.astype(jnp.float32), -1))
     else:
@@ -66,12 +86,23 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     w = jnp.exp(-jnp.arange(G, dtype=jnp.float32) / gamma_w)
     best = jnp.argmax(tl, axis=-1).astype(jnp.int32)  # the target's greedy tokens [B,A,G]
     match = jnp.argmax(logits, axis=-1) == best  # [B,A,G]
+    if conf:  # BCE against the acceptance probability 1 - TV(p_target, q_draft)
+        tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits.astype(jnp.float32), -1) -
+                                   jax.nn.softmax(tl.astype(jnp.float32), -1)), -1)
+        accept = jax.lax.stop_gradient(jnp.clip(1.0 - tv, 0.0, 1.0))
+        ce = ce + confidence_alpha * optax.sigmoid_binary_cross_entropy(
+            net.confidence_logits(h, prev), accept)
+    if head is not None:  # the greedy chain: each predecessor the target's argmax
+        check = markov.block_logits(head, jax.lax.stop_gradient(base),
+                                    jax.lax.stop_gradient(h), markov.predecessors(prev[..., 0],
+                                                                                  best))
+        match = jnp.argmax(check, axis=-1) == best
     if net.selector() is not None:  # DFlash2: its CE joins the block's; its picks decide
         labels = best if soft else jnp.take_along_axis(
             rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         first = jnp.take_along_axis(rows, anchors, axis=1)
         sel_ce, match = selector.train_terms(*net.selector(), net.cfg.selector_top_k,
-                                             net.final_hidden(out[:, :, 1:]), logits,
+                                             net.final_hidden(out), logits,
                                              first, labels, best)
         ce = ce + sel_ce
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
