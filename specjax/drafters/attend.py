@@ -49,10 +49,12 @@ def windowed(pos, window: int | None) -> Limit:
 class Blocks(NamedTuple):
     """A source of the queries' own keys (k, v [B,T,K,H], like a `diag` entry) packed in
     aligned blocks of `size` entries: query t sees entry u iff t // size == u // size
-    (bidirectional inside a block, nothing across blocks; T a multiple of size). The
-    block-wise objective's packed blocks: it costs T * size scores, not T * T."""
+    (bidirectional inside a block, nothing across blocks; T a multiple of size), and with
+    `causal` only if also u <= t (JetSpec's block-causal attention). The block-wise
+    objective's packed blocks: it costs T * size scores, not T * T."""
 
     size: int
+    causal: bool = False
 
 
 ATTEND_CHUNK = DEFAULT_CHUNK  # sources with S > this and a Limit mask are chunked
@@ -90,7 +92,7 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = (),
     scores, values, parts, kernel_parts = [], [], [], 0
     for k, v, mask in sources:
         if isinstance(mask, Blocks):
-            parts.append(_blocks_part(qg, k, v, mask.size, scale))
+            parts.append(_blocks_part(qg, k, v, mask.size, scale, mask.causal))
             continue
         if isinstance(mask, Limit):
             if kernel is not None and mask.lo is None:
@@ -149,9 +151,10 @@ def attend(q, sources: Sequence[tuple], diag: Sequence[tuple] = (),
     return out.astype(q.dtype).reshape(B, T, N * H)
 
 
-def _blocks_part(qg, k, v, size: int, scale):
+def _blocks_part(qg, k, v, size: int, scale, causal: bool = False):
     """(m, l, acc) of queries qg [B,T,K,R,H] over their own k, v [B,T,K,H] in aligned
-    blocks of `size` (see `Blocks`): m, l f32[B,K,R,T], acc f32[B,T,K,R,H]."""
+    blocks of `size` (see `Blocks`; causal: entry u of a block only for queries t >= u):
+    m, l f32[B,K,R,T], acc f32[B,T,K,R,H]."""
     B, T, K, R, H = qg.shape
     if T % size:
         raise ValueError(f"Blocks({size}): T={T} must be a multiple of the block size")
@@ -159,6 +162,8 @@ def _blocks_part(qg, k, v, size: int, scale):
     qb = qg.reshape(B, A, size, K, R, H)
     s = jnp.einsum("BATKRH,BAUKH->BKRATU", qb, k.reshape(B, A, size, K, H),
                    preferred_element_type=jnp.float32) * scale
+    if causal:  # every query sees its own entry: m stays finite
+        s = jnp.where(jnp.tril(jnp.ones((size, size), bool)), s, NEG)
     m = jnp.max(s, axis=-1)
     p = jnp.exp(s - m[..., None])
     acc = jnp.einsum("BKRATU,BAUKH->BATKRH", p, v.reshape(B, A, size, K, H).astype(jnp.float32))

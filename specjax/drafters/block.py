@@ -234,7 +234,7 @@ class BlockNet(nnx.Module):
                 x = self._conv_layer(i, x, cos, sin, sources, block_size, kernel)
                 continue
             q, k, v = layer_qkv(self, i, x, cos, sin)
-            sources.append((k, v, Blocks(block_size)))
+            sources.append((k, v, Blocks(block_size, c.block_causal)))
             x = layer_out(self, i, x, attend(q, sources, kernel=kernel))
         return x
 
@@ -246,7 +246,8 @@ class BlockNet(nnx.Module):
 
         def attention(h):
             q, k, v = layers.qkv(w, h, cos, sin, eps, c.num_heads, c.num_kv_heads, c.head_dim)
-            out = attend(q, [*sources, (k, v, Blocks(block_size))], kernel=kernel)
+            out = attend(q, [*sources, (k, v, Blocks(block_size, c.block_causal))],
+                         kernel=kernel)
             return layers.attention_proj(w, out)
 
         (ab, ap), (mb, mp) = (tuple(getattr(self, n)[i] for n in names)

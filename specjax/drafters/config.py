@@ -91,6 +91,9 @@ class DrafterConfig:
       sample_from_anchor: block only: DSpark's block layout: the block is [pending, G-1
         mask tokens] and every slot drafts, slot k the token after position pending + k
         (G slots for G drafts); False: DFlash's [pending, G mask tokens], slots 1..G draft.
+      block_causal: block only: attention inside the block is causal (position k sees
+        block positions <= k; JetSpec's block-causal head, arXiv 2606.18394 section 2.2;
+        `specjax.drafters.attend.Blocks`); False: bidirectional, as DFlash.
       qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3-style, the default);
         False for EAGLE-3 heads trained in Llama layout (SafeAILab/EAGLE, SpecForge).
       target_num_layers: L of the target it was built for (checked at load).
@@ -125,6 +128,7 @@ class DrafterConfig:
     confidence_head: bool = False
     confidence_head_with_markov: bool = False
     sample_from_anchor: bool = False
+    block_causal: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -235,7 +239,8 @@ class DrafterConfig:
         if kind not in MARKOV_HEAD_TYPES:
             raise SpecjaxError(f"drafter markov_head_type={kind!r}; use one of "
                                f"{MARKOV_HEAD_TYPES}")
-        for name in ("confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
+        for name in ("confidence_head", "confidence_head_with_markov", "sample_from_anchor",
+                     "block_causal"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecjaxError(f"drafter {name}={getattr(self, name)!r} must be true or "
                                    "false")
@@ -249,7 +254,8 @@ class DrafterConfig:
                                "use one")
         used = [name for name, on in (("markov_rank", r), ("confidence_head",
                                                            self.confidence_head),
-                                      ("sample_from_anchor", self.sample_from_anchor)) if on]
+                                      ("sample_from_anchor", self.sample_from_anchor),
+                                      ("block_causal", self.block_causal)) if on]
         if used and self.kind != "block":
             raise SpecjaxError(f"{used[0]} is a block drafter setting, not {self.kind}'s")
 
@@ -347,7 +353,8 @@ class DrafterConfig:
             out["sliding_windows"] = list(self.sliding_windows)
         for name, off in (("markov_rank", 0), ("markov_head_type", "vanilla"),
                           ("confidence_head", False), ("confidence_head_with_markov", False),
-                          ("sample_from_anchor", False)):  # DSpark's options at their defaults
+                          ("sample_from_anchor", False),  # DSpark's options at their defaults
+                          ("block_causal", False)):
             if out[name] == off:
                 del out[name]
         return {"format": FORMAT, **out}

@@ -296,6 +296,7 @@ class DrafterTrainConfig:
         (SpecForge: 1.0).
       sample_from_anchor: block only: DSpark's block layout ([anchor, G-1 masks], every
         slot drafts).
+      block_causal: block only: causal attention inside the block (JetSpec's head).
       qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
         drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
         --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
@@ -328,6 +329,7 @@ class DrafterTrainConfig:
     confidence_head_with_markov: bool = False
     confidence_alpha: float = 1.0
     sample_from_anchor: bool = False
+    block_causal: bool = False
 
     def __post_init__(self):
         from specjax.drafters import registry
@@ -388,7 +390,7 @@ class DrafterTrainConfig:
             for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
                               ("markov_rank", 0), ("markov_head_type", "vanilla"),
                               ("confidence_head", False), ("confidence_head_with_markov", False),
-                              ("sample_from_anchor", False)):
+                              ("sample_from_anchor", False), ("block_causal", False)):
                 if getattr(self, name) != off:
                     override[name] = getattr(self, name)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):

@@ -103,6 +103,12 @@ def test_blocks_equal_block_diagonal_mask():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="multiple of the block size"):
         attend(q, [(k, v, Blocks(3))])
+    # causal blocks (JetSpec's head) equal the block-diagonal mask cut to u <= t
+    causal = mask & (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])
+    want = attend(q, [ctx, (k.swapaxes(1, 2), v.swapaxes(1, 2), causal)])
+    got = attend(q, [ctx, (k, v, Blocks(4, causal=True))])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.allclose(np.asarray(got), np.asarray(attend(q, [ctx, (k, v, Blocks(4))])))
 
 
 def test_kernel_is_explicit():

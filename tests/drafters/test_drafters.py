@@ -2,6 +2,7 @@
 read in place) equals the parallel training path (TTT unroll, packed blocks) on the same
 committed tokens; causality; the KV merge; the hybrid's gate."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,14 +22,17 @@ from specjax.train.objectives.ttt import draft_outputs
 from tests.decoding.test_speculative_greedy import CFG, TP, V, models, prompts
 
 KINDS = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
-         ("block", "kv"), ("block", "both")]
+         ("block", "kv"), ("block", "both"), ("block", "causal")]
 T1 = SamplingParams(temperature=1.0)  # q = softmax(draft logits): compares distributions
 
 
 @functools.cache
 def net_for(kind, context, seed=0, scale=20.0):
-    dcfg = DrafterConfig.for_target(CFG, kind, context=context, gamma=4,
-                                    mask_token_id=1 if kind == "block" else None)
+    causal = context == "causal"  # block, hidden context, JetSpec's causal block
+    dcfg = DrafterConfig.for_target(CFG, kind, context="hidden" if causal else context,
+                                    gamma=4, mask_token_id=1 if kind == "block" else None)
+    if causal:
+        dcfg = dataclasses.replace(dcfg, block_causal=True)
     net = build_network(dcfg, rngs=nnx.Rngs(seed))
     # Random-init weights are tiny (std 0.02): scale them so the drafter is opinionated
     # and a wrong cache entry would show in q.

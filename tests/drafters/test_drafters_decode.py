@@ -24,17 +24,21 @@ from tests.decoding.test_speculative_greedy import (
 )
 
 KINDS = [("eagle3", None), ("kv", None), ("hybrid", None), ("block", "hidden"),
-         ("block", "kv"), ("block", "both"), ("block", "selector")]
+         ("block", "kv"), ("block", "both"), ("block", "selector"),
+         ("block", "causal")]
 
 
 @functools.cache
 def drafter_net(kind, context, seed=0):
     target, _ = models()
-    selector = context == "selector"  # block, hidden context, DFlash2's path selector
-    dcfg = DrafterConfig.for_target(target.cfg, kind, context="hidden" if selector else context,
+    # block, hidden context, with DFlash2's path selector or JetSpec's causal block
+    option = context if context in ("selector", "causal") else None
+    dcfg = DrafterConfig.for_target(target.cfg, kind, context="hidden" if option else context,
                                     gamma=3, mask_token_id=1 if kind == "block" else None)
-    if selector:
+    if option == "selector":
         dcfg = dataclasses.replace(dcfg, selector_rank=8, selector_top_k=4)
+    if option == "causal":
+        dcfg = dataclasses.replace(dcfg, block_causal=True)
     return dcfg, build_network(dcfg, rngs=nnx.Rngs(seed))
 
 

@@ -35,6 +35,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "hard": ("hard labels (the data's tokens)", ["drafter.soft_labels=false"]),
     "conv": ("DFlash2's two-tap grouped dynamic convolution (groups of 16)",
              ["drafter.conv_kernel_size=2", "drafter.conv_group_size=16"]),
+    "jetspec": ("JetSpec's head: causal attention inside the block, uniform position weights",
+                ["drafter.block_causal=true", "drafter.gamma_w=1000000.0"]),
     "decay4": ("position decay gamma_w 4 (the producers' at a block of 8)",
                ["drafter.gamma_w=4.0"]),
     "selector": ("DFlash2's path selector (rank 64, top-16)",
