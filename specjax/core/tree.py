@@ -201,15 +201,44 @@ def best_first_tree(pending, scores, tokens, nodes: int, vocab=None) -> DraftTre
     are unused (valid False, parent -1, depth 0, token the root's). Same conventions as
     `tree_from_candidates`."""
     B, G, K = scores.shape
-    N, C = nodes, 1 + 2 * (nodes - 1)
-    i32, f32 = jnp.int32, scores.dtype
+    rows = jnp.arange(B)
+
+    def children(prev, d):  # independent positions: the same children for every parent
+        del prev
+        return scores[rows, d], tokens[rows, d]
+
+    return best_first_path_tree(pending, children, G, K, nodes, vocab)
+
+
+def best_first_path_tree(pending, children, gamma: int, topk: int, nodes: int,
+                         vocab=None) -> DraftTree:
+    """`best_first_tree` where a node's children depend on its token: the exact best
+    `nodes` - 1 prefixes by summed child log-probability, as a DraftTree.
+
+    children(prev i32[B], d i32[B]) -> (log-probabilities f32[B,K] sorted best first,
+    tokens i32[B,K]): the K candidate children at 0-based position d of a node whose
+    token is prev (the root's: `pending`) — e.g. DFlash2's path selector, whose
+    distribution at position d is conditioned on the token before it
+    (`specjax.drafters.selector.children`). Each popped node's children are computed
+    once and kept in a per-node table [B,N,K]; siblings are walked in that order, so
+    every prefix is still pushed by exactly one predecessor scoring at least as much
+    (the order and tie rules of `best_first_tree`). gamma: G, the deepest position;
+    topk: K; nodes, vocab: as `best_first_tree`."""
+    G, K, N = gamma, topk, nodes
+    C = 1 + 2 * (N - 1)
+    i32 = jnp.int32
+    pending = pending.astype(i32)
+    B = pending.shape[0]
     rows = jnp.arange(B)
     slot = jnp.arange(C, dtype=i32)
-    pending = pending.astype(i32)
-    tokens = tokens.astype(i32)
+    root_s, root_t = children(pending, jnp.zeros((B,), i32))
+    f32 = root_s.dtype
+    # per-node child tables: node n's children, sorted (scores, tokens) [B,N,K]
+    ch_s = jnp.full((B, N, K), -jnp.inf, f32).at[:, 0].set(root_s)
+    ch_t = jnp.zeros((B, N, K), i32).at[:, 0].set(root_t.astype(i32))
     # candidate slots: alive, score, the parent's score, depth (1..G), rank, parent node
     cand = (jnp.zeros((B, C), bool).at[:, 0].set(True),
-            jnp.full((B, C), -jnp.inf, f32).at[:, 0].set(scores[:, 0, 0]),
+            jnp.full((B, C), -jnp.inf, f32).at[:, 0].set(root_s[:, 0]),
             jnp.zeros((B, C), f32), jnp.ones((B, C), i32), jnp.zeros((B, C), i32),
             jnp.zeros((B, C), i32))
     out = (jnp.broadcast_to(pending[:, None], (B, N)),  # tokens
@@ -217,7 +246,7 @@ def best_first_tree(pending, scores, tokens, nodes: int, vocab=None) -> DraftTre
            jnp.zeros((B, N), bool).at[:, 0].set(True))  # valid
 
     def pop(t, carry):
-        (alive, score, base, depth, rank, parent), (otok, opar, odep, oval) = carry
+        (alive, score, base, depth, rank, parent), (otok, opar, odep, oval), (cs, ct) = carry
         # the best alive slot: score desc, then depth, then rank, then slot (push order)
         best = jnp.max(jnp.where(alive, score, -jnp.inf), axis=1, keepdims=True)
         tied = alive & (score == best)
@@ -230,25 +259,29 @@ def best_first_tree(pending, scores, tokens, nodes: int, vocab=None) -> DraftTre
         s, b0, d, r, p = (x[rows, c] for x in (score, base, depth, rank, parent))
         ok = any_alive & jnp.isfinite(s)
         node = t + 1
-        otok = otok.at[:, node].set(jnp.where(ok, tokens[rows, d - 1, r], pending))
+        tok = jnp.where(ok, ct[rows, p, r], pending)
+        otok = otok.at[:, node].set(tok)
         opar = opar.at[:, node].set(jnp.where(ok, p, -1))
         odep = odep.at[:, node].set(jnp.where(ok, d, 0))
         oval = oval.at[:, node].set(ok)
         alive = alive & (slot[None, :] != c[:, None])
+        # this node's children (position d, 0-based; clamped where d = G: never pushed)
+        ks, kt = children(tok, jnp.minimum(d, G - 1))
+        cs = cs.at[:, node].set(ks.astype(f32))
+        ct = ct.at[:, node].set(kt.astype(i32))
         # push the first child into slot 1 + 2t and the next sibling into slot 2 + 2t
-        dc = jnp.minimum(d, G - 1)  # the child's position index (d is its 1-based depth)
         rs = jnp.minimum(r + 1, K - 1)
-        child = (any_alive & (d < G), s + scores[rows, dc, 0], s, d + 1, jnp.zeros_like(r),
+        child = (any_alive & (d < G), s + ks[:, 0], s, d + 1, jnp.zeros_like(r),
                  jnp.full_like(p, node))
-        sib = (any_alive & (r + 1 < K), b0 + scores[rows, d - 1, rs], b0, d, r + 1, p)
+        sib = (any_alive & (r + 1 < K), b0 + cs[rows, p, rs], b0, d, r + 1, p)
         new = []
         for field, xc, xs in zip((alive, score, base, depth, rank, parent), child, sib,
                                  strict=True):
             field = field.at[:, 1 + 2 * t].set(xc.astype(field.dtype))
             new.append(field.at[:, 2 + 2 * t].set(xs.astype(field.dtype)))
-        return tuple(new), (otok, opar, odep, oval)
+        return tuple(new), (otok, opar, odep, oval), (cs, ct)
 
-    _, (otok, opar, odep, oval) = jax.lax.fori_loop(0, N - 1, pop, (cand, out))
+    _, (otok, opar, odep, oval), _ = jax.lax.fori_loop(0, N - 1, pop, (cand, out, (ch_s, ch_t)))
     q = None
     if vocab is not None:
         q = jax.nn.one_hot(otok, vocab, dtype=jnp.float32).at[:, 0].set(0.0)

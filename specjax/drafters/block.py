@@ -34,7 +34,7 @@ from flax import nnx, struct
 
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
-from specjax.core.tree import best_first_tree
+from specjax.core.tree import best_first_path_tree, best_first_tree
 from specjax.drafters import conv, markov, registry, selector
 from specjax.drafters.attend import Blocks, Limit, attend, windowed
 from specjax.drafters.config import CONTEXTS, DrafterConfig, evenly_spaced_layers, kv_layer_set
@@ -385,13 +385,23 @@ class BlockDrafter(LearnedDrafter):
         at temperature 1 (log_softmax of the draft logits; position k's does not depend
         on the tokens before it, the block was drafted from mask tokens), found by a
         best-first search of N - 1 pops. q: one-hot at each node's token above
-        temperature 0 (deterministic choices), None at 0. `key` is unused."""
+        temperature 0 (deterministic choices), None at 0. `key` is unused.
+
+        With DFlash2's path selector a child's distribution depends on its parent's token:
+        the same search over the selector's distributions (log_softmax of its K scores
+        given the parent, `selector.children`; `specjax.core.tree.best_first_path_tree`).
+        Raises ValueError for a Markov head (DSpark: one chain)."""
         del key
-        for on, what in ((self.cfg.selector_rank, "path selector"),
-                         (self.cfg.markov_rank, "Markov head")):
-            if on:
-                raise ValueError(f"a block drafter with a {what} drafts one chain: "
-                                 "--tree-topk is not supported")
+        if self.cfg.markov_rank:
+            raise ValueError("a block drafter with a Markov head drafts one chain: "
+                             "--tree-topk is not supported")
+        if self.cfg.selector_rank:
+            out, logits = self.block_outputs(params, state, view)
+            net = self.net(params)
+            children = selector.children(*net.selector(), topk, net.final_hidden(out), logits)
+            tree = best_first_path_tree(view.pending, children, self.gamma, topk, nodes,
+                                        None if self.sampling.greedy else logits.shape[-1])
+            return tree, state
         logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
         ls, lt = jax.lax.top_k(logp, topk)  # [B,G,K] per position, best first
         tree = best_first_tree(view.pending, ls, lt, nodes,

@@ -67,6 +67,24 @@ def draft_chain(pred, succ, proj, top_k: int, h, logits, first, key,
     return jnp.stack(draft, 1), jnp.stack(qs, 1)
 
 
+def children(pred, succ, proj, top_k: int, h, logits):
+    """The children function of a draft tree over the selector's block
+    (`specjax.core.tree.best_first_path_tree`): children(prev i32[B], d i32[B]) -> the K
+    candidates of 0-based position d given the token prev before them, sorted best first:
+    (log_softmax of their scores f32[B,K], tokens i32[B,K]). h [B,G,D] final-normed block
+    outputs, logits f32[B,G,V] the block's logits at positions 1..G."""
+    unary, cand = jax.lax.top_k(logits.astype(jnp.float32), top_k)  # [B,G,K]
+    rows = jnp.arange(h.shape[0])
+
+    def fn(prev, d):
+        s = scores(pred, succ, proj, h[rows, d], prev, cand[rows, d].astype(jnp.int32),
+                   unary[rows, d])
+        lp, order = jax.lax.top_k(jax.nn.log_softmax(s, axis=-1), top_k)
+        return lp, jnp.take_along_axis(cand[rows, d], order, axis=-1).astype(jnp.int32)
+
+    return fn
+
+
 def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
     """The selector's training loss and its teacher-forced greedy matches.
 
