@@ -403,7 +403,8 @@ class BlockDrafter(LearnedDrafter):
                                         None if self.sampling.greedy else logits.shape[-1])
             return tree, state
         logp = jax.nn.log_softmax(self.block_logits(params, state, view), axis=-1)
-        ls, lt = jax.lax.top_k(logp, topk)  # [B,G,K] per position, best first
+        # [B,G,K] per position, best first (behind a barrier: `selector.top_candidates`)
+        ls, lt = jax.lax.optimization_barrier(jax.lax.top_k(logp, topk))
         tree = best_first_tree(view.pending, ls, lt, nodes,
                                None if self.sampling.greedy else logp.shape[-1])
         return tree, state
