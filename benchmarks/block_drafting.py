@@ -12,7 +12,7 @@ one step at T = 0, B = 1).
 Systems: the shipped eagle3 head as one chain and as its best CPU tree (EAGLE-2 2x12,
 docs/trees.md), n-gram lookup, the shipped block drafter as one chain and as a best-first
 tree over its block (`--tree-topk 4 --tree-nodes 16`), and each `--drafter NAME=DIR` (a
-block drafter directory) as a chain and, unless it has a path selector, as the same tree.
+block drafter directory) as a chain and, unless it has a Markov head, as the same tree.
 Results: benchmarks/results/block_drafting.json and the `<!-- block:results -->` section
 of docs/block_drafting.md.
 """
@@ -45,12 +45,12 @@ SHIPPED = (
 
 
 def candidate_systems(name: str, path: str) -> list[System]:
-    """A block drafter directory as a chain and (without a path selector) a tree."""
+    """A block drafter directory as a chain and (without a Markov head) a tree."""
     from specjax.drafters.config import CONFIG_NAME
 
     raw = json.load(open(os.path.join(path, CONFIG_NAME)))
     out = [System(f"{name} chain", path, kind=raw.get("kind"))]
-    if not raw.get("selector_rank"):
+    if not raw.get("markov_rank"):  # a Markov head drafts one chain
         out.append(System(f"{name} tree {TREE[0]}x{TREE[1]}", path, tree=TREE,
                           rules=("token",), kind=raw.get("kind")))
     return out
