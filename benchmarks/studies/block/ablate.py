@@ -30,21 +30,35 @@ RESULTS = "benchmarks/results/studies/block"
 # name -> (what it tests, train.py --set overrides)
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "base": ("the base recipe", []),
-    "layers4": ("4 draft layers (DFlash: 5 for Qwen3-8B)", ["drafter.num_layers=4"]),
-    "block16": ("block 16: G = 15 (DFlash's block size)", ["drafter.gamma=15"]),
-    "hard": ("hard labels (the data's tokens)", ["drafter.soft_labels=false"]),
-    "conv": ("DFlash2's two-tap grouped dynamic convolution (groups of 16)",
-             ["drafter.conv_kernel_size=2", "drafter.conv_group_size=16"]),
+    "selector": ("DFlash2's path selector (rank 64, top-16)",
+                 ["drafter.selector_rank=64", "drafter.selector_top_k=16"]),
     "selector_conv": ("DFlash2's recipe: the path selector and the two-tap convolution",
                       ["drafter.selector_rank=64", "drafter.selector_top_k=16",
                        "drafter.conv_kernel_size=2", "drafter.conv_group_size=16"]),
+    "conv": ("DFlash2's two-tap grouped dynamic convolution (groups of 16)",
+             ["drafter.conv_kernel_size=2", "drafter.conv_group_size=16"]),
+    "layers4": ("4 draft layers (DFlash: 5 for Qwen3-8B)", ["drafter.num_layers=4"]),
     "jetspec": ("JetSpec's head: causal attention inside the block, uniform position weights",
                 ["drafter.block_causal=true", "drafter.gamma_w=1000000.0"]),
     "decay4": ("position decay gamma_w 4 (the producers' at a block of 8)",
                ["drafter.gamma_w=4.0"]),
-    "selector": ("DFlash2's path selector (rank 64, top-16)",
-                 ["drafter.selector_rank=64", "drafter.selector_top_k=16"]),
+    "block16": ("block 16: G = 15 (DFlash's block size)", ["drafter.gamma=15"]),
+    "hard": ("hard labels (the data's tokens)", ["drafter.soft_labels=false"]),
 }
+
+
+README_HEAD = """# Block-drafter ablations (issue 52)
+
+Written by `python benchmarks/studies/block/ablate.py report` from the runs' metrics
+(runs/study_block/NAME/metrics.jsonl: the best held-out tau, teacher-forced on the
+regenerated validation stream, and its step) and decode.py's summaries here (NAME.json:
+`python decode.py --drafter runs/study_block/NAME/drafter --gamma fixed --show 0`, the 50
+bundled prompts, 128 new tokens, T = 0, G = 7, each against its own interleaved
+autoregressive run). Every variant: configs/study_block/base.yaml with the settings
+named, 512 steps x 8 x 256 = 1.05M tokens, trained on the 2-core CPU; docs/studies/block.md
+says when each was measured and what else ran on the machine then.
+
+"""
 
 
 def run_dir(name: str) -> str:
@@ -95,21 +109,24 @@ def held_out(name: str) -> dict:
 
 
 def report() -> str:
-    rows = ["| variant | what | held-out tau (step) | in-loop tau | alpha_0..alpha_G-1 | "
-            "tok/s | AR tok/s | speedup | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | what | held-out tau (step) | held-out alpha_k | in-loop tau | "
+            "in-loop alpha_k | tok/s | AR tok/s | speedup | identical |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, (what, _) in VARIANTS.items():
         path = os.path.join(RESULTS, f"{name}.json")
         h = held_out(name)
         ho = f"{h['tau']:.3f} ({h.get('step')})" if h else "-"
+        ha = " ".join(f"{a or 0:.2f}" for a in h.get("alpha", []))
         if not os.path.exists(path):
-            rows.append(f"| {name} | {what} | {ho} | | | | | | |")
+            rows.append(f"| {name} | {what} | {ho} | {ha} | | | | | | |")
             continue
         s = json.load(open(path))
         alpha = " ".join(f"{a:.2f}" for a in s.get("alpha", []))
-        rows.append(f"| {name} | {what} | {ho} | {s.get('tau', float('nan')):.3f} | {alpha} | "
+        rows.append(f"| {name} | {what} | {ho} | {ha} | {s.get('tau', float('nan')):.3f} | "
+                    f"{alpha} | "
                     f"{s.get('tokens_per_s', float('nan')):.1f} | "
                     f"{s.get('ar_tokens_per_s', float('nan')):.1f} | "
-                    f"{s.get('speedup', float('nan')):.2f}x | {s.get('identical_to_ar')} |")
+                    f"{s.get('speedup', float('nan')):.2f}x | {s.get('ar_identical')} |")
     return "\n".join(rows)
 
 
@@ -130,7 +147,10 @@ def main() -> None:
     elif a.action == "eval":
         evaluate(names, a.decode_args.split())
     else:
-        print(report())
+        table = report()
+        with open(os.path.join(RESULTS, "README.md"), "w") as f:
+            f.write(README_HEAD + table + "\n")
+        print(table)
 
 
 if __name__ == "__main__":
