@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     ap.add_argument("--json", default=RESULTS)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other rows of --json: replace only the rows measured now "
+                         "(trees.merge), each tagged with its own git and date")
     args = ap.parse_args(argv)
     if args.render_only:
         write_doc(json.load(open(args.json)))
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
     res = trees.measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
                         args.only, timing=not args.no_step_timing, warmup=args.warmup,
                         dtype=args.dtype, systems=tuple(systems))
+    if args.merge and os.path.exists(args.json):
+        res = trees.merge(json.load(open(args.json)), res)
     save_results(args.json, res, RESULTS, write_doc)
     print(trees.render(res))
     return 0

@@ -362,13 +362,6 @@ class BlockDrafter(LearnedDrafter):
             draft, q = markov.draft_chain(net.markov(), net.final_hidden(out), logits,
                                           view.pending, key, self.sampling)
             return draft, q, state
-        if first_rank is None and not self.sampling.greedy:
-            # One chain above temperature 0: each position's argmax with a one-hot q.
-            # Positions sampled on their own draw incoherent chains (acceptance length
-            # 1.16 against 2.96-3.49 with argmax drafts, z-lab/dflash #169); any q is exact
-            # for the verifiers, so the deterministic choice costs nothing in exactness.
-            draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return draft, jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32), state
         keys = jax.random.split(key, self.gamma)
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)

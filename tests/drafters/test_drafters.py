@@ -93,10 +93,6 @@ def test_decoding_path_equals_training_path(kind, context):
     for round_ in range(3):
         view = LoopView(tokens, lengths, cache, None, (lengths - 1)[:, None])
         draft, q, dstate = propose(dparams, dstate, view, jax.random.key(round_))
-        if kind == "block":  # one block chain drafts argmax (one-hot q) above T = 0
-            assert (np.asarray(q).max(-1) == 1.0).all()
-            q = jax.nn.softmax(jax.jit(drafter.block_logits)(dparams, dstate, view), axis=-1)
-            np.testing.assert_array_equal(np.asarray(draft), np.asarray(jnp.argmax(q, -1)))
         want = reference_q(net, target, tokens, lengths, draft)
         np.testing.assert_allclose(np.asarray(q), np.asarray(want), atol=2e-5, rtol=1e-4)
         assert float(jnp.max(q)) > 5.0 / V  # far from uniform: a wrong entry would show

@@ -302,9 +302,6 @@ def _proposer(drafter, G):
                            jax.random.key(0), G, drafter.capture)
         state = drafter.init(dparams, view, jax.random.key(1))
         draft, q, _ = drafter.propose(dparams, state, view, jax.random.key(2))
-        if hasattr(drafter, "block_logits"):  # a block chain drafts argmax (one-hot q) at
-            # T > 0: its distributions are those of the block's logits
-            q = jax.nn.softmax(drafter.block_logits(dparams, state, view), axis=-1)
         return q, view.tokens, view.hidden, draft
 
     return run
