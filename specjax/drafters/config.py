@@ -341,22 +341,12 @@ class DrafterConfig:
         out["capture"], out["kv_layers"] = list(self.capture), list(self.kv_layers)
         if self.qk_norm:
             del out["qk_norm"]  # the default: drafter dirs written before it stay identical
-        if not self.selector_rank:  # likewise
-            del out["selector_rank"], out["selector_top_k"]
-        if not self.conv_kernel_size:  # and for the DFlash2 options at their defaults
-            del out["conv_kernel_size"], out["conv_group_size"]
-        for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
-                          ("sliding_windows", ())):
-            if out[name] == off:
+        kept = set_block_options(self)  # likewise for the block options at their defaults
+        for name in BLOCK_OPTIONS:
+            if name not in kept:
                 del out[name]
         if "sliding_windows" in out:
             out["sliding_windows"] = list(self.sliding_windows)
-        for name, off in (("markov_rank", 0), ("markov_head_type", "vanilla"),
-                          ("confidence_head", False), ("confidence_head_with_markov", False),
-                          ("sample_from_anchor", False),  # DSpark's options at their defaults
-                          ("block_causal", False)):
-            if out[name] == off:
-                del out[name]
         return {"format": FORMAT, **out}
 
     @classmethod
@@ -384,3 +374,30 @@ class DrafterConfig:
                 return json.load(f).get("format") == FORMAT
         except (OSError, ValueError, AttributeError):
             return False
+
+
+# The block drafter's options beyond DFlash's (DFlash2, DSpark, JetSpec): left out of
+# config.json where they are off, so drafter directories written before them stay
+# byte-identical, and passed from train.py's drafter section where they are on. An option
+# in REFINES only means something when the option it refines is on (selector_top_k with a
+# selector, conv_group_size with a convolution).
+BLOCK_OPTIONS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size",
+                 "output_multiplier", "final_logit_softcapping", "sliding_windows",
+                 "markov_rank", "markov_head_type", "confidence_head",
+                 "confidence_head_with_markov", "sample_from_anchor", "block_causal")
+REFINES = {"selector_top_k": "selector_rank", "conv_group_size": "conv_kernel_size"}
+
+
+def set_block_options(obj) -> dict:
+    """{name: value} of the BLOCK_OPTIONS that `obj` (a DrafterConfig, or train.py's
+    DrafterTrainConfig, which lacks some) has switched on: away from DrafterConfig's
+    default, or, for an option in REFINES, whenever the option it refines is on."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
+    out = {}
+    for name in BLOCK_OPTIONS:
+        if not hasattr(obj, name):
+            continue
+        parent = REFINES.get(name)
+        if (getattr(obj, parent) if parent else getattr(obj, name) != defaults[name]):
+            out[name] = getattr(obj, name)
+    return out

@@ -372,7 +372,7 @@ class DrafterTrainConfig:
         Raises: SpecjaxError if the combination is invalid for that target (e.g. a
           mask_token_id outside its vocabulary, a capture depth or KV layer outside it,
           or `capture` / `kv_layers` for a drafter that reads no hidden states / no KV)."""
-        from specjax.drafters.config import DrafterConfig
+        from specjax.drafters.config import DrafterConfig, set_block_options
 
         try:
             cfg = DrafterConfig.for_target(
@@ -380,19 +380,7 @@ class DrafterTrainConfig:
                 intermediate_size=self.intermediate_size, context=self.context,
                 num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
                 qk_norm=self.qk_norm)
-            override = {}
-            if self.selector_rank:
-                override.update(selector_rank=self.selector_rank,
-                                selector_top_k=self.selector_top_k)
-            if self.conv_kernel_size:
-                override.update(conv_kernel_size=self.conv_kernel_size,
-                                conv_group_size=self.conv_group_size)
-            for name, off in (("output_multiplier", 1.0), ("final_logit_softcapping", 0.0),
-                              ("markov_rank", 0), ("markov_head_type", "vanilla"),
-                              ("confidence_head", False), ("confidence_head_with_markov", False),
-                              ("sample_from_anchor", False), ("block_causal", False)):
-                if getattr(self, name) != off:
-                    override[name] = getattr(self, name)
+            override = set_block_options(self)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
                 value = getattr(self, name)
                 if value is None:
