@@ -108,6 +108,11 @@ class FlyVerify:
     def tree_rule(self, *, max_depth, max_children, drafts):
         raise ValueError("--verify fly (lossy) verifies one chain, not a draft tree")
 
+    def fused_note(self, sampling, kernels):
+        if kernels == "off":
+            return None
+        return f"kernels={kernels}: --verify fly (lossy) has no fused kernel; verifying unfused"
+
     def fused(self, sampling, kernels, backend, interpret):
         return None
 

@@ -111,3 +111,42 @@ def with_drafter_attention(drafter, kernel: AttentionKernel | None):
             f.name == "attention" for f in dataclasses.fields(drafter)):
         return dataclasses.replace(drafter, attention=kernel)
     return drafter
+
+
+def describe(cfg, drafter) -> tuple[dict, list[str]]:
+    """What the loop of `cfg` (a `specjax.decoding.loop.LoopConfig`) with `drafter` (None:
+    autoregressive) runs, and where that falls short of what `cfg.kernels` asked for.
+
+    Returns (paths, notes). paths: {"verify": "fused-pallas" | "fused-reference" |
+    "unfused" | "none", "target_attention": "pallas" | "jnp", "drafter_attention":
+    "pallas" | "jnp" | None (a drafter with no attention of its own)}: the path each part
+    takes. notes: one line per fallback (the fused verifier skipped for draft trees,
+    top-k/top-p, a custom or lossy rule; the attention kernels skipped on a mesh), which
+    decode.py prints on stderr; none with kernels "off" (nothing was asked for)."""
+    k, mesh = cfg.kernels, cfg.cache_sharding is not None
+    notes = []
+    attn = "pallas" if k == "pallas" and not mesh else "jnp"
+    if k == "pallas" and mesh:
+        notes.append("kernels=pallas: the attention kernels are not partitioned over a mesh; "
+                     "the target and drafter attend with the jnp path")
+    learned = dataclasses.is_dataclass(drafter) and any(
+        f.name == "attention" for f in dataclasses.fields(drafter))
+    verify = "none"
+    if drafter is not None:
+        verify = "unfused"
+        if k != "off":
+            rule = cfg.rule()
+            tree = cfg.num_drafts > 1 or hasattr(drafter, "propose_tree")
+            if tree:
+                notes.append(f"kernels={k}: draft trees have no fused verification kernel; "
+                             "verifying unfused (specjax.decoding.tree_verify)")
+            elif rule.fused(cfg.sampling, k, cfg.pallas_backend,
+                            cfg.pallas_interpret) is not None:
+                verify = f"fused-{k}"
+            else:
+                note = getattr(rule, "fused_note", None)
+                notes.append((note and note(cfg.sampling, k))
+                             or f"kernels={k}: the {rule.name} rule is not fused; verifying "
+                                "unfused")
+    return ({"verify": verify, "target_attention": attn,
+             "drafter_attention": attn if learned else None}, notes)

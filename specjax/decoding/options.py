@@ -42,7 +42,7 @@ class DecodeConfig:
     """The options of one decoding session (decode.py's flags; see each field's help,
     `decode.py --help`). `gamma` is resolved on construction: "auto" (adaptive, the default
     for a drafter of one chain), "fixed" (the drafter's own G: draft trees, --num-drafts,
-    logitspec, --partial-verify, --drafter none) or a draft length.
+    logitspec, --partial-verify, --verify fly, --drafter none) or a draft length.
 
     Raises: SpecjaxError (one line naming the flag) for options that contradict each
     other or are out of range."""
@@ -61,7 +61,8 @@ class DecodeConfig:
         "expected tokens per ms, from a cost table measured once per setting, and a batch "
         "runs without the drafter when speculation is not predicted to win by more than the "
         "timing noise (docs/adaptive.md); fixed: always the G a learned drafter was trained "
-        "for (else 4; the default for draft trees); N: always N",
+        "for (else 4; the default for draft trees, --partial-verify and --verify fly); N: "
+        "always N",
         type=_gamma_arg, metavar="N|auto|fixed")
     cost_table: str | None = option(
         None, "--gamma auto: ms per step at each draft length and the baseline a batch is "
@@ -170,7 +171,8 @@ class DecodeConfig:
             raise SpecjaxError("--gamma auto needs a drafter (--drafter none decodes "
                                "autoregressively)")
         if self.gamma is None:  # auto for one chain; trees and no drafter: fixed
-            fixed = self.trees or self.partial_verify or self.drafter == "none"
+            fixed = (self.trees or self.partial_verify or self.verify == "fly"
+                     or self.drafter == "none")
             object.__setattr__(self, "gamma", "fixed" if fixed else "auto")
         _check(self)
 
@@ -239,6 +241,10 @@ def _check(c: DecodeConfig) -> None:
             raise SpecjaxError(f"{mode} needs a drafter (--drafter none decodes "
                                "autoregressively)")
     if c.verify == "fly":
+        if c.adaptive:  # FLy's published figures are for a fixed G = 7; under auto the
+            # schedule's short lengths leave its window nothing to act on
+            raise SpecjaxError("--verify fly (lossy) drafts a fixed length: no --gamma auto "
+                               "(the default with --verify fly is the drafter's G)")
         if c.temperature > 0:
             raise SpecjaxError("--verify fly (lossy) runs at --temperature 0 only")
         if c.fly_window is not None and c.fly_window < 1:

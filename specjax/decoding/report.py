@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.decoding import kernel_policy
+
 
 def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) -> dict:
     """The run's figures from a session and its `specjax.decoding.engines.EngineSet`
@@ -30,7 +32,10 @@ def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) ->
                "buffer": partial.buffer, "threshold": partial.threshold_for(loaded.gamma),
                "full_steps": int(st.verified[0]) if st.verified is not None else 0,
                "partial_steps": int(st.verified[1]) if st.verified is not None else 0},
-           "kernels": main.cfg.kernels, "num_drafts": main.cfg.num_drafts,
+           "kernels": main.cfg.kernels,
+           "kernel_paths": kernel_policy.describe(main.cfg, drafter)[0],
+           "ar_identity_guaranteed": session.identity_guaranteed,
+           "num_drafts": main.cfg.num_drafts,
            "nodes_per_step": (main.cfg.tree_nodes(loaded.gamma, drafter)
                               if drafter is not None else 1),
            "batch_size": c.batch_size, "prompts": num_prompts, "chat": chat,
@@ -137,6 +142,10 @@ def format_summary(summary: dict) -> str:
         if summary.get("nodes_per_step", 1) > summary.get("gamma", 0) + 1:
             rows.append(("drafts x nodes/step", f"{summary['num_drafts']} x "
                                                 f"{summary['nodes_per_step']}"))
+    kp = summary.get("kernel_paths")
+    if kp and kp["verify"] != "none":
+        rows.append(("kernels", f"verification {kp['verify']}, target attention "
+                                f"{kp['target_attention']}"))
     if "draft_ms" in summary:
         rows.append(("draft / verify ms per step", f"{summary['draft_ms']:.1f} / "
                                                    f"{summary['verify_ms']:.1f} (outside the loop)"))
@@ -144,7 +153,10 @@ def format_summary(summary: dict) -> str:
         rows.append(("AR tokens/s", f"{summary['ar_tokens_per_s']:.1f}"))
         rows.append(("speedup over AR", f"{summary['speedup']:.2f}x"))
         if summary.get("ar_identical") is not None:
-            rows.append(("identical to AR", str(summary["ar_identical"])))
+            same = str(summary["ar_identical"])
+            if summary.get("ar_identity_guaranteed") is False and not summary.get("lossy"):
+                same += " (bf16: not guaranteed)"
+            rows.append(("identical to AR", same))
         agree = summary.get("ar_agreement")
         if agree:
             rows.append(("LOSSY: agreement", f"{agree['prefix_tokens']:.1f} tokens before the "

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -37,7 +36,6 @@ from specjax.decoding import tree_verify
 from specjax.decoding.verify import Verdict, verify_block, verify_greedy, verify_token
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
-_log = logging.getLogger("specjax")
 
 
 class Verifier(Protocol):
@@ -76,6 +74,12 @@ class Verifier(Protocol):
         `pallas_kernels.verify`, or None where this rule takes the unfused path."""
         ...
 
+    def fused_note(self, sampling: SamplingParams, kernels: str) -> str | None:
+        """One line saying why `fused` returns None although kernels != "off" (decode.py
+        prints it on stderr, `specjax.decoding.kernel_policy.describe`), else None.
+        Optional: a rule without it is described by its name."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class _Lossless:
@@ -92,12 +96,14 @@ class _Lossless:
     def chain(self, draft, q, logits, key, sampling) -> Verdict:
         return self._fn(draft, q, filtered_probs(logits, sampling), key)
 
+    def fused_note(self, sampling, kernels):
+        if kernels != "off" and not sampling.greedy and (sampling.top_k or sampling.top_p < 1):
+            return (f"kernels={kernels}: top-k/top-p sampling has no fused verification "
+                    "kernel; verifying unfused (specjax.decoding.verify)")
+        return None
+
     def fused(self, sampling, kernels, backend, interpret):
-        if kernels == "off":
-            return None
-        if not sampling.greedy and (sampling.top_k or sampling.top_p < 1):
-            _log.info("kernels=%s: top-k/top-p is not fused; verifying with "
-                      "specjax.decoding.verify", kernels)
+        if kernels == "off" or self.fused_note(sampling, kernels) is not None:
             return None
         from pallas_kernels.verify import verify_logits
 
@@ -145,7 +151,7 @@ class Block(_Lossless):
 class Custom:
     """A user's chain rule fn(draft i32[B,G], q f32[B,G,V], p f32[B,G+1,V], key) -> Verdict
     on the filtered probabilities (replaced by Greedy at temperature 0, as every lossless
-    rule). No tree form; never fused (one log line when kernels are on)."""
+    rule). No tree form; never fused (decode.py says so in one line when kernels are on)."""
 
     fn: VerifyFn
     name: str = "custom"
@@ -160,10 +166,12 @@ class Custom:
     def tree_rule(self, *, max_depth, max_children, drafts):
         raise ValueError(f"verify={self.fn!r} has no draft-tree form (num_drafts > 1)")
 
+    def fused_note(self, sampling, kernels):
+        if kernels == "off":
+            return None
+        return f"kernels={kernels}: a custom verify rule is not fused; verifying with it unfused"
+
     def fused(self, sampling, kernels, backend, interpret):
-        if kernels != "off":
-            _log.info("kernels=%s: a custom verify rule is not fused; verifying with it "
-                      "unfused", kernels)
         return None
 
 

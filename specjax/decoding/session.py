@@ -90,6 +90,34 @@ class Session:
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = self.loaded = self.drafter = None
         self._engines: dict[tuple, Any] = {}
+        self._said: set[str] = set()  # the fallback notes printed so far (once each)
+
+    @property
+    def identity_guaranteed(self) -> bool:
+        """True when greedy output is guaranteed identical to autoregressive decoding and
+        sampled output exactly the target's distribution: a lossless rule with the target
+        in float32 (--dtype and --matmul-dtype). In bf16 a verify forward of G+1 rows
+        rounds differently from a one-row forward, and greedy output can differ on a few
+        prompts (docs/decode.md, "Exactness and dtypes")."""
+        import jax.numpy as jnp
+
+        lossy = self.cfg.verify == "fly" or self.cfg.partial_verify
+        return (not lossy and self.dtype == jnp.float32
+                and self.cfg.matmul_dtype in ("auto", "float32"))
+
+    def notes(self, plan) -> list[str]:
+        """The lines decode.py prints on stderr before decoding: each fallback from the
+        kernels asked for (`specjax.decoding.kernel_policy.describe`) and, for a drafter
+        in bf16, that the output is not guaranteed identical to autoregressive decoding."""
+        from specjax.decoding.kernel_policy import describe
+
+        _, notes = describe(plan.main.cfg, self.drafter)
+        if self.drafter is not None and not self.identity_guaranteed and not (
+                self.cfg.verify == "fly" or self.cfg.partial_verify):
+            notes.append("note: the target runs in bfloat16 (--dtype/--matmul-dtype): the "
+                         "output is the target's up to bf16 rounding, not guaranteed "
+                         "identical to autoregressive decoding; --dtype float32 guarantees it")
+        return notes
 
     def read_prompts(self, prompt: str | None = None, path: str | None = None,
                      chat: bool = False) -> tuple[list[tuple[Any, list[int]]], bool]:
@@ -202,6 +230,10 @@ class Session:
 
         c = self.cfg
         plan = self.engines(prompts, chat)
+        for note in self.notes(plan):
+            if note not in self._said:
+                self._said.add(note)
+                print(note, file=sys.stderr)
         batches = [prompts[i:i + c.batch_size] for i in range(0, len(prompts), c.batch_size)]
         base_key = jax.random.key(c.seed)
         plan.compile()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,6 @@ from specjax.decoding.rules import Verifier, VerifyFn, as_rule
 from specjax.models.prefill import prefill_pieces
 
 KERNEL_CHOICES = kernel_policy.LOOP_KERNELS
-_log = logging.getLogger("specjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +159,8 @@ class LoopConfig:
         causal `pallas_kernels.attention.decode_attention` over the layer-major cache,
         read in place, whose cost follows each row's length, not the capacity. The prefill
         always takes the jnp path. With `cache_sharding` (a mesh) the jnp path runs too
-        (`specjax.decoding.kernel_policy.target_attention`, one log line)."""
-        if self.kernels == "pallas" and self.cache_sharding is not None:
-            _log.info("kernels=pallas: the attention kernel does not run on a mesh; the "
-                      "target attends with specjax.models.attention")
+        (`specjax.decoding.kernel_policy.target_attention`; decode.py says so in one line,
+        `kernel_policy.describe`)."""
         return kernel_policy.target_attention(self.kernels, self.cache_sharding,
                                               self.pallas_backend, self.pallas_interpret)
 

@@ -1,0 +1,82 @@
+"""What `kernel_policy.describe` reports: the path each part of the loop takes, and one line
+per fallback from what --kernels asked for (issue 53: fallbacks that speak). Checked against
+what the loop itself calls (`LoopConfig.fused_verify`, `target_attention`), not restated."""
+
+import dataclasses
+
+import pytest
+
+from specjax.core.sampling import SamplingParams
+from specjax.decoding.fly import FlyVerify
+from specjax.decoding.kernel_policy import describe
+from specjax.decoding.loop import LoopConfig
+from specjax.decoding.rules import Custom
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclasses.dataclass(frozen=True)
+class Learned:  # a drafter with an attention kernel of its own (as LearnedDrafter)
+    gamma: int = 3
+    attention: object = None
+
+
+class TreeDrafter:  # a drafter that proposes its own tree
+    gamma = 3
+    tree_nodes = 7
+
+    def propose_tree(self, *a):
+        raise NotImplementedError
+
+
+def cfg(**kw):
+    return LoopConfig(max_length=16, prompt_width=4, **kw)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_fused_when_nothing_stops_it(kernels):
+    c = cfg(kernels=kernels, sampling=SamplingParams(1.0), verify="token")
+    paths, notes = describe(c, Learned())
+    assert c.fused_verify() is not None and paths["verify"] == f"fused-{kernels}"
+    attn = "pallas" if kernels == "pallas" else "jnp"
+    assert (c.target_attention() is not None) == (attn == "pallas")
+    assert paths["target_attention"] == paths["drafter_attention"] == attn
+    assert notes == []
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"sampling": SamplingParams(1.0, top_k=5)}, "top-k/top-p"),
+    ({"sampling": SamplingParams(1.0, top_p=0.9)}, "top-k/top-p"),
+    ({"sampling": SamplingParams(1.0), "verify": Custom(lambda *a: None)}, "custom"),
+    ({"verify": FlyVerify()}, "fly"),
+    ({"sampling": SamplingParams(1.0), "num_drafts": 2}, "draft trees"),
+])
+def test_each_fallback_is_one_line(kw, needle):
+    c = cfg(kernels="pallas", **kw)
+    paths, notes = describe(c, Learned())
+    assert paths["verify"] == "unfused"
+    if c.num_drafts == 1:
+        assert c.fused_verify() is None  # what the loop does agrees
+    assert len(notes) == 1 and needle in notes[0] and "\n" not in notes[0]
+    assert paths["target_attention"] == "pallas"
+
+
+def test_tree_drafter_and_off_and_autoregressive():
+    paths, notes = describe(cfg(kernels="reference"), TreeDrafter())
+    assert paths["verify"] == "unfused" and "draft trees" in notes[0]
+    assert paths["drafter_attention"] is None  # no attention of its own
+    paths, notes = describe(cfg(kernels="off", sampling=SamplingParams(1.0, top_k=5)),
+                            Learned())
+    assert paths == {"verify": "unfused", "target_attention": "jnp",
+                     "drafter_attention": "jnp"} and notes == []  # nothing asked for
+    paths, notes = describe(cfg(kernels="pallas"), None)
+    assert paths["verify"] == "none" and notes == []
+
+
+def test_mesh_drops_the_attention_kernels():
+    c = cfg(kernels="pallas", cache_sharding=object())
+    paths, notes = describe(c, Learned())
+    assert c.target_attention() is None and c.drafter_attention() is None
+    assert paths["target_attention"] == paths["drafter_attention"] == "jnp"
+    assert paths["verify"] == "fused-pallas"
+    assert len(notes) == 1 and "mesh" in notes[0]
