@@ -15,24 +15,52 @@ from specjax.decoding.engine import Engine, Stats
 from specjax.errors import SpecjaxError
 
 
+def weights_id(path: str) -> str:
+    """The identity a cost table is keyed by for a target or drafter argument: the cheap
+    fingerprint of the weights in that directory (`specjax.models.checkpoint.fingerprint`:
+    retraining into the same directory changes it), else the argument itself (ngram,
+    logitspec)."""
+    from specjax.models.checkpoint import fingerprint
+
+    if not os.path.isdir(path):
+        return path
+    try:
+        return fingerprint(path)
+    except SpecjaxError:  # no safetensors there (a drafter of another format)
+        return os.path.abspath(path)
+
+
+def length_bucket(n: int) -> int:
+    """The power of two at or above n (at least 256): the context lengths one cached cost
+    table serves. A step's cost grows with the context, slowly on the demo's scale, so one
+    measurement per doubling of max_length, not one per prompt set."""
+    return max(256, 1 << max(int(n) - 1, 1).bit_length())
+
+
 def default_cost_table(session, schedule, max_length: int, prompt_width: int) -> str | None:
     """Where --gamma auto caches its measured cost table when --cost-table is not given:
-    COMPILE_CACHE/specjax-costs/KEY.json, keyed by everything the costs depend on (None:
-    no cache, with --compile-cache none)."""
+    COMPILE_CACHE/specjax-costs/KEY.json, keyed by everything the costs and the stored
+    acceptance depend on: the target's and drafter's weights (their fingerprints, so that
+    a drafter retrained into the same directory is measured again), dtypes, drafter
+    options, batch size, max_length's `length_bucket` (not the exact lengths: a new prompt
+    set of similar length reuses the table), sampling, verification, kernels, mesh,
+    choices, backend, device and jax version. None: no cache (--compile-cache none)."""
     import jax
 
+    del prompt_width  # within a bucket the table does not depend on it
     c = session.cfg
     if c.compile_cache == "none":
         return None
     base = c.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
     key = adaptive.table_key(
-        target=session.model_cfg, dtype=session.dtype, drafter=session.loaded.name,
+        target=session.model_cfg, target_weights=weights_id(c.target), dtype=session.dtype,
+        drafter=weights_id(session.loaded.name),
         drafter_gamma=session.loaded.gamma, drafter_dtype=c.drafter_dtype,
         matmul_dtype=c.matmul_dtype, draft_vocab=c.draft_vocab, draft_stop=c.draft_stop,
         draft_window=c.draft_window, draft_reuse=c.draft_reuse, batch=c.batch_size,
-        max_length=max_length, prompt_width=prompt_width, temperature=c.temperature,
+        length_bucket=length_bucket(max_length), temperature=c.temperature,
         top_k=c.top_k, top_p=c.top_p, verify=c.verify, kernels=c.kernels, mesh=c.mesh,
-        choices=schedule.choices, table_version=6, backend=jax.default_backend(),
+        choices=schedule.choices, table_version=7, backend=jax.default_backend(),
         device=jax.devices()[0].device_kind, jax=jax.__version__)
     # inside the compile cache: jax reads only its own *-cache files there
     return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
@@ -84,6 +112,10 @@ class EngineSet:
                   + ("is written to --cost-table all the same" if c.cost_table
                      else "is used for this run only, not cached")
                   + ": measure it on a quiet machine", file=sys.stderr)
+        where = ("not cached (--compile-cache none)" if self.table is None else
+                 "not cached" if (c.cost_table is None and noisy) else f"written to {self.table}")
+        print(f"decode.py: --gamma auto: measured the cost table in {self.calibrated_s:.0f} s, "
+              f"once per setting; {where}", file=sys.stderr)
         if self.table is None or (c.cost_table is None and noisy):
             return
         import jax

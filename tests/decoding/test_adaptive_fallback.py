@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import numpy as np
@@ -562,3 +563,41 @@ def test_calibration_spread():
     assert adaptive.calibration_spread([0.7]) == 0.0 == adaptive.calibration_spread([])
     with pytest.raises(ValueError, match="positive"):
         adaptive.calibration_spread([1.0, 0.0])
+
+
+def test_cost_table_key_follows_the_weights_not_the_prompt_length(tiny_demo, tmp_path):
+    """The cached table's key (issue 53): a drafter retrained into the same directory gets a
+    new table (the stored acceptance was its predecessor's); prompt sets whose max_length
+    falls in one `length_bucket` share one; another batch size does not."""
+    import types
+
+    from safetensors.numpy import load_file, save_file
+
+    from specjax import DecodeConfig
+    from specjax.decoding import engines
+    from specjax.models.config import ModelConfig
+    from specjax.testing.tiny import save_random_drafter
+
+    tgt = str(tiny_demo / "target")
+    d = save_random_drafter(tgt, str(tmp_path / "drafter"))
+
+    def path(max_length, batch=1):
+        cfg = DecodeConfig(target=tgt, drafter=d, batch_size=batch,
+                           compile_cache=str(tmp_path / "cache"))
+        session = types.SimpleNamespace(
+            cfg=cfg, model_cfg=ModelConfig.from_dir(tgt), dtype="float32",
+            loaded=types.SimpleNamespace(name=d, gamma=3))
+        return engines.default_cost_table(session, adaptive.GammaSchedule((0, 1, 3)),
+                                          max_length, 64)
+
+    first = path(300)
+    assert path(400) == first and path(512) == first  # one bucket: 257..512
+    assert path(600) != first and path(300, batch=2) != first
+    weights = os.path.join(d, "model.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1  # "retrained" in place
+    save_file(tensors, weights)
+    assert path(300) != first
+    assert engines.length_bucket(1) == 256 and engines.length_bucket(257) == 512
+    assert engines.length_bucket(512) == 512

@@ -252,8 +252,9 @@ class AdaptiveEngine:
         the prefill's wall is the fastest of all of them, and a choice whose difference
         is not positive is measured again (up to twice more). Each run generates
         min(max_new_tokens, max(max_tokens, min_steps * (g + 1))) tokens at draft length
-        g (a step's cost hardly depends on how many follow it; the cap keeps a batch of 32
-        near a minute on a 2-core CPU, and min_steps keeps long drafts from being timed
+        g (a step's cost hardly depends on how many follow it; the cap bounds each run, yet
+        a whole calibration at batch 32 took 3.5-12 minutes on the 2-core CPU, 5-8 s at
+        batch 1: `benchmarks/results/adaptive.json`, and min_steps keeps long drafts from being timed
         over two or three iterations); the prefill's wall comes from runs with a budget of
         one token (no loop iteration). A busy machine still skews the table: measure it
         on a quiet one (decode.py caches it). The table kept is `adaptive.fit_costs` of the

@@ -384,10 +384,11 @@ def drift_to_prior(alpha, prior, rate: float = FALLBACK_DRIFT):
     return a + np.float32(rate) * (np.asarray(prior, np.float32) - a)
 
 
-# `calibration_spread` above which decode.py does not cache a table it measured: twice the
-# margin's clamp, which quiet calibrations reach, and below what a calibration beside
-# other work spreads (docs/adaptive.md, "A table measured on a busy machine")
-NOISY_SPREAD = 0.5
+# `calibration_spread` above which decode.py does not cache a table it measured: the
+# rounds agree when they spread at most the margin's clamp (MARGIN_RANGE's 25%), the most
+# noise the schedule's margin covers; a noisier table serves its own run only, and the next
+# run measures again (docs/adaptive.md, "A busy machine's table is not cached")
+NOISY_SPREAD = MARGIN_RANGE[1]
 
 
 def calibration_spread(walls) -> float:
