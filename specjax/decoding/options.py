@@ -113,8 +113,8 @@ class DecodeConfig:
     seed: int = option(0, "PRNG seed")
     ignore_eos: bool = option(False, "generate exactly --max-new-tokens")
     max_length: int | None = option(
-        None, "prompt + new tokens per row, at most (default: longest prompt + "
-        "--max-new-tokens)", type=int)
+        None, "prompt + new tokens per row, at most (default: the longest prompt rounded "
+        "up to a multiple of 16, the compiled prompt width, + --max-new-tokens)", type=int)
     allow_long_context: bool = option(
         False, "allow --max-length beyond the target's max_position_embeddings")
     dtype: str = option("auto", "auto: float32 on CPU, bfloat16 on TPU/GPU", choices=DTYPES)

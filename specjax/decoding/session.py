@@ -135,7 +135,12 @@ class Session:
 
         c, mc = self.cfg, self.model_cfg
         longest = max(len(ids) for _, ids in prompts)
-        max_length = c.max_length or longest + c.max_new_tokens
+        max_length = c.max_length
+        if max_length is None:  # the prompt width's multiple of 16 + the new tokens: prompt
+            # sets whose longest prompt rounds to the same width share one compiled shape
+            need = longest + c.max_new_tokens
+            padded = prompt_width_for(longest, 1 << 62) + c.max_new_tokens
+            max_length = max(need, min(padded, mc.max_position_embeddings))
         for pid, ids in prompts:
             if len(ids) + c.max_new_tokens > max_length:
                 raise SpecjaxError(
