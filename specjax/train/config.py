@@ -297,9 +297,10 @@ class DrafterTrainConfig:
       sample_from_anchor: block only: DSpark's block layout ([anchor, G-1 masks], every
         slot drafts).
       block_causal: block only: causal attention inside the block (JetSpec's head).
-      qk_norm: RMSNorm over each head of q and k (Qwen3-style, the default). An eagle3
-        drafter meant for vLLM, SGLang or SpecForge (`python -m specjax.drafters.convert
-        --to eagle3-hf`) needs false: their LlamaForCausalLMEagle3 has no q/k norms.
+      qk_norm: RMSNorm over each head of q and k (Qwen3-style). null (the default): off
+        for eagle3, whose engines' layout (`LlamaForCausalLMEagle3` in vLLM, SGLang and
+        SpecForge; `python -m specjax.drafters.convert --to eagle3-hf`) has none, so that
+        what train.py makes exports to them; on for the other kinds.
     """
 
     kind: str
@@ -316,7 +317,7 @@ class DrafterTrainConfig:
     gamma_w: float = 7.0
     ttt_decay: float = 0.8
     ttt_positions: int | None = None
-    qk_norm: bool = True
+    qk_norm: bool | None = None
     selector_rank: int = 0
     selector_top_k: int = 16
     conv_kernel_size: int = 0
@@ -379,7 +380,7 @@ class DrafterTrainConfig:
                 target, self.kind, gamma=self.gamma, num_layers=self.num_layers,
                 intermediate_size=self.intermediate_size, context=self.context,
                 num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
-                qk_norm=self.qk_norm)
+                qk_norm=self.kind != "eagle3" if self.qk_norm is None else self.qk_norm)
             override = set_block_options(self)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
                 value = getattr(self, name)

@@ -8,6 +8,7 @@ autoregressive decoding in the real loop and through decode.py, the round trip s
 import dataclasses
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -653,3 +654,47 @@ def test_decode_cli_loads_heads_and_exits_2_on_malformed(layout, target_dir, tmp
     assert code == 2
     lines = cap.err.strip().splitlines()
     assert len(lines) == 1 and "fc.weight missing" in lines[0], cap.err
+
+
+def test_the_default_eagle3_config_exports_to_the_engines(target_dir, tmp_path):
+    """What train.py makes from configs/drafters/eagle3.yaml (the README's flow) exports with
+    `convert --to eagle3-hf` and reads back as the engines read it: no q/k norms by default
+    for eagle3 (issue 53), the forward equal to the float64 EAGLE-3 reference."""
+    from safetensors.numpy import load_file
+
+    from specjax.drafters.io import save_drafter
+    from specjax.tools import convert
+    from specjax.train.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tcfg = load_config(os.path.join(root, "configs", "drafters", "eagle3.yaml"),
+                       target=str(target_dir), run_dir=str(tmp_path / "run"))
+    from specjax.models.config import ModelConfig
+
+    demo = tcfg.drafter.for_target(ModelConfig.from_dir(os.path.join(root, "checkpoints",
+                                                                     "demo", "target")))
+    assert demo.capture[0] == 2 and demo.qk_norm is False  # exportable for the demo target
+    # the same settings at this test's 4-layer target (whose default depths [0, 2, 4] the
+    # engines cannot share; the demo's above they can)
+    dcfg = dataclasses.replace(tcfg.drafter.for_target(CFG4), capture=tuple(AUX))
+    assert dcfg.kind == "eagle3" and dcfg.qk_norm is False
+    net = build_network(dcfg, rngs=nnx.Rngs(7))
+    src, dst = tmp_path / "specjax", tmp_path / "eagle3-hf"
+    save_drafter(str(src), dcfg, nnx.split(net, nnx.Param, ...)[1], str(target_dir))
+    assert convert.main(["--to", "eagle3-hf", str(src), str(dst), "--dtype", "float32"]) == 0
+    cfg = json.loads((dst / "config.json").read_text())
+    t = load_file(str(dst / "model.safetensors"))
+    for reader in (vllm_eagle3_depths, sglang_eagle3_depths, specforge_eagle3_depths):
+        assert reader(cfg) == list(dcfg.capture), reader.__name__
+    sp = SamplingParams(temperature=1.0)
+    d0, p0 = make_drafter(dcfg, net, target(), gamma=3, sampling=sp)
+    q, toks, hidden, draft = first_proposal(d0, p0, 3)
+    hidden = hidden.astype(np.float64)
+    for b, n in enumerate(PROMPT_LENS):
+        feats = np.concatenate(list(hidden[:, b, :n]), axis=-1)
+        np.testing.assert_allclose(q[b], eagle3_reference(t, cfg, feats, toks[b], n,
+                                                          draft[b, :-1]), atol=2e-5)
+    # the default without the config's line: off for eagle3, on for the other kinds
+    unset = dataclasses.replace(tcfg.drafter, qk_norm=None)
+    assert unset.for_target(CFG4).qk_norm is False
+    assert dataclasses.replace(unset, kind="kv").for_target(CFG4).qk_norm is True
