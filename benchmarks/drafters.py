@@ -215,6 +215,22 @@ def _code(env: dict) -> str:
     return s + (f" with {n} uncommitted code file{'s' * (n != 1)}" if n else "")
 
 
+def _gamma(d: dict) -> str:
+    """The draft length a run used: "auto (mean 4.9)" under --gamma auto (decode.py's
+    default for a drafter of one chain), else the fixed G."""
+    sched = d.get("gamma_schedule")
+    if not sched:
+        return str(d.get("gamma"))
+    ar = sched.get("autoregressive_batches") or 0
+    fb = f", AR program {ar}/{sched.get('batches')}" if ar else ""
+    return f"auto (mean {sched['mean_draft_length']:.1f}{fb})"
+
+
+def _load(r: dict) -> str:
+    la = r.get("load_average")
+    return "" if not la else f", load average {la[0]:.2f} at the start"
+
+
 def _prompts(d: dict) -> str:
     n = d.get("prompts")
     return "the 50 bundled prompts" if n == 50 else f"the first {n} bundled prompts"
@@ -259,11 +275,13 @@ def table(results: dict) -> str:
         d = r["decode"]
         lines.append(
             f"| {DRAFTERS[name][1]} | {r['kind']} | {_params(r['own_params'])} | {_held(r)} "
-            f"| {_f(d.get('tau'))} | {d.get('gamma')} | {_f(d.get('tokens_per_s'), '.1f')} "
+            f"| {_f(d.get('tau'))} | {_gamma(d)} | {_f(d.get('tokens_per_s'), '.1f')} "
             f"| {_f(d.get('ar_tokens_per_s'), '.1f')} | {_f(d.get('speedup'), '.2f', 'x')} "
             f"| {_identical(d)} | {_sha(r)} |")
     lines += ["", f"`{COMMAND}` (`{RESULTS}`): each row is one `python decode.py --drafter "
-              "DIR --show 0` run (128 new tokens, EOS on, batch 1, T=0, f32 target, "
+              "DIR --show 0` run (G: the fixed draft length, or auto with its mean draft "
+              "length where the run used --gamma auto, decode.py's default since "
+              "2026-11-27; 128 new tokens, EOS on, batch 1, T=0, f32 target, "
               "autoregressive decoding interleaved batch by batch in the same run, so the "
               "speedup is a ratio within one run); " + _provenance(recs) + "."]
     return "\n".join(lines)
@@ -287,7 +305,7 @@ def headline(results: dict, name: str) -> str:
         parts.append(f"{_params(r['own_params'])} own parameters")
     weights = f"weights sha256 {_sha(r)}, " if r.get("weights_sha256") else ""
     return (f"Measured by `{COMMAND}` ({r['measured_at'][:10]} UTC, {_code(r['env'])}, "
-            f"{weights}`{r['command']}` on {_prompts(d)}, G {d.get('gamma')}): "
+            f"{weights}`{r['command']}` on {_prompts(d)}, G {_gamma(d)}{_load(r)}): "
             + "; ".join(parts) + ".")
 
 
