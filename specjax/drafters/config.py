@@ -247,11 +247,10 @@ class DrafterConfig:
         if self.confidence_head_with_markov and not (self.confidence_head and r):
             raise SpecjaxError("drafter confidence_head_with_markov needs confidence_head and "
                                "markov_rank > 0 (it reads the Markov head's W1[x_{k-1}])")
-        if self.selector_rank and (r or self.confidence_head):
-            what = "markov_rank" if r else "confidence_head"
-            raise SpecjaxError(f"drafter {what} and selector_rank together: DSpark's heads and "
-                               "DFlash2's path selector are not combined by any producer; "
-                               "use one")
+        if self.selector_rank and r:  # two ways to condition position k on x_{k-1}
+            raise SpecjaxError("drafter markov_rank and selector_rank together: DSpark's "
+                               "Markov head and DFlash2's path selector both condition a "
+                               "position on the token before it; use one")
         used = [name for name, on in (("markov_rank", r), ("confidence_head",
                                                            self.confidence_head),
                                       ("sample_from_anchor", self.sample_from_anchor),

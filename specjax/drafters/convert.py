@@ -114,6 +114,10 @@ def _dflash2_fields(dcfg: DrafterConfig, extra: dict) -> None:
     """Adds a block drafter's DFlash2 pieces to its DFlash config.json fields `extra`.
     Raises SpecjaxError for a drafter no z-lab class runs."""
     dc = extra["dflash_config"]
+    if dcfg.selector_rank and dcfg.confidence_head:
+        raise SpecjaxError("this block drafter has DFlash2's path selector and DSpark's "
+                           "confidence head; no producer's layout holds both (z-lab's "
+                           "DFlash2DraftModel has no confidence head)")
     if dcfg.sample_from_anchor or dcfg.markov_rank or dcfg.confidence_head:
         _dspark_fields(dcfg, extra)
         return

@@ -93,6 +93,19 @@ def children(pred, succ, proj, top_k: int, h, logits):
     return fn
 
 
+def candidate_probs(pred, succ, proj, top_k: int, h, logits, first, prev_tokens):
+    """The selector's distribution at temperature 1 over each position's plain top-K
+    candidates, teacher-forced: (q f32[...,G,K], candidates i32[...,G,K]).
+
+    h [...,G,D], logits f32[...,G,V] as in `train_terms`; first i32[...] the block's
+    first token; prev_tokens i32[...,G]: position k's predecessor is prev_tokens[k-1]
+    (first for k = 1). What a drafted chain samples from, given those predecessors."""
+    unary, cand = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    cand = cand.astype(jnp.int32)
+    prev = jnp.concatenate([first[..., None], prev_tokens[..., :-1]], axis=-1)
+    return jax.nn.softmax(scores(pred, succ, proj, h, prev, cand, unary), axis=-1), cand
+
+
 def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
     """The selector's training loss and its teacher-forced greedy matches.
 

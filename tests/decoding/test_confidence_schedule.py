@@ -122,10 +122,12 @@ def test_confidence_schedule_needs_a_confidence_head():
 
 
 
-def test_dspark_head_under_the_confidence_schedule_equals_autoregressive():
+@pytest.mark.parametrize("heads", ["dspark", "selector"])
+def test_dspark_head_under_the_confidence_schedule_equals_autoregressive(heads):
     """A DSpark-style block drafter (anchor slot drafting, a Markov head, its trained-style
-    confidence head: `BlockDrafter.confidence`) under `--gamma auto`'s confidence
-    schedule: greedy output equals autoregressive decoding."""
+    confidence head: `BlockDrafter.confidence`), and a DFlash2 path-selector drafter with a
+    confidence head, under `--gamma auto`'s confidence schedule: greedy output equals
+    autoregressive decoding."""
     from flax import nnx
 
     from specjax.core.sampling import SamplingParams
@@ -133,10 +135,11 @@ def test_dspark_head_under_the_confidence_schedule_equals_autoregressive():
     from specjax.drafters import DrafterConfig, build_network, make_drafter
 
     target, _, graphdef, params = _models()
-    dcfg = dataclasses.replace(
-        DrafterConfig.for_target(du.CFG, "block", gamma=3, mask_token_id=PAD),
-        markov_rank=4, confidence_head=True, confidence_head_with_markov=True,
-        sample_from_anchor=True)
+    base = DrafterConfig.for_target(du.CFG, "block", gamma=3, mask_token_id=PAD)
+    dcfg = (dataclasses.replace(base, markov_rank=4, confidence_head=True,
+                                confidence_head_with_markov=True, sample_from_anchor=True)
+            if heads == "dspark" else
+            dataclasses.replace(base, selector_rank=4, selector_top_k=3, confidence_head=True))
     net = build_network(dcfg, rngs=nnx.Rngs(3))
     drafter, dparams = make_drafter(dcfg, net, target, gamma=3, sampling=SamplingParams())
     assert drafter.has_confidence

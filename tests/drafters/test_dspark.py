@@ -554,9 +554,7 @@ def test_config_options_round_trip_and_errors():
                            (dict(confidence_head=True, confidence_head_with_markov=True),
                             "needs confidence_head and markov_rank"),
                            (dict(markov_rank=4, selector_rank=4, selector_top_k=2),
-                            "not combined by any producer"),
-                           (dict(confidence_head=True, selector_rank=4, selector_top_k=2),
-                            "not combined by any producer"),
+                            "both condition a position"),
                            (dict(confidence_head=1), "confidence_head=1")]:
         with pytest.raises(SpecjaxError, match=needle) as e:
             dataclasses.replace(base, **change)
@@ -634,7 +632,7 @@ def test_decode_cli_exits_2_on_a_bad_dspark_head(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["drafter.markov_rank=4", "drafter.selector_rank=4"], "not combined by any producer"),
+    (["drafter.markov_rank=4", "drafter.selector_rank=4"], "both condition a position"),
     (["drafter.confidence_head_with_markov=true"], "needs confidence_head"),
     (["drafter.confidence_alpha=-1"], "confidence_alpha=-1"),
 ])

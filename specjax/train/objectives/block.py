@@ -20,7 +20,10 @@ hard labels), and its corrected logits replace the block's in the cross-entropy;
 statistics count its greedy chain (predecessors the target's argmax). A confidence head
 adds confidence_alpha x BCE(c_k, 1 - TV(p_target, q_k)) per position (q_k the softmax of
 the draft logits there, p_target the target's softmax, TV = half the L1 distance; the
-target is not differentiated), under the same weights and normaliser.
+target is not differentiated), under the same weights and normaliser. With the path
+selector, q_k is the selector's distribution over its K candidates, each predecessor the
+target's greedy token (`selector.candidate_probs`; no producer combines the two, so this is
+specjax's: the confidence of the chain the selector drafts).
 """
 
 from __future__ import annotations
@@ -87,8 +90,18 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     best = jnp.argmax(tl, axis=-1).astype(jnp.int32)  # the target's greedy tokens [B,A,G]
     match = jnp.argmax(logits, axis=-1) == best  # [B,A,G]
     if conf:  # BCE against the acceptance probability 1 - TV(p_target, q_draft)
-        tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits.astype(jnp.float32), -1) -
-                                   jax.nn.softmax(tl.astype(jnp.float32), -1)), -1)
+        p_t = jax.nn.softmax(tl.astype(jnp.float32), -1)
+        if net.selector() is not None:  # q_draft: the selector's, over its K candidates,
+            # each predecessor the target's greedy token (the chain that is accepted so far)
+            q_c, cand = selector.candidate_probs(
+                *net.selector(), net.cfg.selector_top_k, net.final_hidden(out), logits,
+                jnp.take_along_axis(rows, anchors, axis=1), best)
+            p_c = jnp.take_along_axis(p_t, cand, axis=-1)  # q is 0 off the candidates
+            tv = 0.5 * (jnp.sum(jnp.abs(p_c - q_c), -1) +
+                        jnp.clip(1.0 - jnp.sum(p_c, -1), 0.0, 1.0))
+        else:
+            tv = 0.5 * jnp.sum(jnp.abs(jax.nn.softmax(logits.astype(jnp.float32), -1) -
+                                       p_t), -1)
         accept = jax.lax.stop_gradient(jnp.clip(1.0 - tv, 0.0, 1.0))
         ce = ce + confidence_alpha * optax.sigmoid_binary_cross_entropy(
             net.confidence_logits(h, prev), accept)
