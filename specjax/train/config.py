@@ -333,6 +333,8 @@ class DrafterTrainConfig:
     block_causal: bool = False
 
     def __post_init__(self):
+        if self.qk_norm is None:  # resolved here, so a saved run config records the value
+            object.__setattr__(self, "qk_norm", self.kind != "eagle3")
         from specjax.drafters import registry
 
         if not registry.is_kind(self.kind):
@@ -380,7 +382,7 @@ class DrafterTrainConfig:
                 target, self.kind, gamma=self.gamma, num_layers=self.num_layers,
                 intermediate_size=self.intermediate_size, context=self.context,
                 num_kv_layers=self.num_kv_layers, mask_token_id=self.mask_token_id,
-                qk_norm=self.kind != "eagle3" if self.qk_norm is None else self.qk_norm)
+                qk_norm=self.qk_norm)
             override = set_block_options(self)
             for name, uses in (("capture", cfg.uses_hidden), ("kv_layers", cfg.uses_kv)):
                 value = getattr(self, name)

@@ -695,6 +695,5 @@ def test_the_default_eagle3_config_exports_to_the_engines(target_dir, tmp_path):
         np.testing.assert_allclose(q[b], eagle3_reference(t, cfg, feats, toks[b], n,
                                                           draft[b, :-1]), atol=2e-5)
     # the default without the config's line: off for eagle3, on for the other kinds
-    unset = dataclasses.replace(tcfg.drafter, qk_norm=None)
-    assert unset.for_target(CFG4).qk_norm is False
-    assert dataclasses.replace(unset, kind="kv").for_target(CFG4).qk_norm is True
+    assert dataclasses.replace(tcfg.drafter, qk_norm=None).qk_norm is False
+    assert dataclasses.replace(tcfg.drafter, kind="kv", qk_norm=None).qk_norm is True
