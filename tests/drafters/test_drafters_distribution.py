@@ -103,6 +103,13 @@ def test_path_selector_sampling_is_lossless(verify):
     _assert_lossless(*_tokens("block", verify, 3, selector=(4, 3)), f"selector {verify}")
 
 
+def test_path_selector_over_a_hot_vocabulary_is_lossless():
+    """The selector over a hot draft vocabulary (4 of 6 ids; its candidates are the top-3
+    of the hot ids, mapped back to the target's): still the target's exact distribution."""
+    _assert_lossless(*_tokens("block", "token", 3, hot=(0, 2, 3, 5), selector=(4, 3)),
+                     "selector hot vocab")
+
+
 def test_path_selector_with_the_unconditioned_q_fails(monkeypatch):
     """Power check: reporting the block's own distribution as q (not the selector's, which
     the drafts were drawn from) must be caught by the same test."""
