@@ -108,7 +108,7 @@ class DecodeConfig:
         "(default 8)", type=int, metavar="N")
     step_timing: bool = option(
         False, "also time one step's parts (draft ms, verify ms: compiled and run outside "
-        "the loop on the first batch, an estimate; costs two more compilations)")
+        "the loop on the first batch, an estimate; costs three more compilations)")
     batch_size: int = option(1, "prompts decoded together in one compiled loop")
     seed: int = option(0, "PRNG seed")
     ignore_eos: bool = option(False, "generate exactly --max-new-tokens")

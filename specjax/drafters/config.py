@@ -362,7 +362,7 @@ class DrafterConfig:
                 raw[key] = tuple(raw[key])
         try:
             return cls(**raw)
-        except TypeError as e:
+        except (TypeError, SpecjaxError) as e:  # a bad value names the file it came from
             raise SpecjaxError(f"{where}: {e}") from None
 
     @staticmethod

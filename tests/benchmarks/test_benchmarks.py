@@ -109,10 +109,35 @@ def test_kernels_roofline_arithmetic():
     assert "| block | 8 | 8 |" in text and "roofline us H100" in text
 
 
+def _kept_for_backward(f, *args):
+    """[(shape, dtype)] of what jax.vjp of f keeps for the backward pass (the leaves of the
+    pullback), by abstract evaluation: no arrays are made."""
+    import jax
+
+    pullback = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args)
+    return [(x.shape, x.dtype) for x in jax.tree.leaves(pullback)]
+
+
+def _nbytes(kept):
+    import numpy as np
+
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in kept)
+
+
+@pytest.mark.timeout(120)
 def test_kernels_packed_training_arithmetic():
     """benchmarks/kernels.py's packed-attention training table against hand-worked
-    figures: causal T = S = 2048 at Qwen3-8B heads (N 32, K 8, R 4, H 128, bf16)."""
+    figures: causal T = S = 2048 at Qwen3-8B heads (N 32, K 8, R 4, H 128, bf16). What
+    each path keeps for the backward is checked against jax itself: the residuals of
+    jax.vjp through `attend` (the jnp path) and through `packed_attention` (the kernel),
+    by abstract evaluation at that shape."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     from benchmarks import kernels
+    from pallas_kernels.attention import packed_attention
+    from specjax.drafters.attend import attend
 
     limit = kernels.packed_limits("causal", 2048, 2048)
     # Folded rows: 2048 * 4 = 8192 per KV head, 64 row tiles of 128 rows = 32 queries;
@@ -123,15 +148,30 @@ def test_kernels_packed_training_arithmetic():
     # (2 * 8*8192*128*2 B), limits read and lse written (2 * 8*8192*4 B).
     fwd, bwd = kernels.packed_train_bytes(limit, 32, 8, 2048, 128)
     assert fwd == 285_212_672 + 33_554_432 + 524_288
-    # jnp: the f32 scores [1, 32, 2048, 2048] are 4 * 32 * 2048 * 2048 B = 512 MiB, the
-    # same as the probabilities autodiff keeps; the kernel keeps o (2048*32*128*2 B) and
-    # lse (2048*32*4 B).
-    scores = 4 * 32 * 2048 * 2048
-    assert scores == 2**29
+    # What autodiff keeps, from jax: the jnp path's largest f32 residual is the scores /
+    # probabilities [B, K, R, T, S] (the table's "f32 probs", a lower bound of all it
+    # keeps beyond q, k, v: also the mask and a bf16 copy of P); the kernel keeps exactly
+    # o and lse beyond its inputs (q, k, v and the limits).
+    B, T, S, N, K, H = 1, 2048, 2048, 32, 8, 128
+    spec = jax.ShapeDtypeStruct
+    q, kvs = spec((B, T, N, H), jnp.bfloat16), spec((B, K, S, H), jnp.bfloat16)
+    limits = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
+    causal = jnp.arange(S)[None, None, :] < limits[:, :, None]
+    jnp_kept = _kept_for_backward(lambda q, k, v: attend(q, [(k, v, causal)]), q, kvs, kvs)
+    f32 = [x for x in jnp_kept if x[1] == np.float32]
+    scores = max(_nbytes([x]) for x in f32)
+    largest = {shape for shape, dt in f32 if _nbytes([(shape, dt)]) == scores}
+    assert largest == {(B, K, N // K, T, S)}  # [B, N, T, S], heads grouped per KV head
+    inputs = _nbytes([(q.shape, q.dtype), (kvs.shape, kvs.dtype), (kvs.shape, kvs.dtype)])
+    assert _nbytes(jnp_kept) - inputs >= scores
+    kernel_kept = _kept_for_backward(
+        lambda q, k, v: packed_attention(q, k, v, limits, backend="tpu", interpret=True),
+        q, kvs, kvs)
+    kernel_extra = _nbytes(kernel_kept) - inputs - _nbytes([(limits.shape, limits.dtype)])
+    assert kernels.packed_kept_bytes(1, 2048, 2048, 32, 128) == (kernel_extra, scores)
     jfwd, jbwd = kernels.jnp_train_bytes(1, 2048, 2048, 32, 8, 128)
     qo, kv = 2048 * 32 * 128 * 2, 8 * 2048 * 128 * 2
     assert jfwd == 4 * scores + 2 * qo + 2 * kv and jbwd == 7 * scores + 4 * qo + 4 * kv
-    assert kernels.packed_kept_bytes(1, 2048, 2048, 32, 128) == (16_777_216 + 262_144, scores)
     # FLOPs: jnp 4 * 32 * 2048^2 * 128 forward (all entries), backward 2x; the kernel
     # 4 * 128^3 per computed pair forward, backward 3.5x.
     assert kernels.jnp_train_flops(1, 2048, 2048, 32, 128) == (68_719_476_736,

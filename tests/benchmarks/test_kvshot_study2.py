@@ -313,3 +313,31 @@ def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
     assert d["seed_list"] == [0, 1] and d["seeds"] == 2
     assert d["estimate"] == pytest.approx(tau("block_kv") - tau("kv2"))
     assert d["lo"] <= d["estimate"] <= d["hi"]
+
+
+# ----------------------------------------------------------------------------- committed doc
+
+@pytest.mark.timeout(120)
+def test_committed_doc_is_the_report_of_the_committed_results(monkeypatch, tmp_path):
+    """docs/kvshot2.md is, byte for byte, what `kvshot_study2.py report` makes of the
+    committed results (benchmarks/results/studies/kvshot/kvshot2_device/*.json, the runs'
+    committed configs and provenance.json), so a figure edited by hand or a results file
+    changed without re-rendering shows here. The report is written to a copy of docs/
+    (the image links are relative to the doc); the plots are not drawn again (matplotlib
+    output is not byte-stable): write_plots is replaced by the paths of the two images,
+    which must be committed."""
+    device = os.path.join(ROOT, "benchmarks", "results", "studies", "kvshot", "kvshot2_device")
+    committed = open(k2.DOC).read()
+    assert f"from {os.path.relpath(device, ROOT)}/*.json" in committed.splitlines()[2]
+    names = [f"kvshot2_{n}.png" for n in ("tau", "alpha")]
+    assert all(os.path.isfile(os.path.join(k2.IMG_DIR, n)) for n in names)
+    doc, img_dir = tmp_path / "docs" / "kvshot2.md", tmp_path / "docs" / "img"
+    drawn = []
+    monkeypatch.setattr(k2, "write_plots", lambda results, where: drawn.append(where)
+                        or [os.path.join(where, n) for n in names])
+    results = protocol.load_results(device)
+    assert len(results) == 18
+    text = k2.render(results, runs_root=os.path.join(device, "runs"), doc=str(doc),
+                     img_dir=str(img_dir), results_dir=device)
+    assert drawn == [str(img_dir)] and doc.read_text() == text
+    assert text == committed

@@ -601,3 +601,61 @@ def test_cost_table_key_follows_the_weights_not_the_prompt_length(tiny_demo, tmp
     assert path(300) != first
     assert engines.length_bucket(1) == 256 and engines.length_bucket(257) == 512
     assert engines.length_bucket(512) == 512
+
+
+# ----------------------------------------------------------------------------- sampled
+
+# ms per step at draft lengths 0, 1, 2 for the sampled test: at the prior (0.8) the
+# longest draft pays (2.37 ms for E = 1 + 0.8 + 0.64 tokens, under 1 ms a token), and a
+# rejected first draft (alpha_0 0.72 after one observation at ema 0.1) makes every
+# speculative length cost more than 1 ms a token for that row, so the batch, which waits
+# for its slowest row, decodes autoregressively
+SAMPLED_COSTS = (1.0, 1.78, 2.37)
+
+
+@pytest.mark.timeout(300)
+def test_auto_policy_and_its_fallback_are_lossless_when_sampling():
+    """T = 1: the real `auto` policy (GammaSchedule's default policy over draft lengths
+    0, 1, 2 with a cost table, as `--gamma auto` builds it: the length chosen each step
+    from the acceptance estimates the batch's own rows update), and the batch-level
+    fallback to the autoregressive program, through AdaptiveEngine.run with decode.py's
+    defaults (block verification, kernels auto). B = 25,000 copies of one prompt of the
+    6-token target of tests/drafters/test_lossless_drafters.py generate 5 tokens each; the
+    rows' law must be the target's exact law over 5 tokens, enumerated in float64 (the
+    projection test of specjax/testing/distribution.py, whose power those tests show).
+    The speculative run must use more than one draft length and have its first drafts
+    both accepted and rejected; the fallback run must have drafted nothing."""
+    from specjax.testing import distribution as du
+    from tests.drafters import test_lossless_drafters as tl
+
+    sp, n = tl.PLAIN, tl.BATCH
+    drafter, dparams = tl._drafter("eagle3", sp)
+    sched = adaptive.GammaSchedule(adaptive.default_choices(drafter.gamma))
+    assert sched.policy == "auto" and sched.choices == (0, 1, 2)
+    pays = adaptive.Baseline(prefill_ms=0.0, ar_prefill_ms=1e6, ar_ms_per_step=1e3)
+    auto = AdaptiveEngine(tl._target(), drafter=drafter, drafter_params=dparams,
+                          schedule=sched, costs=SAMPLED_COSTS, baseline=pays, sampling=sp,
+                          max_length=len(tl.PROMPT) + tl.N_NEW, prompt_width=tl.PROMPT_WIDTH,
+                          batch_size=n)
+    ids = [list(tl.PROMPT)] * n
+    exact, null = tl._exact(sp), tl._null(sp, n)
+
+    def check(out, what):
+        seqs = np.asarray(out.outputs)
+        assert seqs.shape == (n, tl.N_NEW), what
+        assert (du.empirical_pmf(seqs)[exact == 0] == 0).all(), what
+        stat, thresh, worst = du.projection_test(seqs, exact, null)
+        print(f"\n[{what}] z={stat:.2f} thresh={thresh:.2f} worst {worst}")
+        assert stat < thresh, (what, stat, thresh, worst)
+
+    out = auto.run(ids, tl.N_NEW, jax.random.key(11))
+    assert not out.fallback
+    assert (out.chosen > 0).sum() >= 2, out.chosen  # the policy changed the length
+    acc = out.accepted[:, 0].sum() / out.reached[:, 0].sum()
+    assert 0.05 < acc < 0.95, acc
+    check(out, f"auto policy, steps per length {out.chosen.tolist()}, draft 1 "
+               f"accepted in {acc:.2f}")
+    auto.baseline = adaptive.Baseline(prefill_ms=1e6, ar_prefill_ms=0.0, ar_ms_per_step=0.1)
+    out = auto.run(ids, tl.N_NEW, jax.random.key(12))
+    assert out.fallback and out.accepted.sum() == 0 and out.chosen.sum() == 0
+    check(out, "fallback to the autoregressive program")

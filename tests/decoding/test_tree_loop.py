@@ -5,6 +5,7 @@ tests/drafters/test_lossless_drafters.py (test_draft_trees_are_lossless); the tr
 tests/decoding/test_tree_verify.py."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,7 @@ def test_tree_from_drafts_layout():
     np.testing.assert_array_equal(np.asarray(tree.tokens[0]), [7, 0, 1, 2, 3, 4, 5])
 
 
+@pytest.mark.timeout(180)
 def test_decode_cli_num_drafts_equals_ar(tiny_demo, tmp_path, capsys):
     args = ["--target", tiny_demo / "target", "--drafter", tiny_demo / "draft", "--prompts",
             tiny_demo / "prompts.jsonl", "--max-new-tokens", 10, "--num-drafts", 3,
@@ -155,9 +157,12 @@ def test_decode_cli_num_drafts_equals_ar(tiny_demo, tmp_path, capsys):
     s = json.load(open(tmp_path / "s.json"))
     assert s["ar_identical"] is True
     assert s["num_drafts"] == 3 and s["nodes_per_step"] == 10
-    assert "drafts x nodes/step" in out and "draft / verify ms per step" in out
-    assert s["draft_ms"] > 0 and s["step_ms"] > 0  # no order between timings in a test
-    assert s["verify_ms"] == pytest.approx(s["step_ms"] - s["draft_ms"])
+    assert "drafts x nodes/step" in out
+    # three measured times (tests/decoding/test_partial_verify.py checks what each one
+    # times), each positive, and the printed line shows the summary's two parts
+    assert min(s["draft_ms"], s["verify_ms"], s["step_ms"]) > 0  # no order: noisy
+    assert re.search(rf"draft / verify ms per step +{s['draft_ms']:.1f} / "
+                     rf"{s['verify_ms']:.1f} \(outside the loop\)", out), out
 
 
 @pytest.mark.parametrize("extra,expect", [

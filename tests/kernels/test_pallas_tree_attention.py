@@ -12,7 +12,9 @@ diagonal always. Masks are built from random parent pointers (parents[i] < i).
 - A lower-triangular mask gives exactly causal mode, an all-true one exactly block mode
   (kernels and reference); integer masks equal bool ones; the diagonal is visible even
   where the mask says false (rows of unused nodes, all false, stay finite at length 0).
-- Gradients (custom_vjp, backward through the reference) match the reference's.
+- Gradients (custom_vjp: the kernel forward, the reference's backward) and autodiff
+  through the reference match a backward derived by hand in float64 numpy (itself
+  checked against central differences of the float64 forward).
 - Both layouts lower for TPU (Mosaic) and GPU (Triton) at a Qwen3-8B shape with 64 tree
   nodes, with a traced layer of the layer-major cache, single pass and split-S.
 - Bad arguments raise ValueError (one line).
@@ -234,23 +236,96 @@ def test_layer_major_cache_read_in_place(name):
     np.testing.assert_allclose(np.asarray(f(k_all, v_all, layer)), want, rtol=2e-5, atol=2e-5)
 
 
-def test_gradient_matches_reference():
-    args = _inputs(2, 5, 4, 2, 40, 32, [0, 29], seed=1, poison=False)
-    q, kc, vc, ln, kn, vn, mask = args
-    w = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
-    diff = (0, 1, 2, 4, 5)
+def _numpy_f64_grads(q, kc, vc, lengths, kn, vn, mask, w):
+    """(loss, [dq, dk_cache, dv_cache, dk_new, dv_new]) of loss = sum(out * w), out the
+    attention of `_numpy_f64`, with the backward derived by hand in float64 numpy (no
+    autodiff): per row b, query t and head n, with the keys Kt and values Vt it sees
+    (cache slots < lengths[b], then its visible nodes), s = Kt q / sqrt(H),
+    p = softmax(s), o = p Vt: dp = Vt w, ds = p (dp - p . dp), dq = Kt^T ds / sqrt(H),
+    dKt = ds q^T / sqrt(H), dVt = p w^T, scattered back to the slots and nodes they came
+    from. Cache slots past a length get no gradient."""
+    q, kc, vc, kn, vn, w = (np.asarray(a, np.float64) for a in (q, kc, vc, kn, vn, w))
+    mask = np.asarray(mask)
+    B, T, N, H = q.shape
+    R = N // kc.shape[1]
+    grads = [np.zeros_like(a) for a in (q, kc, vc, kn, vn)]
+    dq, dkc, dvc, dkn, dvn = grads
+    loss = 0.0
+    for b in range(B):
+        L = int(lengths[b])
+        for t in range(T):
+            us = [u for u in range(T) if mask[b, t, u] or u == t]
+            for n in range(N):
+                k = n // R
+                keys = np.concatenate([kc[b, k, :L], kn[b, us, k]])
+                vals = np.concatenate([vc[b, k, :L], vn[b, us, k]])
+                s = keys @ q[b, t, n] / np.sqrt(H)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                g = w[b, t, n]
+                loss += (p @ vals) @ g
+                dp = vals @ g
+                ds = p * (dp - p @ dp)
+                dq[b, t, n] += keys.T @ ds / np.sqrt(H)
+                dkeys, dvals = np.outer(ds, q[b, t, n]) / np.sqrt(H), np.outer(p, g)
+                dkc[b, k, :L] += dkeys[:L]
+                dvc[b, k, :L] += dvals[:L]
+                dkn[b, us, k] += dkeys[L:]
+                dvn[b, us, k] += dvals[L:]
+    return loss, grads
 
-    def loss(fn, q, kc, vc, ln, kn, vn):
-        return jnp.sum(fn(q, kc, vc, ln, kn, vn, mode="tree", tree_mask=mask) * w)
 
-    pal = functools.partial(decode_attention, block_s=16, interpret=True, num_splits=2)
-    g_ref = jax.grad(functools.partial(loss, decode_attention_reference),
-                     argnums=diff)(*args[:6])
-    g_pal = jax.jit(jax.grad(functools.partial(loss, pal), argnums=diff))(*args[:6])
-    for a, b in zip(g_pal, g_ref, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    # Cache slots past the length get zero gradient.
-    assert not np.asarray(g_pal[1])[1, :, 29:].any() and not np.asarray(g_pal[2])[0].any()
+@pytest.mark.timeout(120)
+def test_gradient_matches_float64_re_derivation():
+    """The Pallas path's gradients (custom_vjp: the kernel forward, the reference's
+    backward) and autodiff through the jnp reference, in f32, against the backward
+    derived by hand in float64 numpy (`_numpy_f64_grads`), itself checked against
+    central differences of the float64 forward. GQA (N 4, K 2), a random tree per row,
+    lengths 0, ragged and full; finite garbage past each length must get zero
+    gradient."""
+    B, T, N, K, S, H = 3, 5, 4, 2, 40, 16
+    lengths = np.array([0, 29, 40], np.int32)
+    q, kc, vc, ln, kn, vn, mask = _inputs(B, T, N, K, S, H, lengths, seed=1, poison=False)
+    dead = np.broadcast_to(np.arange(S)[None, None, :, None] >= lengths[:, None, None, None],
+                           kc.shape)
+    kc, vc = jnp.where(dead, 30.0, kc), jnp.where(dead, -30.0, vc)
+    w = np.random.default_rng(2).normal(size=q.shape)
+    args = (q, kc, vc, kn, vn)
+
+    def f64(*xs):
+        return _numpy_f64_grads(*xs[:3], lengths, *xs[3:], mask, w)
+
+    loss64, want = f64(*args)
+    assert not want[1][dead].any() and not want[2][dead].any()
+    # the hand-derived backward against central differences of the float64 forward
+    rng, eps = np.random.default_rng(3), 1e-6
+    for i, a in enumerate(args):
+        for _ in range(3):
+            idx = tuple(int(rng.integers(d)) for d in a.shape)
+            moved = []
+            for sign in (1, -1):
+                x = np.array(a, np.float64)
+                x[idx] += sign * eps
+                moved.append(f64(*args[:i], x, *args[i + 1:])[0])
+            np.testing.assert_allclose(want[i][idx], (moved[0] - moved[1]) / (2 * eps),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"arg {i} at {idx}")
+    w32 = jnp.asarray(w, jnp.float32)
+    for name, fn in [
+        ("pallas", functools.partial(decode_attention, block_s=16, interpret=True,
+                                     num_splits=2)),
+        ("reference", decode_attention_reference),
+    ]:
+        def loss(q, kc, vc, kn, vn, fn=fn):
+            return jnp.sum(fn(q, kc, vc, ln, kn, vn, mode="tree", tree_mask=mask) * w32)
+
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+        np.testing.assert_allclose(float(got[0]), loss64, rtol=1e-5, err_msg=name)
+        for label, a, b in zip(("q", "k_cache", "v_cache", "k_new", "v_new"), got[1], want,
+                               strict=True):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{name} d{label}")
+        # cache slots past the length get exactly zero gradient
+        assert not np.asarray(got[1][1])[dead].any() and not np.asarray(got[1][2])[dead].any()
 
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "triton")])
