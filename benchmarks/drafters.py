@@ -79,7 +79,7 @@ DOCS = {
 }
 KVSHOT_ROWS = {"eagle3": "eagle3 (hidden)", "kv1": "kv1 (KV, 1 layer)",
                "hybrid": "hybrid (hidden + KV, from eagle3)",
-               "block": "block (hidden context, block-wise)"}
+               "block": "block (hidden context, block-wise, DFlash2 selector + conv)"}
 README_ORDER = ("eagle3", "kv1", "hybrid", "block")
 
 
@@ -319,7 +319,7 @@ def kvshot_table(results: dict) -> str:
     for name, r in recs.items():
         d = r["decode"]
         lines.append(f"| {KVSHOT_ROWS[name]} | {_params(r['own_params'])} | {_held(r)} "
-                     f"| {_f(d.get('tau'))} ({d.get('gamma')}) "
+                     f"| {_f(d.get('tau'))} ({_gamma(d)}) "
                      f"| {_f(d.get('speedup'), '.2f', 'x')} | {_identical(d)} | {_sha(r)} |")
     lines += ["", f"`{COMMAND}` (`{RESULTS}`), each row one `python decode.py --drafter DIR "
               "--show 0` run, T=0: " + _provenance(recs) + "."]
