@@ -145,3 +145,14 @@ def test_committed_sweep_table_matches_its_results():
     res = json.load(open(trees.SWEEP_RESULTS))
     assert res["sweep"] and trees.render(res) in open(trees.DOC).read()
     assert all(r["identical"] for r in res["runs"] if r["temperature"] == 0)
+
+
+def test_block_drafting_doc_matches_its_results():
+    """docs/block_drafting.md's table is what `benchmarks/block_drafting.py --render-only`
+    makes of the committed JSON (a figure edited by hand fails), and every T = 0 row there
+    is identical to autoregressive decoding."""
+    from benchmarks import block_drafting
+
+    res = json.load(open(block_drafting.RESULTS))
+    assert trees.render(res) in open(block_drafting.DOC).read()
+    assert all(r["identical"] for r in res["runs"] if r["temperature"] == 0)
