@@ -37,7 +37,7 @@ def length_bucket(n: int) -> int:
     return max(256, 1 << max(int(n) - 1, 1).bit_length())
 
 
-def default_cost_table(session, schedule, max_length: int, prompt_width: int) -> str | None:
+def default_cost_table(session, schedule, max_length: int) -> str | None:
     """Where --gamma auto caches its measured cost table when --cost-table is not given:
     COMPILE_CACHE/specjax-costs/KEY.json, keyed by everything the costs and the stored
     acceptance depend on: the target's and drafter's weights (their fingerprints, so that
@@ -47,7 +47,6 @@ def default_cost_table(session, schedule, max_length: int, prompt_width: int) ->
     choices, backend, device and jax version. None: no cache (--compile-cache none)."""
     import jax
 
-    del prompt_width  # within a bucket the table does not depend on it
     c = session.cfg
     if c.compile_cache == "none":
         return None
@@ -169,7 +168,7 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
         schedule = adaptive.GammaSchedule(adaptive.default_choices(loaded.gamma),
                                           confidence=getattr(drafter, "has_confidence",
                                                              False))
-        table = c.cost_table or default_cost_table(session, schedule, max_length, prompt_width)
+        table = c.cost_table or default_cost_table(session, schedule, max_length)
         if table is not None and os.path.isfile(table):
             costs = adaptive.read_table(table, schedule.choices)
             baseline = adaptive.read_baseline(table)

@@ -103,12 +103,17 @@ def drafter_attention(kernels: str, cache_sharding, pallas_backend: str,
     return fn
 
 
+def has_attention(drafter) -> bool:
+    """True for a drafter with an attention kernel of its own (an `attention` field: the
+    learned drafters, `specjax.drafters.learned.LearnedDrafter`)."""
+    return dataclasses.is_dataclass(drafter) and any(
+        f.name == "attention" for f in dataclasses.fields(drafter))
+
+
 def with_drafter_attention(drafter, kernel: AttentionKernel | None):
     """The drafter attending with `kernel` (None: the jnp path): a copy with its
-    `attention` field set when it has one (the learned drafters,
-    `specjax.drafters.learned.LearnedDrafter`); any other drafter as it is."""
-    if dataclasses.is_dataclass(drafter) and any(
-            f.name == "attention" for f in dataclasses.fields(drafter)):
+    `attention` field set when it has one (`has_attention`); any other drafter as it is."""
+    if has_attention(drafter):
         return dataclasses.replace(drafter, attention=kernel)
     return drafter
 
@@ -129,8 +134,6 @@ def describe(cfg, drafter) -> tuple[dict, list[str]]:
     if k == "pallas" and mesh:
         notes.append("kernels=pallas: the attention kernels are not partitioned over a mesh; "
                      "the target and drafter attend with the jnp path")
-    learned = dataclasses.is_dataclass(drafter) and any(
-        f.name == "attention" for f in dataclasses.fields(drafter))
     verify = "none"
     if drafter is not None:
         verify = "unfused"
@@ -149,4 +152,4 @@ def describe(cfg, drafter) -> tuple[dict, list[str]]:
                              or f"kernels={k}: the {rule.name} rule is not fused; verifying "
                                 "unfused")
     return ({"verify": verify, "target_attention": attn,
-             "drafter_attention": attn if learned else None}, notes)
+             "drafter_attention": attn if has_attention(drafter) else None}, notes)

@@ -93,6 +93,11 @@ class Session:
         self._said: set[str] = set()  # the fallback notes printed so far (once each)
 
     @property
+    def lossy(self) -> bool:
+        """A LOSSY mode is on (--verify fly, --partial-verify)."""
+        return self.cfg.verify == "fly" or self.cfg.partial_verify
+
+    @property
     def identity_guaranteed(self) -> bool:
         """True when greedy output is guaranteed identical to autoregressive decoding and
         sampled output exactly the target's distribution: a lossless rule with the target
@@ -101,8 +106,7 @@ class Session:
         prompts (docs/decode.md, "Exactness and dtypes")."""
         import jax.numpy as jnp
 
-        lossy = self.cfg.verify == "fly" or self.cfg.partial_verify
-        return (not lossy and self.dtype == jnp.float32
+        return (not self.lossy and self.dtype == jnp.float32
                 and self.cfg.matmul_dtype in ("auto", "float32"))
 
     def notes(self, plan) -> list[str]:
@@ -112,8 +116,7 @@ class Session:
         from specjax.decoding.kernel_policy import describe
 
         _, notes = describe(plan.main.cfg, self.drafter)
-        if self.drafter is not None and not self.identity_guaranteed and not (
-                self.cfg.verify == "fly" or self.cfg.partial_verify):
+        if self.drafter is not None and not self.identity_guaranteed and not self.lossy:
             notes.append("note: the target runs in bfloat16 (--dtype/--matmul-dtype): the "
                          "output is the target's up to bf16 rounding, not guaranteed "
                          "identical to autoregressive decoding; --dtype float32 guarantees it")

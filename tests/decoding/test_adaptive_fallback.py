@@ -588,7 +588,7 @@ def test_cost_table_key_follows_the_weights_not_the_prompt_length(tiny_demo, tmp
             cfg=cfg, model_cfg=ModelConfig.from_dir(tgt), dtype="float32",
             loaded=types.SimpleNamespace(name=d, gamma=3))
         return engines.default_cost_table(session, adaptive.GammaSchedule((0, 1, 3)),
-                                          max_length, 64)
+                                          max_length)
 
     first = path(300)
     assert path(400) == first and path(512) == first  # one bucket: 257..512
