@@ -19,6 +19,12 @@ Training (`train_terms`): teacher forcing (prev = the label at k-1), the label i
 among the candidates in place of the K-th when the top-K misses it (so that every
 position has a target), cross-entropy over the K scores. DFlash2's trainer is not public;
 this follows the paper's description (the gold token inserted, rank-limited scoring).
+That target is one-hot, so the selector's softmax grows sharper than the target's and a
+chain sampled from it at T > 0 is accepted less often. With `target_probs` (specjax's,
+`drafter.selector_soft_labels`) the target is instead the target's distribution p over
+the same K candidates, renormalised: among distributions q supported on the candidates,
+that one maximises the acceptance probability sum_c min(p_c, q_c) (= sum_c p_c), and its
+argmax is still the target's greedy token when that is a candidate.
 """
 
 from __future__ import annotations
@@ -106,7 +112,8 @@ def candidate_probs(pred, succ, proj, top_k: int, h, logits, first, prev_tokens)
     return jax.nn.softmax(scores(pred, succ, proj, h, prev, cand, unary), axis=-1), cand
 
 
-def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
+def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check,
+                target_probs=None):
     """The selector's training loss and its teacher-forced greedy matches.
 
     Args:
@@ -114,7 +121,10 @@ def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
       first: i32[...] the block's first token; labels: i32[...,G] the tokens to select
         (teacher forcing: the predecessor of position k is labels[k-1]);
       check: i32[...,G] the tokens a greedy chain must draw to be accepted (the target's
-        argmax).
+        argmax);
+      target_probs: optional f32[...,G,V], the target's distribution at each position:
+        the cross-entropy's target becomes it restricted to the K candidates (label
+        inserted as above) and renormalised, instead of the one-hot label.
     Returns: ce f32[...,G] (cross-entropy over the K scores, the label inserted in place of
       the K-th candidate where the top-K misses it) and match bool[...,G] (the greedy pick
       among the plain top-K, predecessor from `check`, equals `check`)."""
@@ -126,8 +136,13 @@ def train_terms(pred, succ, proj, top_k: int, h, logits, first, labels, check):
     cand_t = jnp.where(~present & last, labels[..., None], cand)
     unary_t = jnp.take_along_axis(logits.astype(jnp.float32), cand_t, axis=-1)
     s = scores(pred, succ, proj, h, prev, cand_t, unary_t)
-    target = jnp.argmax(cand_t == labels[..., None], axis=-1)
-    ce = optax.softmax_cross_entropy_with_integer_labels(s, target)
+    if target_probs is None:
+        target = jnp.argmax(cand_t == labels[..., None], axis=-1)
+        ce = optax.softmax_cross_entropy_with_integer_labels(s, target)
+    else:
+        p = jnp.take_along_axis(target_probs.astype(jnp.float32), cand_t, axis=-1)
+        p = jax.lax.stop_gradient(p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30))
+        ce = optax.softmax_cross_entropy(s, p)
     prev_c = jnp.concatenate([first[..., None], check[..., :-1]], axis=-1)
     s_c = scores(pred, succ, proj, h, prev_c, cand, unary)
     pick = jnp.take_along_axis(cand, jnp.argmax(s_c, axis=-1)[..., None], axis=-1)[..., 0]

@@ -282,6 +282,10 @@ class DrafterTrainConfig:
         unroll step dominates the cost; 64 of 256 positions cut it 4x.
       selector_rank, selector_top_k: block only: DFlash2's path selector (rank R over the
         top-K candidates of each block position, `specjax.drafters.selector`; rank 0: none).
+      selector_soft_labels: block with a selector only: train the selector against the
+        target's distribution over its K candidates, renormalised, instead of the target's
+        greedy token (DFlash2's; false). specjax's, for sampled drafting at T > 0: the
+        one-hot target makes the selector's q sharper than p (`selector.train_terms`).
       conv_kernel_size, conv_group_size: block only: DFlash2's grouped dynamic causal
         convolution around each layer's attention and MLP (`specjax.drafters.conv`; taps
         0: none; DFlash2: 2 taps, groups of 16 channels).
@@ -320,6 +324,7 @@ class DrafterTrainConfig:
     qk_norm: bool | None = None
     selector_rank: int = 0
     selector_top_k: int = 16
+    selector_soft_labels: bool = False
     conv_kernel_size: int = 0
     conv_group_size: int = 16
     output_multiplier: float = 1.0
@@ -365,6 +370,9 @@ class DrafterTrainConfig:
             _check_positive("drafter.ttt_positions", self.ttt_positions)
         if not 0 < self.ttt_decay <= 1:
             raise SpecjaxError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+        if self.selector_soft_labels and not self.selector_rank:
+            raise SpecjaxError("drafter.selector_soft_labels needs a path selector "
+                               "(drafter.selector_rank > 0)")
         a = self.confidence_alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
             raise SpecjaxError(f"drafter.confidence_alpha={a!r} must be a number >= 0")

@@ -63,7 +63,8 @@ def objective_fn(objective: str, opts, gamma: int, evaluation: bool = False,
 
         return functools.partial(block_loss, num_anchors=opts.num_anchors,
                                  soft=opts.soft_labels, gamma_w=opts.gamma_w, gamma=gamma,
-                                 kernel=kernel, confidence_alpha=opts.confidence_alpha)
+                                 kernel=kernel, confidence_alpha=opts.confidence_alpha,
+                                 selector_soft=opts.selector_soft_labels)
     raise ValueError(f"objective {objective!r} does not train a drafter")
 
 

@@ -86,6 +86,47 @@ def test_train_terms_reference_and_gold_insertion():
             assert match[b, k] == (c2[np.argmax(s2)] == check[b, k])
 
 
+def test_train_terms_soft_target_is_p_over_the_candidates_renormalised():
+    """selector_soft_labels: the CE's target is the target's p over the (label-inserted)
+    candidates, renormalised; a one-hot p gives back the hard CE (the power check: a soft
+    target that ignored p, or did not renormalise, differs)."""
+    pred, succ, proj, h, logits, first = _inputs(3)
+    rng = np.random.default_rng(4)
+    tl = rng.normal(size=logits.shape) * 2.0
+    p = np.exp(tl - tl.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    labels = np.argmax(tl, -1)
+    ce, _ = selector.train_terms(*_jnp(pred, succ, proj), K,
+                                 *_jnp(h, logits, first, labels, labels, p))
+    ce = np.asarray(ce, np.float64)
+    for b in range(B):
+        for k in range(G):
+            prev = first[b] if k == 0 else labels[b, k - 1]
+            cand = np.argsort(-logits[b, k], kind="stable")[:K]
+            if labels[b, k] not in cand:
+                cand = np.concatenate([cand[:-1], [labels[b, k]]])
+            s = logits[b, k, cand] + (pred[prev] * (h[b, k] @ proj)) @ succ[cand].T
+            logq = s - s.max() - np.log(np.exp(s - s.max()).sum())
+            t = p[b, k, cand] / p[b, k, cand].sum()
+            assert ce[b, k] == pytest.approx(-(t * logq).sum(), rel=1e-4, abs=1e-4)
+    onehot = np.eye(V)[labels]
+    hard, _ = selector.train_terms(*_jnp(pred, succ, proj), K,
+                                   *_jnp(h, logits, first, labels, labels))
+    soft1, _ = selector.train_terms(*_jnp(pred, succ, proj), K,
+                                    *_jnp(h, logits, first, labels, labels, onehot))
+    np.testing.assert_allclose(np.asarray(soft1), np.asarray(hard), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(soft1) - ce).max() > 1e-2
+
+
+def test_soft_selector_labels_need_a_selector():
+    from specjax.errors import SpecjaxError
+    from specjax.train.config import DrafterTrainConfig
+
+    DrafterTrainConfig(kind="block", selector_rank=4, selector_soft_labels=True)
+    with pytest.raises(SpecjaxError, match="selector_soft_labels needs a path selector"):
+        DrafterTrainConfig(kind="block", selector_soft_labels=True)
+
+
 def test_config_round_trip_and_errors():
     from specjax.drafters import DrafterConfig
     from specjax.errors import SpecjaxError

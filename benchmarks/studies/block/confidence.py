@@ -18,17 +18,15 @@ benchmarks/results/studies/block/confidence/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))  # an uninstalled checkout
+
+from benchmarks.studies.block import runs  # noqa: E402
+
 OUT = "benchmarks/results/studies/block/confidence"
-PROMPTS = "checkpoints/demo/prompts.jsonl"
 
 # name -> (drafter directory, extra decode.py flags)
 CASES = {
@@ -39,64 +37,9 @@ CASES = {
 }
 
 
-def _file(name: str) -> str:
-    return os.path.join(ROOT, OUT, name.replace(" ", "_") + ".json")
-
-
-def measure(names, n_prompts: int) -> None:
-    os.makedirs(os.path.join(ROOT, OUT), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="confidence-") as tmp:
-        prompts = os.path.join(tmp, "prompts.jsonl")
-        with open(os.path.join(ROOT, PROMPTS)) as src, open(prompts, "w") as dst:
-            dst.writelines(src.readlines()[:n_prompts])
-        for name in names:
-            drafter, extra = CASES[name]
-            if not os.path.isdir(os.path.join(ROOT, drafter)):
-                sys.exit(f"confidence.py: {drafter} is missing: train it first "
-                         "(configs/drafters/block_cpu*.yaml)")
-            summary = os.path.join(tmp, "s.json")
-            cmd = [sys.executable, "decode.py", "--drafter", drafter, "--show", "0",
-                   "--prompts", prompts, "--summary", summary, *extra]
-            t0 = time.monotonic()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"confidence.py: {name}: decode.py exit {proc.returncode}: "
-                         + (proc.stderr.strip().splitlines() or ["?"])[-1])
-            with open(summary) as f:
-                rec = json.load(f)
-            rec["case"] = {"name": name, "command": " ".join(
-                ["python", "decode.py", "--drafter", drafter, "--show", "0",
-                 "--prompts", f"FIRST_{n_prompts}", *extra]),
-                "wall_s": round(time.monotonic() - t0, 1),
-                "load_average": round(os.getloadavg()[0], 2),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-            with open(_file(name), "w") as f:
-                json.dump(rec, f, indent=1)
-            print(f"{name}: {rec['speedup']:.2f}x, tau {rec['tau']:.3f}", flush=True)
-
-
 def report() -> str:
-    rows = ["| case | gamma | tau | tokens/s | AR tokens/s | speedup | mean verify length "
-            "| identical to AR |", "|---|---|---|---|---|---|---|---|"]
-    dates = set()
-    for name in CASES:
-        if not os.path.exists(_file(name)):
-            continue
-        r = json.load(open(_file(name)))
-        sched = r.get("gamma_schedule") or {}
-        mean = sched.get("mean_draft_length")
-        rows.append(f"| {name} | {'auto' if sched else r['gamma']} | {r['tau']:.3f} | "
-                    f"{r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | "
-                    f"{r['speedup']:.2f}x | {'-' if mean is None else f'{mean:.2f}'} | "
-                    f"{'yes' if r.get('ar_identical') else 'NO'} |")
-        dates.add(r["case"]["date"][:10])
-    text = ("# Verification scheduled by a trained confidence head\n\n"
-            "`python benchmarks/studies/block/confidence.py` (each row one decode.py run, "
-            f"its AR reference interleaved; {', '.join(sorted(dates))}, 2-core CPU):\n\n"
-            + "\n".join(rows) + "\n")
-    with open(os.path.join(ROOT, OUT, "README.md"), "w") as f:
-        f.write(text)
-    return text
+    return runs.report(CASES, OUT, "Verification scheduled by a trained confidence head",
+                       "python benchmarks/studies/block/confidence.py")
 
 
 def main(argv=None) -> int:
@@ -106,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="the table from the JSON only")
     args = ap.parse_args(argv)
     if not args.report:
-        measure(args.only or list(CASES), args.prompts)
+        runs.measure("confidence.py", CASES, OUT, args.only or list(CASES), args.prompts)
     print(report())
     return 0
 

@@ -9,7 +9,9 @@ w-weighted mean over all block positions (with a loss mask, over the block posit
 whose token has mask 1; anchors a with mask[a+1] = 1 are drawn first, and a block counts
 in the statistics only when all its G predicted tokens have mask 1). With DFlash2's path
 selector (`specjax.drafters.selector`), its cross-entropy over each position's candidates
-is added to the block's (same weights), and the statistics count the selector's picks.
+is added to the block's (same weights), and the statistics count the selector's picks;
+with `selector_soft` its target is the target's distribution over the candidates
+(renormalised) instead of the label (`selector.train_terms`).
 
 DSpark (`specjax.drafters.markov`; SpecForge's `OnlineDSparkModel`): with
 `sample_from_anchor` the block is [token at anchor_j, G-1 mask tokens] and slot k (0..G-1)
@@ -49,7 +51,7 @@ def sample_anchors(key, batch: int, seq_len: int, gamma: int, num_anchors: int,
 
 def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = True,
                gamma_w: float = 7.0, gamma: int | None = None, kernel=None, mask=None,
-               confidence_alpha: float = 1.0):
+               confidence_alpha: float = 1.0, selector_soft: bool = False):
     """Weighted block loss and acceptance statistics.
 
     Args:
@@ -60,6 +62,8 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         mask: optional f32[B,T+1] loss mask (1 where the row's token is a target).
         confidence_alpha: weight of a confidence head's BCE (SpecForge's
           `confidence_head_alpha`, 1.0).
+        selector_soft: the path selector's target is the target's distribution over its
+          candidates, not the label (`drafter.selector_soft_labels`).
     Returns: (loss f32[], stats): one chain per anchor; accepted[k] counts anchors whose
       draft positions 0..k all equal the target's argmax.
     """
@@ -114,9 +118,10 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         labels = best if soft else jnp.take_along_axis(
             rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         first = jnp.take_along_axis(rows, anchors, axis=1)
+        probs = jax.nn.softmax(tl.astype(jnp.float32), -1) if selector_soft else None
         sel_ce, match = selector.train_terms(*net.selector(), net.cfg.selector_top_k,
                                              net.final_hidden(out), logits,
-                                             first, labels, best)
+                                             first, labels, best, probs)
         ce = ce + sel_ce
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
     if mask is None:
