@@ -192,6 +192,8 @@ def test_kernels_packed_training_arithmetic():
     assert "| block A 512 x 16 | 8192 | 4096 | 2052 |" in text and "kept jnp MiB" in text
 
 
+@pytest.mark.slow  # a benchmark of long contexts; the paths it runs are tested by
+# tests/decoding/test_partial_verify.py and tests/models/test_target_attention.py
 def test_context_length_quick(tmp_path):
     """benchmarks/context_length.py --quick: both sweeps run, every attention setting
     gives the same tokens, and the JSON and plot are written."""
@@ -211,6 +213,7 @@ def test_context_length_quick(tmp_path):
     assert png.stat().st_size > 0
 
 
+@pytest.mark.slow  # a benchmark script; chunked prefill is tested in tests/decoding/
 def test_prefill_settings_table(tiny_demo, tmp_path, capsys):
     """benchmarks/prefill.py on the tiny demo with a random eagle3: one row per setting and
     new-token count, the pieces each setting runs, every output equal to the first

@@ -53,6 +53,8 @@ def block_drafter(demo, path):
     return path
 
 
+@pytest.mark.slow  # the heaviest benchmark test (transformers and every system); its bad
+# input is checked in the default run
 def test_compare_quick(tiny_demo, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -143,6 +143,7 @@ def measured(fake_study):
     return done
 
 
+@pytest.mark.slow  # study tooling; the `measured` fixture trains and decodes
 def test_measure_end_to_end_on_a_tiny_run(fake_study, measured):
     f = fake_study
     assert measured == ["eagle3-s0"]  # kv2-s0 is unfinished: skipped, never opened
@@ -182,6 +183,7 @@ def test_measure_end_to_end_on_a_tiny_run(fake_study, measured):
                       results_dir=f["results"], overrides=f["overrides"], sizes=SMALL) == []
 
 
+@pytest.mark.slow  # study tooling; the `measured` fixture trains and decodes
 def test_report_renders_with_missing_runs(fake_study, measured, tmp_path):
     f = fake_study
     results = protocol.load_results(f["results"])
@@ -270,6 +272,7 @@ def test_decode_hybrid_with_its_kv_branch_zeroed(fake_study):
         assert all(rec["identical"]) and len(rec["steps"]) == 2
 
 
+@pytest.mark.slow  # study tooling; the `measured` fixture trains and decodes
 def test_report_with_every_drafter_pairs_them(fake_study, measured, tmp_path):
     """Records for every drafter (the tiny run's, with accepted drafts changed per drafter):
     every claim gets an interval, and the paired difference's estimate is the difference

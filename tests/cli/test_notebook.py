@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +44,8 @@ def test_committed_without_outputs_and_in_sync():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow  # the notebook's cells call the library paths that tests/cli/test_demo.py
+# and tests/train/ run in the default run; its sync check above runs there too
 def test_quick_run(tmp_path, monkeypatch):
     # The kernel inherits this environment (tests/conftest.py sets 8 CPU devices).
     monkeypatch.setenv("SPECJAX_QUICK", "1")

@@ -62,8 +62,13 @@ def one_device(kind):
     return run(kind, None)[1]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("kind", ["none", "ngram", "eagle3", "block"])
+# the default run: every kind on the mixed mesh, the pure data and model meshes once each
+# (all twelve in the slow run)
+@pytest.mark.parametrize("kind,mesh", [
+    pytest.param(kind, mesh, marks=() if j == 1 or i == (0 if j == 0 else 2)
+                 else pytest.mark.slow)
+    for i, kind in enumerate(["none", "ngram", "eagle3", "block"])
+    for j, mesh in enumerate(MESHES)])
 def test_greedy_output_equals_one_device(kind, mesh):
     want = one_device(kind)
     _, got = run(kind, mesh)
@@ -139,6 +144,7 @@ def test_decode_cli_mesh_runs_and_reports(tiny_demo, tmp_path):
     code = decode.main(["--target", str(tiny_demo / "target"), "--drafter", "ngram",
                         "--prompts", str(tiny_demo / "prompts.jsonl"), "--max-new-tokens", "8",
                         "--batch-size", "4", "--mesh", "data=2,model=4", "--show", "0",
+                        "--gamma", "fixed",
                         "--summary", str(summary)])
     s = json.loads(summary.read_text())
     assert code == 0 and s["mesh"] == {"data": 2, "fsdp": 1, "model": 4}

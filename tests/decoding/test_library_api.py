@@ -40,7 +40,7 @@ def library_outputs(target_dir, drafter, prompts_file, new_tokens, **drafter_kw)
     return [pid for pid, _ in prompts], outs, d
 
 
-@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+@pytest.mark.parametrize("kind", [pytest.param("draft", marks=pytest.mark.slow), "eagle3"])
 def test_library_matches_cli(kind, tiny_demo, tmp_path, capsys):
     tgt = str(tiny_demo / "target")
     drafter = (str(tiny_demo / "draft") if kind == "draft"

@@ -127,6 +127,7 @@ def test_lossless_at_default_optimisation_level():
     assert "greedy identical" in out and "sampled block-both lossless" in out, out
 
 
+@pytest.mark.slow  # the chain loops at the default level run in the default run (above)
 @pytest.mark.timeout(300)
 def test_tree_and_adaptive_loops_at_default_optimisation_level():
     out = _run_script("tree-adaptive")

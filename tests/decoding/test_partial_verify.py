@@ -309,7 +309,7 @@ def test_run_phases_equals_run(system):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("num_drafts", [1, 2])
+@pytest.mark.parametrize("num_drafts", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_step_timing_donates_a_copy_and_leaves_the_engine_usable(num_drafts):
     """`Engine.step_timing` times the proposal, the verify part and the whole step (the
     last two on a donated copy of the state); called twice it measures again, and the

@@ -211,7 +211,7 @@ def test_decode_cli_bad_tree_flags(tiny_demo, tmp_path, capsys, extra, expect):
 
 def test_decode_cli_logitspec_node_budget(tiny_demo, tmp_path, capsys):
     args = ["--target", tiny_demo / "target", "--prompts", tiny_demo / "prompts.jsonl",
-            "--drafter", "logitspec", "--tree-nodes", 6, "--max-new-tokens", 8,
+            "--drafter", "logitspec", "--tree-nodes", 6, "--max-new-tokens", 8, "--gamma", "fixed",
             "--summary", tmp_path / "s.json"]
     assert decode.main([str(a) for a in args]) == 0
     s = json.load(open(tmp_path / "s.json"))

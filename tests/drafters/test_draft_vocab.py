@@ -126,12 +126,14 @@ def test_decode_uses_the_file_and_full_ignores_it(tiny_demo, tmp_path):
         assert decode.main(["--target", tgt, "--drafter", str(d), "--prompts",
                             str(tiny_demo / "prompts.jsonl"), "--max-new-tokens", "12",
                             "--draft-vocab", mode, "--show", "0", "--summary", str(s),
+                            "--gamma", "fixed",
                             "--output", str(o)]) == 0
         assert json.loads(s.read_text())["ar_identical"] is True
         outs[mode] = o.read_text()
     assert outs["auto"] == outs["full"]
 
 
+@pytest.mark.slow  # a benchmark script; decode with a draft vocabulary is tested above
 def test_benchmark_script_table(tiny_demo, tmp_path, capsys):
     """benchmarks/draft_vocab.py on the tiny demo (random eagle3, counts from a token
     stream): one row per size, outputs identical to AR, and exit 2 on bad input."""

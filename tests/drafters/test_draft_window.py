@@ -128,7 +128,8 @@ def test_decode_draft_window(tiny_demo, tmp_path, capsys):
     learned = save_random_drafter(tgt, str(tmp_path / "eagle3"))
     summary = tmp_path / "s.json"
     common = ["--target", tgt, "--prompts", str(tiny_demo / "prompts.jsonl"),
-              "--max-new-tokens", "8", "--show", "0", "--compile-cache", "none"]
+              "--max-new-tokens", "8", "--show", "0", "--compile-cache", "none",
+              "--gamma", "fixed"]
     assert decode.main([*common, "--drafter", learned, "--draft-window", "3",
                         "--summary", str(summary)]) == 0
     s = json.loads(summary.read_text())

@@ -642,7 +642,7 @@ def test_decode_cli_loads_heads_and_exits_2_on_malformed(layout, target_dir, tmp
     t, cfg = WRITERS[layout]()
     good = write_dir(tmp_path / "good", t, cfg)
     base = ["--target", target_dir, "--prompts", tmp_path / "p.jsonl", "--max-new-tokens", 10,
-            "--summary", tmp_path / "s.json", "--drafter-dtype", "float32"]
+            "--summary", tmp_path / "s.json", "--drafter-dtype", "float32", "--gamma", "fixed"]
     code, cap = _cli(base + ["--drafter", good], capsys)
     assert code == 0, cap.err
     summary = json.loads((tmp_path / "s.json").read_text())

@@ -64,14 +64,21 @@ def _jitted(rule, mode, impl_name, temperature, tile):
     return jax.jit(f)
 
 
-@pytest.mark.parametrize("rule,mode", [
+_RULE_MODES = [
     ("greedy", "onehot"), ("token", "probs"), ("token", "logits"), ("token", "onehot"),
-    ("block", "probs"), ("block", "logits"), ("block", "onehot")])
-@pytest.mark.parametrize("B,G,V,tile,dtype", [
+    ("block", "probs"), ("block", "logits"), ("block", "onehot")]
+_SHAPES = [
     (3, 4, 1000, 256, jnp.float32),  # V not a multiple of the tile
     (2, 1, 300, 128, jnp.bfloat16),  # G = 1, bf16 logits
     (2, 7, 256, 256, jnp.float32),  # one whole tile
-])
+]
+
+
+# the default run: every rule and mode at the first shape, the other shapes on a diagonal
+# (each rule and mode meets every shape in the slow run)
+@pytest.mark.parametrize("rule,mode,B,G,V,tile,dtype", [
+    pytest.param(*rm, *shape, marks=() if j == 0 or i % 3 == j else pytest.mark.slow)
+    for j, shape in enumerate(_SHAPES) for i, rm in enumerate(_RULE_MODES)])
 def test_kernels_equal_reference(rule, mode, B, G, V, tile, dtype):
     tl, dl, x = _inputs(B, G, V, dtype=dtype)
     results = {}

@@ -144,8 +144,13 @@ def _run(kind, kernels, temperature):
     return rows(speculative_loop(g, p, drafter, dparams, cfg, toks, lens, budgets, key))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["ar", "ngram", "eagle3", "kv", "hybrid", "block"])
+_KINDS = ["ar", "ngram", "eagle3", "kv", "hybrid", "block"]
+
+
+# the default run: each kind at one temperature, alternating (the other six are slow)
+@pytest.mark.parametrize("kind,temperature", [
+    pytest.param(kind, t, marks=() if (i % 2 == 0) == (t == 0.0) else pytest.mark.slow)
+    for i, kind in enumerate(_KINDS) for t in (0.0, 1.0)])
 def test_loops_pallas_equals_reference(kind, temperature):
     pallas = _run(kind, "pallas", temperature)
     assert pallas == _run(kind, "reference", temperature)

@@ -99,8 +99,10 @@ def test_lm_objective_with_kernel_equals_reference(corpus, tmp_path, spy):  # no
     assert spy
 
 
-# chunk 1 (21 chunks, 32 s on 2 cores) is slow; 5 and 8 cover several chunks by default
-@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 5, 8, 40])
+# chunks 1 (21 chunks, 32 s on 2 cores) and 5 are slow; 8 and 40 cover several chunks and
+# one partial chunk by default
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(5, marks=pytest.mark.slow), 8, 40])
 def test_chunked_attention_equals_the_reference(chunk):
     """"chunked" (any limit) and its causal form against packed_attention_reference:
     outputs, lse and gradients, with a query that sees nothing and a T that is not a

@@ -44,7 +44,7 @@ def report() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=32, help="the first N bundled prompts")
+    ap.add_argument("--prompts", type=int, default=48, help="the first N bundled prompts")
     ap.add_argument("--only", nargs="+", choices=list(CASES), metavar="NAME")
     ap.add_argument("--report", action="store_true", help="the table from the JSON only")
     args = ap.parse_args(argv)
