@@ -233,8 +233,8 @@ def test_zero_kv_branch_zeroes_only_gate_d():
 
 @pytest.mark.parametrize("kind,sets", [
     pytest.param("kv", ["drafter.kind=kv", "drafter.num_layers=2"], marks=pytest.mark.slow),
-    ("block", ["objective=block", "drafter.kind=block", "drafter.context=kv",
-               "drafter.num_anchors=4"]),
+    pytest.param("block", ["objective=block", "drafter.kind=block", "drafter.context=kv",
+                           "drafter.num_anchors=4"], marks=pytest.mark.slow),
 ])
 def test_probes_on_tiny_kv_drafters(fake_study, kind, sets):
     """The query and gradient probes run on both drafters with a KV memory (TTT and
@@ -256,6 +256,7 @@ def test_probes_on_tiny_kv_drafters(fake_study, kind, sets):
         assert all(0 <= parts[p]["fraction"] <= 1 for p in ("k_proj", "v_proj", "merge_k"))
 
 
+@pytest.mark.slow  # study tooling on the fake study's trained runs
 def test_decode_hybrid_with_its_kv_branch_zeroed(fake_study):
     """The in-loop ablation runs through the same compiled loop with gate_d zeroed; both
     variants stay lossless at T = 0."""

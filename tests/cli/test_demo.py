@@ -46,7 +46,11 @@ def _shipped(sub: str, target: str) -> list[tuple[str, str]]:
 SHIPPED = _shipped("drafters", "target") + _shipped("drafters_32k", "target_32k")
 
 
-@pytest.mark.parametrize("name,target", SHIPPED)
+# the default run: the default drafter (eagle3) and the block drafter; the others are slow
+@pytest.mark.parametrize("name,target", [
+    pytest.param(n, t, marks=() if n in (os.path.join("drafters", "eagle3"),
+                                         os.path.join("drafters", "block"))
+                 else pytest.mark.slow) for n, t in SHIPPED])
 def test_shipped_drafter_is_lossless_and_accepts(name, target, tmp_path, capsys):
     """Each shipped drafter loads against its target (its recorded fingerprint matches),
     decodes greedily to exactly the autoregressive output, and accepts drafts (tau > 1:

@@ -86,6 +86,7 @@ def test_regenerate_end_to_end_and_resume(tiny_demo, tmp_path, monkeypatch):
                   val_fraction=0.5)
 
 
+@pytest.mark.slow  # an option of the run that test_regenerate_end_to_end_and_resume makes
 def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
     """--skip-seen: a set made with another seed and more sites per file holds exactly the
     def sites the earlier set lacks; the earlier set's file is read, never rewritten (a
@@ -113,6 +114,7 @@ def test_skip_seen_leaves_out_earlier_prompts(tiny_demo, tmp_path, monkeypatch):
     assert open(path).read() == before
 
 
+@pytest.mark.slow  # resuming is tested by test_regenerate_end_to_end_and_resume
 def test_time_limit_stops_between_batches_and_resumes(tiny_demo, tmp_path):
     """--time-limit: the first batch always runs, no batch starts past the limit, the
     streams hold what is done, and a second call completes the same set of prompts."""

@@ -20,9 +20,10 @@ from tests.drafters.test_drafters import T1, net_for
 G = 4
 
 
-@pytest.mark.parametrize("kind,context,m", [("eagle3", None, 3), ("eagle3", None, G + 1),
-                                            ("hybrid", None, 2), ("kv", None, 4),
-                                            ("block", "both", 3), ("medc", None, 5)])
+@pytest.mark.parametrize("kind,context,m", [  # hybrid holds eagle3's and kv's updates
+    pytest.param("eagle3", None, 3, marks=pytest.mark.slow), ("eagle3", None, G + 1),
+    ("hybrid", None, 2), pytest.param("kv", None, 4, marks=pytest.mark.slow),
+    ("block", "both", 3), pytest.param("medc", None, 5, marks=pytest.mark.slow)])
 def test_one_update_over_the_buffer_equals_one_per_step(kind, context, m):
     target, _ = models()
     dcfg, net = net_for(kind, context)

@@ -243,8 +243,9 @@ def test_loop_with_fused_verification_follows_target(verify, gamma):
     assert stat < thresh, (stat, thresh)
 
 
-@pytest.mark.parametrize("verify,sp", [("token", PLAIN), ("block", PLAIN),
-                                       ("block", SamplingParams(temperature=0.0))])
+@pytest.mark.parametrize("verify,sp", [
+    ("token", PLAIN), ("block", PLAIN),
+    pytest.param("block", SamplingParams(temperature=0.0), marks=pytest.mark.slow)])
 def test_loop_pallas_kernel_equals_its_reference(verify, sp):
     """Same seed, same loop: the Pallas kernel (interpret mode) and its jnp reference
     emit identical tokens and accept identical lengths; greedy also equals kernels="off"."""

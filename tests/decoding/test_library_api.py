@@ -49,6 +49,7 @@ def test_library_matches_cli(kind, tiny_demo, tmp_path, capsys):
     out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
     code = decode.main(["--target", tgt, "--drafter", drafter, "--prompts", prompts,
                         "--max-new-tokens", "10", "--no-compare-ar", "--show", "0",
+                        "--gamma", "fixed",  # the library's engine below drafts at G
                         "--output", str(out), "--summary", str(summary)])
     assert code == 0, capsys.readouterr().err
     cli = [json.loads(line) for line in out.read_text().splitlines()]

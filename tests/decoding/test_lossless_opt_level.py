@@ -1,8 +1,8 @@
 """Losslessness at XLA:CPU's default optimisation level.
 
-tests/conftest.py compiles the whole suite at `--xla_backend_optimization_level=0`
-(faster compiles), which users never run. This test runs this file as a script in a
-subprocess with that flag stripped from XLA_FLAGS and jax's compilation cache off (the
+tests/conftest.py compiles the whole suite at `--xla_backend_optimization_level=0` with
+`--xla_cpu_use_fusion_emitters=false` (faster compiles), which users never run. This test
+runs this file as a script in a subprocess with those flags stripped from XLA_FLAGS and jax's compilation cache off (the
 script does not load conftest, so nothing puts the flag back), and the script checks:
 
 - greedy identity: a learned drafter (kv: KVShot KV-only) with `LoopConfig(kernels="reference")`
@@ -28,7 +28,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAG = "--xla_backend_optimization_level"
+FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")  # conftest's
 # the adaptive loop's cost table (ms per step at draft lengths 0, 1, 2)
 ADAPTIVE_COSTS = (1.0, 1.6, 1.9)
 
@@ -85,7 +85,8 @@ def _greedy_identity(name="kv", num_drafts=1, costs=None):
 
 
 def main(part="chain"):
-    assert FLAG not in os.environ.get("XLA_FLAGS", ""), os.environ.get("XLA_FLAGS")
+    assert not any(f in os.environ.get("XLA_FLAGS", "") for f in FLAGS), os.environ.get(
+        "XLA_FLAGS")
     sys.path.insert(0, ROOT)  # the `tests` package
     t0 = time.time()
     if part == "tree-adaptive":
@@ -110,7 +111,7 @@ def _run_script(*args):
     """This file as a script at XLA's default optimisation level, no compilation cache."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith(FLAG))
+                                if not f.startswith(FLAGS))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     env["SPECJAX_TEST_NO_CACHE"] = "1"

@@ -109,7 +109,7 @@ def test_greedy_matches_specjax_verify():
         np.testing.assert_array_equal(np.asarray(got.next_token), np.asarray(want.next_token))
 
 
-@pytest.mark.parametrize("rule", ["token", "block"])
+@pytest.mark.parametrize("rule", [pytest.param("token", marks=pytest.mark.slow), "block"])
 def test_rows_that_accept_nothing_or_everything(rule):
     B, G, V = 4, 3, 500
     tl, dl, x = _inputs(B, G, V, seed=1)
