@@ -71,13 +71,9 @@ class TokenAutomaton:
         """The state after `token` (DEAD if it is not allowed)."""
         return int(self.next_state[state, self.token_class[token]])
 
-    def walk(self, tokens, state: int = 0) -> int:
-        """The state after `tokens` from `state` (DEAD once a token is not allowed)."""
-        for t in tokens:
-            if state == DEAD:
-                break
-            state = self.step(state, int(t))
-        return state
+
+def _brief(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -131,7 +127,7 @@ def regex_from_json_schema(schema) -> str:
     try:
         return build_regex_from_schema(text)
     except Exception as e:  # outlines-core raises ValueError / TypeError / its own
-        raise SpecjaxError(f"JSON schema not supported ({' '.join(str(e).split())[:200]})"
+        raise SpecjaxError(f"JSON schema not supported ({_brief(e)})"
                            ) from None
 
 
@@ -160,7 +156,7 @@ def compile_regex(pattern: str, tokenizer_dir: str, eos_ids, vocab_size: int,
         index = Index(f"(?:{pattern})$", Vocabulary(eos_ids[0], vocab))
     except Exception as e:  # outlines-core raises ValueError and its own errors
         raise SpecjaxError(f"regex {pattern!r} does not compile against this vocabulary "
-                           f"({' '.join(str(e).split())[:200]})") from None
+                           f"({_brief(e)})") from None
     trans = index.get_transitions()
     finals = set(index.get_final_states())
     # breadth-first renumbering from the initial state: only reachable states

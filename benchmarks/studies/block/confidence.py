@@ -17,7 +17,6 @@ benchmarks/results/studies/block/confidence/README.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -37,21 +36,9 @@ CASES = {
 }
 
 
-def report() -> str:
-    return runs.report(CASES, OUT, "Verification scheduled by a trained confidence head",
-                       "python benchmarks/studies/block/confidence.py")
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=16, help="the first N bundled prompts")
-    ap.add_argument("--only", nargs="+", choices=list(CASES), metavar="NAME")
-    ap.add_argument("--report", action="store_true", help="the table from the JSON only")
-    args = ap.parse_args(argv)
-    if not args.report:
-        runs.measure("confidence.py", CASES, OUT, args.only or list(CASES), args.prompts)
-    print(report())
-    return 0
+    return runs.main(argv, __doc__, "confidence.py", CASES, OUT,
+                     "Verification scheduled by a trained confidence head", 16)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ with the command, wall time, load average and date."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -80,3 +81,22 @@ def report(cases: dict, out: str, title: str, command: str) -> str:
     with open(os.path.join(ROOT, out, "README.md"), "w") as f:
         f.write(text)
     return text
+
+
+def main(argv, doc: str, prog: str, cases: dict, out: str, title: str,
+         default_prompts: int, before_measure=None) -> int:
+    """The command line of a study script: measure the chosen cases (all by default) on
+    the first N bundled prompts, then print and write the table; --report only renders
+    it. before_measure(): run once before any decode (e.g. to prepare drafter dirs)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=default_prompts,
+                    help="the first N bundled prompts")
+    ap.add_argument("--only", nargs="+", choices=list(cases), metavar="NAME")
+    ap.add_argument("--report", action="store_true", help="the table from the JSON only")
+    args = ap.parse_args(argv)
+    if not args.report:
+        if before_measure is not None:
+            before_measure()
+        measure(prog, cases, out, args.only or list(cases), args.prompts)
+    print(report(cases, out, title, f"python benchmarks/studies/block/{prog}"))
+    return 0

@@ -19,7 +19,6 @@ soft_selector/.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -37,27 +36,18 @@ CASES = {f"{name} T={t}": (path, ["--gamma", "fixed", "--temperature", str(t)])
          for t in (0, 1) for name, path in DRAFTERS.items()}
 
 
-def report() -> str:
-    return runs.report(CASES, OUT, "The path selector's target at T > 0",
-                       "python benchmarks/studies/block/soft_selector.py")
+def _shared_vocabulary() -> None:
+    """The shipped drafter's draft_vocab.json into the runs' exports that lack it."""
+    vocab = os.path.join(runs.ROOT, SHIPPED, "draft_vocab.json")
+    for path in DRAFTERS.values():
+        dst = os.path.join(runs.ROOT, path, "draft_vocab.json")
+        if os.path.isdir(os.path.dirname(dst)) and not os.path.exists(dst):
+            shutil.copyfile(vocab, dst)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=48, help="the first N bundled prompts")
-    ap.add_argument("--only", nargs="+", choices=list(CASES), metavar="NAME")
-    ap.add_argument("--report", action="store_true", help="the table from the JSON only")
-    args = ap.parse_args(argv)
-    if not args.report:
-        vocab = os.path.join(runs.ROOT, SHIPPED, "draft_vocab.json")
-        for path in DRAFTERS.values():
-            dst = os.path.join(runs.ROOT, path, "draft_vocab.json")
-            if os.path.isdir(os.path.dirname(dst)) and not os.path.exists(dst):
-                shutil.copyfile(vocab, dst)
-        runs.measure("soft_selector.py", CASES, OUT, args.only or list(CASES),
-                     args.prompts)
-    print(report())
-    return 0
+    return runs.main(argv, __doc__, "soft_selector.py", CASES, OUT,
+                     "The path selector's target at T > 0", 48, _shared_vocabulary)
 
 
 if __name__ == "__main__":

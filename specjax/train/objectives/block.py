@@ -79,6 +79,7 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     at = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # target positions [B,A,G]
     tl = jnp.take_along_axis(tgt.logits, at.reshape(B, -1)[:, :, None], axis=1)
     tl = tl.reshape(*at.shape, -1)
+    p_t = jax.nn.softmax(tl.astype(jnp.float32), -1)  # the target's distribution
     head, conf = net.markov(), net.cfg.confidence_head
     if head is not None or conf:  # DSpark: the token before each draft position
         h = net.final_hidden(out)
@@ -86,7 +87,7 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     if head is not None:
         base, logits = logits, markov.block_logits(head, logits, h, prev)
     if soft:
-        ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(tl.astype(jnp.float32), -1))
+        ce = optax.softmax_cross_entropy(logits, p_t)
     else:
         hard = jnp.take_along_axis(rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, hard)
@@ -94,7 +95,6 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
     best = jnp.argmax(tl, axis=-1).astype(jnp.int32)  # the target's greedy tokens [B,A,G]
     match = jnp.argmax(logits, axis=-1) == best  # [B,A,G]
     if conf:  # BCE against the acceptance probability 1 - TV(p_target, q_draft)
-        p_t = jax.nn.softmax(tl.astype(jnp.float32), -1)
         if net.selector() is not None:  # q_draft: the selector's, over its K candidates,
             # each predecessor the target's greedy token (the chain that is accepted so far)
             q_c, cand = selector.candidate_probs(
@@ -118,10 +118,10 @@ def block_loss(net, tgt, rows, frozen, key, *, num_anchors: int, soft: bool = Tr
         labels = best if soft else jnp.take_along_axis(
             rows, (at + 1).reshape(B, -1), axis=1).reshape(at.shape)
         first = jnp.take_along_axis(rows, anchors, axis=1)
-        probs = jax.nn.softmax(tl.astype(jnp.float32), -1) if selector_soft else None
         sel_ce, match = selector.train_terms(*net.selector(), net.cfg.selector_top_k,
                                              net.final_hidden(out), logits,
-                                             first, labels, best, probs)
+                                             first, labels, best,
+                                             p_t if selector_soft else None)
         ce = ce + sel_ce
     chain = jnp.cumprod(match.astype(jnp.float32), axis=-1)
     if mask is None:
