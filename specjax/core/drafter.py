@@ -66,6 +66,11 @@ class LoopView:
     logits: f32[B,V] the target's logits that the pending token came from (prefill: at
       the last prompt token; after a step: at the last accepted token), in `init` and
       `update` (None in `propose`). LogitSpec reads its next-next-token guesses here.
+    constraint: the rows' `specjax.constraints.loop.Constraint` (its `state`: each row's
+      automaton state after the pending token), or None. A drafter that masks its draft
+      logits with it (`specjax.constraints.loop.draft_logits`, stepping the state with
+      each token it drafts) proposes only allowed tokens; one that does not stays exact
+      (the masked target rejects a forbidden draft), at a lower acceptance.
     """
 
     tokens: Int[Array, "B S"]
@@ -75,6 +80,7 @@ class LoopView:
     positions: Int[Array, "B T"]
     prefill_sizes: tuple[int, ...] = struct.field(pytree_node=False, default=())
     logits: Float[Array, "B V"] | None = None
+    constraint: Any = None
 
     @property
     def pending(self) -> Int[Array, " B"]:

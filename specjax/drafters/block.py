@@ -353,16 +353,19 @@ class BlockDrafter(LearnedDrafter):
                                  "--num-drafts must be 1")
             draft, q = selector.draft_chain(*net.selector(), self.cfg.selector_top_k,
                                             net.final_hidden(out), logits, view.pending,
-                                            key, self.sampling)
+                                            key, self.sampling, view.constraint)
             return draft, q, state
         if net.markov() is not None:  # DSpark: the chain left to right, q_k | x_{k-1}
             if first_rank is not None:
                 raise ValueError("a block drafter with a Markov head drafts one chain: "
                                  "--num-drafts must be 1")
             draft, q = markov.draft_chain(net.markov(), net.final_hidden(out), logits,
-                                          view.pending, key, self.sampling)
+                                          view.pending, key, self.sampling, view.constraint)
             return draft, q, state
         keys = jax.random.split(key, self.gamma)
+        if view.constraint is not None:  # left to right: each position masked in the
+            return (*constrained_block(view.constraint, logits, keys, self.sampling,  # state
+                                       first_rank), state)  # the drafts before it reach
         draft, q = jax.vmap(lambda k, lg: sample_logits(k, lg, self.sampling),
                             in_axes=(0, 1), out_axes=(1, 1))(keys, logits)
         if first_rank is not None:  # only the first position's token changes
@@ -448,3 +451,20 @@ class BlockKind(registry.DrafterKind):
 
 
 registry.register(BlockKind())
+
+
+def constrained_block(constraint, logits, keys, sampling, first_rank=None):
+    """A block's chain under a constraint (`specjax.constraints.loop`): position k drawn
+    from its logits masked in the state x_1..x_{k-1} reach, so q_k depends on the drafts
+    before it through that state only and the chain is an autoregressive proposal.
+    logits f32[B,G,V]; keys [G]. -> (draft i32[B,G], q f32[B,G,V])."""
+    cs, draft, qs = constraint.state, [], []
+    for k in range(logits.shape[1]):  # static G
+        lg = constraint.mask(logits[:, k], cs)
+        x, q = sample_logits(keys[k], lg, sampling)
+        if k == 0:
+            x, q = ranked_choice(lg, q, x, sampling, first_rank)
+        draft.append(x)
+        qs.append(q)
+        cs = constraint.step(cs, x)
+    return jnp.stack(draft, 1), jnp.stack(qs, 1)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.constraints.loop import draft_logits, draft_state, row_state
 from specjax.core.sampling import SamplingParams, ranked_choice, sample_logits
 from specjax.core.tree import (
     DraftTree,
@@ -75,16 +76,19 @@ class DraftLMDrafter:
         tok0 = jnp.take_along_axis(view.tokens, pos0, axis=1)
         out = model(tok0, pos0, state, logits_at=jnp.ones((tok0.shape[0], 1), jnp.int32))
         keys = jax.random.split(key, self.gamma)
-        x, q = sample_logits(keys[0], out.logits[:, 0], self.sampling)
-        x, q = ranked_choice(out.logits[:, 0], q, x, self.sampling, first_rank)
+        c = view.constraint  # masks each draft in the state its prefix reaches
+        lg0 = draft_logits(c, out.logits[:, 0], row_state(c))
+        x, q = sample_logits(keys[0], lg0, self.sampling)
+        x, q = ranked_choice(lg0, q, x, self.sampling, first_rank)
 
         def step(carry, k):
-            cache, tok, pos = carry
+            cache, tok, pos, cs = carry
             o = model(tok[:, None], pos[:, None], cache)
-            nxt, probs = sample_logits(k, o.logits[:, 0], self.sampling)
-            return (o.cache, nxt, pos + 1), (nxt, probs)
+            nxt, probs = sample_logits(k, draft_logits(c, o.logits[:, 0], cs), self.sampling)
+            return (o.cache, nxt, pos + 1, draft_state(c, cs, nxt)), (nxt, probs)
 
-        (cache, _, _), (xs, qs) = jax.lax.scan(step, (out.cache, x, lengths), keys[1:])
+        start = (out.cache, x, lengths, draft_state(c, row_state(c), x))
+        (cache, _, _, _), (xs, qs) = jax.lax.scan(step, start, keys[1:])
         draft = jnp.concatenate([x[:, None], xs.T], axis=1)  # [B,G]
         q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B,G,V]
         return draft, q_all, cache

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from specjax.constraints.loop import draft_logits, draft_state, row_state
 from specjax.core.drafter import AttentionKernel
 from specjax.core.sampling import ranked_choice, sample_logits
 from specjax.core.tree import candidate_depths, expand_frontier, tree_from_candidates
@@ -109,8 +110,10 @@ class KVDrafter(LearnedDrafter):
         slots = jnp.arange(G)
         pending = view.pending
 
+        con = view.constraint  # masks each draft in the state its prefix reaches
+
         def step(carry, inp):
-            own_k, own_v, tok = carry
+            own_k, own_v, tok, cs = carry
             j, k = inp
             pos = (view.lengths - 1 + j)[:, None]
             cos, sin = layers.rope_cos_sin(params["inv_freq"], pos, net.dtype)
@@ -123,16 +126,17 @@ class KVDrafter(LearnedDrafter):
                 attn = attend(q, [(state.memory.k[i], state.memory.v[i], mem_mask),
                                   (own_k[i], own_v[i], own_mask)], kernel=self.attention)
                 x = layer_out(net, i, x, attn)
-            lg = self.logits(net, x[:, 0], params)
+            lg = draft_logits(con, self.logits(net, x[:, 0], params), cs)
             nxt, probs = sample_logits(k, lg, self.sampling)
             if first_rank is not None:  # the first draft token only (j == 0)
                 first, q1 = ranked_choice(lg, probs, nxt, self.sampling, first_rank)
                 nxt, probs = jnp.where(j == 0, first, nxt), jnp.where(j == 0, q1, probs)
-            return (own_k, own_v, nxt), (nxt, probs)
+            return (own_k, own_v, nxt, draft_state(con, cs, nxt)), (nxt, probs)
 
         zeros = jnp.zeros(own_shape, net.dtype)
         keys = jax.random.split(key, G)
-        _, (xs, qs) = jax.lax.scan(step, (zeros, zeros, pending), (slots, keys))
+        _, (xs, qs) = jax.lax.scan(step, (zeros, zeros, pending, row_state(con)),
+                                   (slots, keys))
         return xs.T, jnp.moveaxis(qs, 0, 1), state
 
     def propose_tree_topk(self, params, state, view, key, topk: int, nodes: int):

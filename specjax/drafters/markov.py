@@ -33,6 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.constraints.loop import draft_logits, draft_state, row_state
 from specjax.core.sampling import SamplingParams, sample_logits
 from specjax.models.matmul import linear
 
@@ -103,24 +104,29 @@ def block_logits(head: Head, logits, h, prev):
     return jnp.stack(out, axis=-2)
 
 
-def draft_chain(head: Head, h, logits, first, key, sampling: SamplingParams):
+def draft_chain(head: Head, h, logits, first, key, sampling: SamplingParams,
+                constraint=None):
     """A chain drafted left to right through the Markov head.
 
     Args:
       h: [B,G,D] the block's final-normed outputs at its G draft positions; logits:
         f32[B,G,V] its logits there; first: i32[B] the pending token (x_0's predecessor);
-      key: PRNG key (unused at temperature 0).
+      key: PRNG key (unused at temperature 0); constraint: the loop's
+      `specjax.constraints.loop.Constraint` or None (each position masked in the state
+      the drafts before it reach).
     Returns: draft i32[B,G] and q f32[B,G,V], the filtered distribution of each position's
       corrected logits given the token drafted before it (one-hot at temperature 0)."""
     B, G, _ = logits.shape
     keys = jax.random.split(key, G)
     prev, state, draft, qs = first, jnp.zeros((B, head.rank), jnp.float32), [], []
+    cs = row_state(constraint)
     for k in range(G):  # static G: one rank-R product per position
         bias, state = step(head, prev_embedding(head, prev), h[:, k], state)
-        x, q = sample_logits(keys[k], logits[:, k].astype(jnp.float32) + bias, sampling)
+        lg = draft_logits(constraint, logits[:, k].astype(jnp.float32) + bias, cs)
+        x, q = sample_logits(keys[k], lg, sampling)
         draft.append(x)
         qs.append(q)
-        prev = x
+        prev, cs = x, draft_state(constraint, cs, x)
     return jnp.stack(draft, 1), jnp.stack(qs, 1)
 
 

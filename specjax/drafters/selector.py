@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from specjax.constraints.loop import draft_logits, draft_state, row_state
 from specjax.core.sampling import SamplingParams, sample_logits
 
 
@@ -56,28 +57,30 @@ def top_candidates(logits, top_k: int):
 
 
 def draft_chain(pred, succ, proj, top_k: int, h, logits, first, key,
-                sampling: SamplingParams):
+                sampling: SamplingParams, constraint=None):
     """A chain drafted left to right through the selector.
 
     Args:
       pred, succ [V,R], proj [D,R]: the selector's weights.
       h: [B,G,D] the block's final-normed outputs at positions 1..G;
       logits: f32[B,G,V] the block's draft logits there; first: i32[B] the block's
-        committed first token; key: PRNG key (unused at temperature 0).
+        committed first token; key: PRNG key (unused at temperature 0); constraint:
+        the loop's `specjax.constraints.loop.Constraint` or None (each position's scores
+        masked in the state the drafts before it reach).
     Returns: draft i32[B,G] and q f32[B,G,V] (the filtered distribution each token was
       drawn from: zero outside its position's K candidates)."""
     B, G, V = logits.shape
     unary, cand = top_candidates(logits, top_k)
     keys = jax.random.split(key, G)
-    prev, draft, qs = first, [], []
+    prev, draft, qs, cs = first, [], [], row_state(constraint)
     for k in range(G):  # static G: one rank-R product per position
         s = scores(pred, succ, proj, h[:, k], prev, cand[:, k], unary[:, k])  # [B,K]
         full = jnp.full((B, V), -jnp.inf, jnp.float32)
         full = full.at[jnp.arange(B)[:, None], cand[:, k]].set(s)
-        x, q = sample_logits(keys[k], full, sampling)
+        x, q = sample_logits(keys[k], draft_logits(constraint, full, cs), sampling)
         draft.append(x)
         qs.append(q)
-        prev = x
+        prev, cs = x, draft_state(constraint, cs, x)
     return jnp.stack(draft, 1), jnp.stack(qs, 1)
 
 

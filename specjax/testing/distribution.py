@@ -54,7 +54,11 @@ def filter_margin(logits, temperature: float, top_k: int = 0, top_p: float = 1.0
     margin = np.inf
     if 0 < top_k < V:
         s = np.sort(z, axis=-1)
-        margin = min(margin, float(np.min(s[..., V - top_k] - s[..., V - top_k - 1])))
+        kth, below = s[..., V - top_k], s[..., V - top_k - 1]
+        # fewer than k finite logits (a constraint's mask): the filter keeps all of them
+        gap = np.where(np.isneginf(kth), np.inf, kth - np.where(np.isneginf(below), -np.inf,
+                                                                 below))
+        margin = min(margin, float(np.min(gap)))
     if top_p < 1:
         probs = np_filtered_probs(logits, temperature, top_k, 1.0)
         more = probs[..., None, :] > probs[..., :, None]
@@ -133,6 +137,38 @@ def exact_joint(target: Transformer, prompt, n: int, temperature, top_k=0, top_p
     return joint.reshape(-1), margin
 
 
+def exact_constrained_joint(target: Transformer, prompt, n: int, next_state, temperature,
+                            top_k=0, top_p=1.0, start: int = 0):
+    """The target's exact distribution over its first n generated tokens after `prompt`
+    under a token automaton (constrained autoregressive decoding, docs/structured.md):
+    at each position the logits of the tokens the prefix's state forbids are -inf BEFORE
+    temperature, top-k and top-p. next_state: i32[S,V] over token ids (-1: not allowed),
+    written by the test (no token classes, no tokenizer); start: the initial state.
+    -> (f64[V**n] indexed by `seq_index`, the filter margin over the contexts)."""
+    prompt = np.asarray(prompt, np.int32)
+    next_state = np.asarray(next_state)
+    Tp = prompt.size
+    conts = all_tuples(n - 1)
+    M = len(conts)
+    ctx = np.concatenate([np.broadcast_to(prompt, (M, Tp)), conts], axis=1)
+    logits = context_logits(target, ctx)[:, Tp - 1:]  # [M, n, V]
+    states = np.full((M, n), start, np.int64)
+    for j in range(1, n):  # the state before position j: after conts[:, :j]
+        prev = states[:, j - 1]
+        nxt = next_state[np.maximum(prev, 0), conts[:, j - 1]]
+        states[:, j] = np.where(prev < 0, -1, nxt)
+    allowed = (next_state[np.maximum(states, 0)] >= 0) | (states < 0)[..., None]
+    masked = np.where(allowed, logits, -np.inf)
+    probs = np_filtered_probs(masked, temperature, top_k, top_p)
+    joint = np.ones((M, V))
+    for j in range(n - 1):
+        joint *= probs[np.arange(M), j, conts[:, j]][:, None]
+    joint *= probs[:, n - 1]
+    live = states[:, -1] >= 0  # a path through a forbidden token has probability 0
+    joint *= live[:, None]
+    return joint.reshape(-1), filter_margin(masked, temperature, top_k, top_p)
+
+
 # ----------------------------------------------------------------------------- statistics
 
 
@@ -177,6 +213,16 @@ def project(x, axes: tuple[int, ...], n: int, vocab: int = V) -> np.ndarray:
     return x.reshape(*lead, *([vocab] * n)).sum(axis=other).reshape(*lead, -1)
 
 
+def standardise(tvs, mean, sd):
+    """(TV - mean) / sd per view; a view whose null never varies (a position the
+    constraint or the filters make deterministic: sd ~ 0) scores -inf while its TV stays
+    at that constant and +inf once it moves (a token the law forbids)."""
+    tvs = np.asarray(tvs, np.float64)
+    flat = sd < 1e-12
+    z = (tvs - mean) / np.where(flat, 1.0, sd)
+    return np.where(flat, np.where(np.abs(tvs - mean) > 1e-9, np.inf, -np.inf), z)
+
+
 def projection_null(pmf, n_samples: int, level: float = 0.999, reps: int = 4000,
                     seed: int = 0, chunk: int = 500):
     """Null law of `projection_test`'s statistic for n_samples iid sequences from pmf
@@ -197,7 +243,7 @@ def projection_null(pmf, n_samples: int, level: float = 0.999, reps: int = 4000,
         for i, a in enumerate(axes):
             tvs[start:start + m, i] = 0.5 * np.abs(project(freq, a, n) - exact[i]).sum(-1)
     mean, sd = tvs.mean(axis=0), tvs.std(axis=0, ddof=1)
-    z = ((tvs - mean) / sd).max(axis=1)
+    z = standardise(tvs, mean, sd).max(axis=1)
     return mean, sd, float(np.quantile(z, level))
 
 
@@ -215,7 +261,7 @@ def projection_test(seqs, pmf, null) -> tuple[float, float, str]:
     mean, sd, thresh = null
     axes = projections(n)
     tvs = np.array([tv(project(emp, a, n), project(pmf, a, n)) for a in axes])
-    z = (tvs - mean) / sd
+    z = standardise(tvs, mean, sd)
     i = int(np.argmax(z))
     return float(z[i]), thresh, f"positions {axes[i]} TV={tvs[i]:.4f} (null mean {mean[i]:.4f})"
 

@@ -29,7 +29,7 @@ from specjax.decoding import kernel_policy
 from specjax.decoding.adaptive import policy
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.state import LoopState
-from specjax.decoding.loop.step import Chain, step_phases
+from specjax.decoding.loop.step import Chain, propose_view, step_phases
 
 NAME = "adaptive"  # the schedule's key in LoopState.ext (GammaSchedule.name)
 
@@ -203,7 +203,7 @@ def confident_step(graphdef, drafter, fixed: LoopConfig, full, sched, costs, cat
     def step(params, drafter_params, s: LoopState) -> LoopState:
         s = catch_up(drafter_params, s)
         prop = propose(params, drafter_params, s)
-        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+        view = propose_view(s)
         with jax.named_scope("drafter_confidence"):
             conf = full.confidence(drafter_params, prop.state, view, prop.draft)  # [B,G]
         remaining = s.budgets - (s.lengths - s.prompt_lengths)

@@ -21,14 +21,16 @@ def is_eos(tokens, eos_ids):
 
 
 def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma, capture,
-             drafter=None):
+            drafter=None, constraint=None):
     """Prefill, first token, and the initial loop state of every loop.
 
     model: the target (merged); prompts i32[B,Tp]; prompt_lengths, budgets i32[B]; gamma:
     the longest draft length the loop verifies (0 for autoregressive decoding; the cache
     holds max_length + N slots, N the verify forward's tokens); capture: the drafter's
-    capture depths. -> (LoopState with no drafter state yet, the LoopView the drafter's
-    init reads)."""
+    capture depths; constraint: a `specjax.constraints.loop.Constraint` in its rows'
+    initial states, or None: the first token is drawn from the constrained distribution
+    and the state follows it (a row whose automaton has finished is done).
+    -> (LoopState with no drafter state yet, the LoopView the drafter's init reads)."""
     B, Tp = prompts.shape
     capacity = cfg.max_length + cfg.tree_nodes(gamma, drafter)
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
@@ -47,6 +49,8 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
             last_logits, hidden, cache = chunked_prefill(model, sizes, prompts,
                                                           prompt_lengths, cache, capture)
     key, k_first = jax.random.split(key)
+    if constraint is not None:
+        last_logits = constraint.mask(last_logits, constraint.state)
     first, _ = sample_logits(k_first, last_logits, cfg.sampling)
     tokens = jnp.zeros((B, capacity), jnp.int32).at[:, :Tp].set(prompts)
     active = budgets > 0
@@ -54,13 +58,18 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     tokens = tokens.at[rows, jnp.where(active, prompt_lengths, capacity)].set(first, mode="drop")
     lengths = prompt_lengths + active.astype(jnp.int32)
     done = ~active | (budgets <= 1) | is_eos(first, cfg.eos_token_ids)
+    if constraint is not None:
+        after = jnp.where(active, constraint.step(constraint.state, first), constraint.state)
+        constraint = constraint.replace(state=after)
+        done = done | constraint.is_finished(after)
     state = LoopState(
         tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
         steps=jnp.zeros((B,), jnp.int32), accepted=jnp.zeros((B, max(gamma, 1)), jnp.int32),
-        reached=jnp.zeros((B, max(gamma, 1)), jnp.int32),
+        reached=jnp.zeros((B, max(gamma, 1)), jnp.int32), constraint=constraint,
     )
-    view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes, last_logits)
+    view = LoopView(tokens, lengths, state.cache, hidden, positions, sizes, last_logits,
+                    constraint=constraint)
     return state, view
 
 

@@ -11,10 +11,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.constraints.loop import Constraint
 from specjax.core.drafter import Drafter
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.state import LoopResult, LoopState, result
-from specjax.decoding.loop.step import step_phases
+from specjax.decoding.loop.step import CONSTRAINT, step_phases
 
 
 def loop_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, inputs: dict | None = None):
@@ -31,7 +32,12 @@ def loop_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, inputs: dict
 
 
 def _run(graphdef, params, drafter, drafter_params, cfg, prompts, prompt_lengths, budgets,
-         key, inputs) -> LoopResult:
+         key, inputs, constraint) -> LoopResult:
+    if constraint is not None:
+        if cfg.lossy:
+            raise ValueError("a constraint needs a lossless loop: the verification rule or "
+                             "a loop extension here is lossy")
+        inputs = {**(inputs or {}), CONSTRAINT: constraint}
     start, step = loop_phases(graphdef, drafter, cfg, inputs)
     state = start(params, drafter_params, prompts, prompt_lengths, budgets, key)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
@@ -41,7 +47,7 @@ def _run(graphdef, params, drafter, drafter_params, cfg, prompts, prompt_lengths
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
 def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengths, budgets,
-                        key) -> LoopResult:
+                        key, constraint: Constraint | None = None) -> LoopResult:
     """Plain decoding of the target, one token per forward, as one `lax.while_loop`.
 
     Args:
@@ -49,15 +55,19 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
       prompts: i32[B,Tp] left-aligned, right-padded prompts; prompt_lengths: i32[B] >= 1.
       budgets: i32[B] max new tokens per row (0: the row is padding and emits nothing).
       key: PRNG key.
+      constraint: a `specjax.constraints.loop.Constraint` (`build_constraint`) or None:
+        each row decodes under its automaton (the target's distribution masked to the
+        allowed tokens before the sampling filters; a finished automaton ends the row).
     Returns: LoopResult.
     """
-    return _run(graphdef, params, None, None, cfg, prompts, prompt_lengths, budgets, key, None)
+    return _run(graphdef, params, None, None, cfg, prompts, prompt_lengths, budgets, key, None,
+                constraint)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "drafter"))
 def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: LoopConfig,
-                     prompts, prompt_lengths, budgets, key, inputs: dict | None = None
-                     ) -> LoopResult:
+                     prompts, prompt_lengths, budgets, key, inputs: dict | None = None,
+                     constraint: Constraint | None = None) -> LoopResult:
     """Speculative decoding (draft G, verify G+1 positions in one target forward) as one
     `lax.while_loop`; same arguments as `autoregressive_loop` plus the drafter (static)
     and its params. Lossless: greedy output equals `autoregressive_loop`'s; sampled
@@ -68,9 +78,13 @@ def speculative_loop(graphdef, params, drafter: Drafter, drafter_params, cfg: Lo
     need no recompilation): under an adaptive schedule {"adaptive": {"costs": f32[n] ms
     per step at each choice, "alpha0": f32[G] or f32[B,G] or None}}
     (`specjax.decoding.adaptive.loop`).
+    constraint: as in `autoregressive_loop`; every verify position, every draft-tree node
+    and (for drafters that read `LoopView.constraint`) every draft is masked in the state
+    its prefix reaches, so the output follows constrained autoregressive decoding exactly.
+    Raises ValueError with a constraint and a lossy config.
     """
     return _run(graphdef, params, drafter, drafter_params, cfg, prompts, prompt_lengths,
-                budgets, key, inputs)
+                budgets, key, inputs, constraint)
 
 
 class PhasePrograms(NamedTuple):

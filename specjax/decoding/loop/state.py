@@ -28,7 +28,9 @@ class LoopState:
     steps i32[B] target forwards after the prefill while the row was active; accepted
     i32[B,G] accepted draft tokens per draft position; reached i32[B,G] steps that
     drafted position k with drafts < k accepted; ext: {name: state} of the loop
-    extensions that are on (`specjax.decoding.loop.extension`)."""
+    extensions that are on (`specjax.decoding.loop.extension`); constraint: the rows'
+    `specjax.constraints.loop.Constraint` (tables and each row's automaton state after
+    its committed tokens), or None."""
 
     tokens: Int[Array, "B S"]
     lengths: Int[Array, " B"]
@@ -42,6 +44,7 @@ class LoopState:
     accepted: Int[Array, "B G"]
     reached: Int[Array, "B G"]
     ext: dict = struct.field(default_factory=dict)
+    constraint: Any = None
 
 
 @struct.dataclass

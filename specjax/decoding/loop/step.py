@@ -144,6 +144,15 @@ def propose_drafts(drafter: Drafter, params, state, view: LoopView, key, num_dra
 
 UpdateFn = Callable[[Any, LoopState, LoopView, jax.Array], LoopState]
 
+CONSTRAINT = "constraint"  # the key of the rows' Constraint among the loop's inputs
+
+
+def propose_view(s: LoopState) -> LoopView:
+    """What a drafter reads when it proposes: the committed tokens, the target cache, the
+    pending token's position and the rows' constraint (`LoopView`)."""
+    return LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None],
+                    constraint=s.constraint)
+
 
 def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
                 gamma: int | None = None, update: UpdateFn | None = None,
@@ -157,7 +166,11 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
     update: replaces the drafter's update after the step, fn(drafter_params, s, view, tau)
     -> LoopState, where s is the advanced state holding the proposal's drafter state and
     view the accepted path (the adaptive schedule defers updates with it); inputs: the
-    caller's run-time inputs per loop extension ({name: value}; `LoopExtension.init`);
+    caller's run-time inputs per loop extension ({name: value}; `LoopExtension.init`),
+    and under CONSTRAINT ("constraint") the rows' `specjax.constraints.loop.Constraint`
+    (the target's distribution at every verify position is masked to what the row's
+    automaton allows there, before the sampling filters; the state follows the emitted
+    tokens; a row whose automaton has finished is done);
     chain_as_tree: verify a chain as the tree with one child per node, without the chain's
     fast path (the measurement behind it: benchmarks/chain_fast_path.py).
     Raises ValueError for a combination a rule or an extension refuses."""
@@ -197,7 +210,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
     def start(params, drafter_params, prompts, prompt_lengths, budgets, key) -> LoopState:
         model = nnx.merge(graphdef, params)
         s, view = prefill(model, cfg, prompts, prompt_lengths, budgets, key, G, capture,
-                          drafter)
+                          drafter, (inputs or {}).get(CONSTRAINT))
         if drafter is not None:
             key, k_init = jax.random.split(s.key)
             with jax.named_scope("drafter_init"):
@@ -212,7 +225,7 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         if G == 0:
             return Chain(jnp.zeros((s.tokens.shape[0], 0), jnp.int32), None, s.drafter_state)
         _, k_draft, _ = keys(s)
-        view = LoopView(s.tokens, s.lengths, s.cache, None, (s.lengths - 1)[:, None])
+        view = propose_view(s)
         # Named scopes label the HLO ops for benchmarks/profile_step.py (no run-time cost).
         with jax.named_scope("drafter_propose"):
             if own_tree:
@@ -248,6 +261,13 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
                 logits, hidden, cache, mine = forward_ext.verify_forward(
                     model, s.ext[forward_ext.name], s, fed, positions, capture, attention)
                 s = s.replace(ext={**s.ext, forward_ext.name: mine})
+        node_states = None
+        if s.constraint is not None:  # the target's distribution under the constraint
+            with jax.named_scope("constraint_mask"):
+                node_states = (s.constraint.node_states(proposal.tokens, proposal.parents, G)
+                               if tree_mode else
+                               s.constraint.node_states(fed, None, G))  # [B,N]
+                logits = s.constraint.verify_logits(logits, node_states)
         path = None
         with jax.named_scope("verify_rule"):
             if G == 0:  # autoregressive: the next token straight from the logits
@@ -271,12 +291,17 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
                 hidden = jnp.take_along_axis(hidden, path[None, :, :, None], axis=2)
             last = take_rows(path, tau)
         cache = cache.rewind(lengths - 1)
+        constraint = s.constraint
+        if constraint is not None:  # the state follows the emitted tokens
+            constraint = constraint.follow(node_states, last, next_token, active > 0)
+            done = done | ((active > 0) & constraint.is_finished(constraint.state))
         new = advance(s, tokens, lengths, done, active, cache, drafter_state, key, tau,
-                      drafted=G)
+                      drafted=G).replace(constraint=constraint)
         if drafter is None:
             return new
         after = LoopView(tokens, lengths, cache, hidden, base[:, None] + offsets[None, :],
-                         logits=take_rows(logits, last) if reads_logits else None)
+                         logits=take_rows(logits, last) if reads_logits else None,
+                         constraint=constraint)
         with jax.named_scope("drafter_update"):
             if update is not None:
                 return update(drafter_params, new, after, tau)

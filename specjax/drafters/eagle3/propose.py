@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.constraints.loop import draft_logits, draft_state, row_state
 from specjax.core.sampling import ranked_choice, sample_logits
 from specjax.drafters.attend import attend, windowed
 from specjax.drafters.eagle3 import reuse as reuse_lib
@@ -33,6 +34,7 @@ class ChainCarry(NamedTuple):
     dv: jax.Array
     h: jax.Array
     tok: jax.Array
+    constraint: jax.Array | None = None  # i32[B] the rows' automaton state after tok
 
 
 class Drafted(NamedTuple):
@@ -88,7 +90,9 @@ def propose(drafter, params, state, view, key, first_rank=None):
     net = drafter.net(params)
     sampling = drafter.sampling
     keys = jax.random.split(key, drafter.gamma)
+    con = view.constraint  # masks each draft in the state its prefix reaches
     lg0 = drafter.logits(net, first_readout(net, state.h_last, params, view), params)
+    lg0 = draft_logits(con, lg0, row_state(con))
     x, q = sample_logits(keys[0], lg0, sampling)
     x, q = ranked_choice(lg0, q, x, sampling, first_rank)
     B, n = x.shape[0], drafter.gamma - 1
@@ -112,12 +116,14 @@ def propose(drafter, params, state, view, key, first_rank=None):
         """Draft forward j (run, or taken from the previous chain under reuse), then the
         draft token after its output: (the next carry, Drafted, the draft logits)."""
         if reuse is None:
-            dk, dv, out, emb = layer(*carry, j)
+            dk, dv, out, emb = layer(*carry[:4], j)
         else:
-            dk, dv, out, emb = reuse_lib.forward(reuse, layer, params["embed"], *carry, j)
+            dk, dv, out, emb = reuse_lib.forward(reuse, layer, params["embed"], *carry[:4], j)
         lg = drafter.logits(net, net.readout(out[:, None], emb)[:, 0], params)
+        lg = draft_logits(con, lg, carry.constraint)
         nxt, probs = sample_logits(k, lg, sampling)
-        return ChainCarry(dk, dv, out, nxt), Drafted(nxt, probs, out), lg
+        return (ChainCarry(dk, dv, out, nxt, draft_state(con, carry.constraint, nxt)),
+                Drafted(nxt, probs, out), lg)
 
     def kept(outs, valid, carry: ChainCarry):
         """The state with this step's chain (reuse) or as it was (no reuse, or no
@@ -127,7 +133,7 @@ def propose(drafter, params, state, view, key, first_rank=None):
         return state.replace(chain=reuse_lib.kept(chain, reuse, pos0, outs, valid,
                                                   carry.dk, carry.dv))
 
-    start = ChainCarry(*buffers, state.h_last, x)
+    start = ChainCarry(*buffers, state.h_last, x, draft_state(con, row_state(con), x))
     if drafter.stop_below <= 0 or n == 0:
         def scanned(carry, xs):
             carry, drafted, _ = step(carry, *xs)
