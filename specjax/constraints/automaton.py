@@ -155,8 +155,12 @@ def compile_regex(pattern: str, tokenizer_dir: str, eos_ids, vocab_size: int,
     try:
         index = Index(f"(?:{pattern})$", Vocabulary(eos_ids[0], vocab))
     except Exception as e:  # outlines-core raises ValueError and its own errors
-        raise SpecjaxError(f"regex {pattern!r} does not compile against this vocabulary "
-                           f"({_brief(e)})") from None
+        why = _brief(e)
+        if "universal start state" in why:  # outlines-core's words for this case
+            why = ("it matches the empty output, which outlines-core does not compile: "
+                   "require at least one character")
+        raise SpecjaxError(f"regex {pattern[:80]!r} does not compile against this vocabulary "
+                           f"({why})") from None
     trans = index.get_transitions()
     finals = set(index.get_final_states())
     # breadth-first renumbering from the initial state: only reachable states

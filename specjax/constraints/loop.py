@@ -9,7 +9,6 @@ widest, so a row's state is one int and a step is two gathers:
 
     token_class  i32[A,V]   class of each token id under automaton a
     next_state   i32[S,C]   next (global) state of class c in state s; DEAD (-1): not allowed
-    finished     bool[S]    states that allow nothing but end of sequence: the row stops
     automaton    i32[B]     the automaton of each row
     state        i32[B]     each row's state after its committed tokens (pending included)
 
@@ -36,7 +35,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 from specjax.constraints.automaton import DEAD, TokenAutomaton
 from specjax.core.drafter import take_rows
@@ -48,7 +47,6 @@ class Constraint:
 
     token_class: Int[Array, "A V"]
     next_state: Int[Array, "S C"]
-    finished: Bool[Array, " S"]
     automaton: Int[Array, " B"]
     state: Int[Array, " B"]
 
@@ -75,10 +73,6 @@ class Constraint:
     def mask(self, logits, state):
         """f32[B,...,V]: logits with the tokens `state` i32[B,...] forbids at -inf."""
         return jnp.where(self.allowed(state), logits, -jnp.inf)
-
-    def is_finished(self, state):
-        """bool[B,...]: the state allows only end of sequence (False where DEAD)."""
-        return (state != DEAD) & self.finished[jnp.maximum(state, 0)]
 
     def verify_logits(self, logits, node_states):
         """The target's verify logits f32[B,N,V] under the constraint: masked in each
@@ -131,13 +125,17 @@ def free_automaton(vocab_size: int) -> TokenAutomaton:
 
 
 def build_constraint(automata: Sequence[TokenAutomaton | None], rows: Sequence[int | None],
-                     eos_ids, vocab_size: int) -> Constraint:
+                     eos_ids, vocab_size: int, keep_free: bool = False) -> Constraint:
     """The `Constraint` of a batch, host-side (numpy -> jnp).
 
     automata: the distinct automata; rows: for each of the B rows the index of its
     automaton in `automata`, or None for no constraint; eos_ids: the target's
-    end-of-sequence ids (a state allowing nothing else is `finished`); vocab_size: V.
-    Raises ValueError for an automaton over another vocabulary width or a bad index."""
+    end-of-sequence ids: a state in which an automaton allows no token at all allows
+    them (the row ends there, its output incomplete); vocab_size: V;
+    keep_free: the unconstrained automaton is in the table even if no row follows it
+    (`specjax.constraints.sets.ConstraintSet`: the same shapes for every batch).
+    Raises ValueError for an automaton over another vocabulary width, a bad index, or a
+    state that allows nothing when there is no end-of-sequence id to allow."""
     autos = [a for a in automata if a is not None]
     if any(a.token_class.shape[0] != vocab_size for a in autos):
         raise ValueError(f"an automaton was compiled for another vocabulary width than "
@@ -147,21 +145,24 @@ def build_constraint(automata: Sequence[TokenAutomaton | None], rows: Sequence[i
         if a is not None:
             index[i] = len(index)
     table = list(autos)
-    if any(r is None or automata[r] is None for r in rows):
+    if keep_free or any(r is None or automata[r] is None for r in rows):
         table.append(free_automaton(vocab_size))
     free = len(table) - 1
     C = max(a.num_classes for a in table)
     offsets = np.cumsum([0] + [a.num_states for a in table])
     next_state = np.full((offsets[-1], C), DEAD, np.int32)
-    finished = np.zeros(offsets[-1], bool)
     eos = [int(e) for e in eos_ids if 0 <= int(e) < vocab_size]
     for a, off in zip(table, offsets[:-1], strict=False):
         nxt = np.where(a.next_state == DEAD, DEAD, a.next_state + off)
         next_state[off:off + a.num_states, :a.num_classes] = nxt
-        eos_cls = np.unique(a.token_class[eos]) if eos else np.zeros(0, np.int64)
-        other = np.ones(a.num_classes, bool)
-        other[eos_cls] = False
-        finished[off:off + a.num_states] = a.final & ~np.any(a.next_state[:, other] != DEAD, 1)
+        stuck = np.flatnonzero(~np.any(a.next_state != DEAD, axis=1))
+        if len(stuck):  # nothing allowed (a pattern no token can go on with): end the row
+            if not eos:
+                raise ValueError(f"automaton {a.pattern[:60]!r}: state {stuck[0]} allows no "
+                                 "token and there is no end-of-sequence id")
+            eos_cls = np.unique(a.token_class[eos])
+            for s_ in stuck:
+                next_state[off + s_, eos_cls] = off + s_
     which = []
     for r in rows:
         if r is None or automata[r] is None:
@@ -173,7 +174,7 @@ def build_constraint(automata: Sequence[TokenAutomaton | None], rows: Sequence[i
     which = np.asarray(which, np.int32)
     return Constraint(
         token_class=jnp.asarray(np.stack([a.token_class for a in table]), jnp.int32),
-        next_state=jnp.asarray(next_state), finished=jnp.asarray(finished),
+        next_state=jnp.asarray(next_state),
         automaton=jnp.asarray(which), state=jnp.asarray(offsets[:-1][which], jnp.int32))
 
 

@@ -177,9 +177,13 @@ class Engine:
         extension that takes run-time inputs gets them from `run`'s and `compile`'s
         `inputs` (`speculative_loop`'s); adaptive draft length is one, driven from beside
         the engine by `specjax.decoding.adaptive.controller.AdaptiveEngine`.
+      constraints: None, or a `specjax.constraints.ConstraintSet`: structured output. A
+        prompt given as `specjax.constraints.ConstrainedIds` (token ids with a `regex`)
+        decodes under its automaton (docs/structured.md), plain lists unconstrained; the
+        loop is compiled once for the set's table shapes.
 
     Raises: SpecjaxError for a batch size below 1 or one the mesh's data axis does not
-    divide; ValueError for an `extensions` key that is not an extension field of
+    divide, or constraints with a lossy mode; ValueError for an `extensions` key that is not an extension field of
     `LoopConfig`, or "partial" given twice.
     """
 
@@ -189,7 +193,7 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
                  prefill_min_chunk: int | None = None, num_drafts: int = 1,
-                 partial=None, extensions: dict | None = None):
+                 partial=None, extensions: dict | None = None, constraints=None):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         extensions = dict(extensions or {})
@@ -226,6 +230,10 @@ class Engine:
                               cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
                               prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
                               **(extensions if drafter is not None else {}))
+        if constraints is not None and self.cfg.lossy:
+            raise SpecjaxError("structured output (a regex or JSON schema) needs lossless "
+                               "verification: drop the lossy --verify fly / --partial-verify")
+        self.constraints = constraints
         self.batch_size = batch_size
         self.compiled = None
         self._phases = None  # `run_phases`' two programs, compiled on first use
@@ -261,6 +269,20 @@ class Engine:
         return speculative_loop, (self.graphdef, self.params, self.drafter, self.drafter_params,
                                   self.cfg, *args)
 
+    def _constraint(self, prompts) -> dict:
+        """The loop's keyword arguments for these prompts: {"constraint": the batch's
+        `specjax.constraints.loop.Constraint`} with a ConstraintSet, else {}."""
+        if self.constraints is None:
+            return {}
+        c = self.constraints.rows(prompts, self.batch_size)
+        if self.mesh is not None:
+            from specjax.decoding.sharding import rows_sharding
+
+            c = c.replace(**{f: jax.device_put(getattr(c, f),
+                                               rows_sharding(self.mesh, getattr(c, f).shape))
+                             for f in ("automaton", "state")})
+        return {"constraint": c}
+
     def _dynamic(self, args, inputs=None):
         """The compiled loop's arguments: `args` = (prompt arrays..., key) from `_arrays`,
         and with a drafter the loop extensions' run-time `inputs` (None: none)."""
@@ -279,18 +301,20 @@ class Engine:
         fb.compiled, fb.compile_s, fb._phases = None, 0.0, None
         return fb
 
-    def _call(self, args, inputs=None):
+    def _call(self, args, inputs=None, kw=None):
         """The `LoopResult` of one compiled run (compiled already) on `args` = (prompt
-        arrays..., key) from `_arrays`, with the loop extensions' run-time `inputs`."""
-        return jax.block_until_ready(self.compiled(*self._dynamic(args, inputs)))
+        arrays..., key) from `_arrays`, with the loop extensions' run-time `inputs` and
+        the constraint keywords `kw` (`_constraint`)."""
+        return jax.block_until_ready(self.compiled(*self._dynamic(args, inputs), **(kw or {})))
 
     def timed(self, prompts, budget, key, inputs=None) -> tuple[float, int]:
         """(seconds, loop iterations) of one run of the compiled loop (compiled already),
         with the loop extensions' run-time `inputs` (the prompts and `inputs` are staged
         before the clock starts): a calibration's measurement."""
         args = (*self._arrays(prompts, budget), key)
+        kw = self._constraint(prompts)
         t0 = time.perf_counter()
-        res = self._call(args, inputs)
+        res = self._call(args, inputs, kw)
         return time.perf_counter() - t0, int(np.asarray(res.steps).max())
 
     def compile(self, key=None, inputs=None) -> float:
@@ -305,7 +329,7 @@ class Engine:
         if self.drafter is not None and inputs is not None:
             full = (*full, inputs)
         t0 = time.perf_counter()
-        self.compiled = fn.lower(*full).compile()
+        self.compiled = fn.lower(*full, **self._constraint([])).compile()
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
 
@@ -320,8 +344,9 @@ class Engine:
         loop extensions' reports): (BatchOutput, LoopResult)."""
         self.compile(inputs=inputs)
         args = (*self._arrays(prompts, max_new_tokens), key)
+        kw = self._constraint(prompts)
         t0 = time.perf_counter()
-        res = self.compiled(*self._dynamic(args, inputs))
+        res = self.compiled(*self._dynamic(args, inputs), **kw)
         res = jax.tree.map(np.asarray, jax.block_until_ready(res))
         return self._output(res, len(prompts), time.perf_counter() - t0), res
 
@@ -336,6 +361,8 @@ class Engine:
         if self.drafter is not None and _extension_fields(self.cfg, owns_step=True):
             raise ValueError("run_phases: a fixed draft length only (no loop extension "
                              "that replaces the step)")
+        if self.constraints is not None:
+            raise ValueError("run_phases: not with constraints (use run)")
         args = (*self._arrays(prompts, max_new_tokens), key)
         if self._phases is None:
             self._phases = phase_programs(self.graphdef, self.params, self.drafter,
@@ -367,6 +394,8 @@ class Engine:
         a loop extension that replaces the step). Raises ValueError without a drafter."""
         if self.drafter is None:
             raise ValueError("step_timing needs a drafter")
+        if self.constraints is not None:
+            raise ValueError("step_timing: not with constraints")
         args = self._arrays(prompts, max_new_tokens)
         cfg = dataclasses.replace(self.cfg, **_extension_fields(self.cfg, owns_step=True))
         return step_timing(self.graphdef, self.params, self.drafter, self.drafter_params,

@@ -160,7 +160,7 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
     drafter, loaded = session.drafter, session.loaded
     common = dict(sampling=session.sampling, verify=session.rule(), max_length=max_length,
                   prompt_width=prompt_width, batch_size=c.batch_size, eos_token_ids=eos,
-                  kernels=c.kernels, mesh=mesh)
+                  kernels=c.kernels, mesh=mesh, constraints=session.constraint_set)
     schedule = table = costs = baseline = alpha = measured_at = None
     if c.adaptive and drafter is not None:
         # a drafter with a confidence head (DSpark's) picks each step's verify length from

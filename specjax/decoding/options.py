@@ -106,6 +106,15 @@ class DecodeConfig:
         None, "node budget of the --tree-topk tree (root included): the N-1 best candidates "
         "by cumulative draft log-probability; alone, --drafter logitspec's node budget "
         "(default 8)", type=int, metavar="N")
+    regex: str | None = option(
+        None, "structured output: every output must match this regex (Rust regex syntax; "
+        "outlines-core compiles it into a token automaton over the target's tokenizer). "
+        "Lossless: the output is exactly the target's constrained decoding "
+        "(docs/structured.md); a row ends when its automaton allows nothing more. Prompts "
+        "with their own \"regex\" or \"json_schema\" field keep theirs", metavar="PATTERN")
+    json_schema: str | None = option(
+        None, "structured output: every output must be JSON valid against this JSON schema "
+        "file (turned into a regex by outlines-core; as --regex otherwise)", metavar="FILE")
     step_timing: bool = option(
         False, "also time one step's parts (draft ms, verify ms: compiled and run outside "
         "the loop on the first batch, an estimate; costs three more compilations)")
@@ -180,6 +189,11 @@ class DecodeConfig:
     def trees(self) -> bool:
         """A draft tree per step (--num-drafts, --tree-topk or logitspec)."""
         return self.num_drafts > 1 or self.tree_topk is not None or self.drafter == "logitspec"
+
+    @property
+    def constrained(self) -> bool:
+        """--regex or --json-schema (prompts may also carry their own)."""
+        return self.regex is not None or self.json_schema is not None
 
     @property
     def adaptive(self) -> bool:
@@ -261,6 +275,22 @@ def _check(c: DecodeConfig) -> None:
                 PartialVerify(budget=c.partial_budget)
             except ValueError as e:
                 raise SpecjaxError(f"--partial-budget: {e}") from None
+    if c.regex is not None or c.json_schema is not None:
+        if c.regex is not None and c.json_schema is not None:
+            raise SpecjaxError("--regex and --json-schema: give one constraint")
+        if not c.regex and c.json_schema is None:
+            raise SpecjaxError("--regex: the pattern is empty")
+    for mode in lossy:  # structured output keeps the target's constrained distribution
+        if c.constrained:
+            raise SpecjaxError(f"{mode} (lossy) cannot run under a constraint (--regex, "
+                               "--json-schema or a prompt's own): the constrained output "
+                               "is lossless only")
+    if c.constrained and c.ignore_eos:
+        raise SpecjaxError("--ignore-eos: a constrained row ends where its automaton "
+                           "accepts, at the end-of-sequence token")
+    if c.constrained and c.step_timing:
+        raise SpecjaxError("--step-timing times the unconstrained step: drop it with "
+                           "--regex / --json-schema")
     if c.num_drafts > 1 and c.drafter == "none":
         raise SpecjaxError("--num-drafts needs a drafter (--drafter none decodes "
                            "autoregressively)")

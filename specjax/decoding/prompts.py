@@ -66,7 +66,10 @@ def read_prompt_set(tokenizer, vocab_size: int, *, prompt: str | None = None,
     `path` (--prompts; None: the bundled prompts, UTF-8, a leading BOM allowed), as
     decode.py reads them: JSON objects with "prompt" (text, encoded with `tokenizer`),
     "input_ids" (a list of ints), or a conversation, "messages" (OpenAI) or
-    "conversations" (ShareGPT), and an optional "id"; `vocab_size` bounds the ids and
+    "conversations" (ShareGPT), an optional "id", and an optional constraint on the
+    output, "regex" (a pattern) or "json_schema" (a schema object): the prompt's ids are
+    then a `specjax.constraints.ConstrainedIds` carrying the pattern (the schema's regex,
+    docs/structured.md); `vocab_size` bounds the ids and
     `target` names the tokenizer's directory in errors. Nothing is changed.
 
     Conversations are rendered with the tokenizer's chat template up to and including
@@ -82,7 +85,8 @@ def read_prompt_set(tokenizer, vocab_size: int, *, prompt: str | None = None,
       no user turn, ...), a conversation or `chat` without a chat template in the
       tokenizer, text with lone surrogates (not Unicode: a --prompt argument holding
       bytes that are not UTF-8, or an unpaired \\udXXX JSON escape), an empty prompt
-      or a token id outside [0, vocab_size)."""
+      or a token id outside [0, vocab_size), and for a "regex" that is not a string or a
+      "json_schema" outlines-core cannot turn into a regex."""
     from specjax.decoding.loading import DEMO_PROMPTS
 
     def check_text(text, where, what="the prompt"):
@@ -167,6 +171,11 @@ def read_prompt_set(tokenizer, vocab_size: int, *, prompt: str | None = None,
                 if not isinstance(obj["prompt"], str):
                     raise SpecjaxError(f"{where}: \"prompt\" must be a string")
                 ids = encode(obj["prompt"], where)
+            if "regex" in obj or "json_schema" in obj:  # structured output, this prompt's
+                from specjax.constraints.sets import ConstrainedIds, regex_of
+
+                ids = ConstrainedIds(ids, regex_of(obj.get("regex"), obj.get("json_schema"),
+                                                   where))
             pid = str(obj.get("id", len(items)))
             check_text(pid, where, "the \"id\"")
             items.append((pid, ids, where))

@@ -47,6 +47,8 @@ def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) ->
                "forwards_skipped": int(st.reused[2]), "forwards": int(st.reused[3])}}
     if timing is not None:
         out.update(timing)
+    if session.constraint_stats is not None:
+        out["constraint"] = dict(session.constraint_stats)
     sched = plan.schedule
     if sched is not None:
         steps = [int(n) for n in st.chosen] if st.chosen is not None else []
@@ -74,14 +76,21 @@ def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) ->
     return out
 
 
-def records(prompts, outputs, tokenizer) -> list[dict]:
+def records(prompts, outputs, tokenizer, constraints=None) -> list[dict]:
     """One output record per prompt, in input order: id, prompt_ids, output_ids (new
-    tokens only) and text (when the target has a tokenizer)."""
+    tokens only) and text (when the target has a tokenizer); for a prompt under a
+    constraint (`constraints`, a `specjax.constraints.ConstraintSet`) also "regex" and
+    "matched": whether the output reached an accepting state of its automaton (False:
+    cut at --max-new-tokens before the pattern was complete)."""
     out = []
     for (pid, prompt_ids), ids in zip(prompts, outputs, strict=True):
-        rec = {"id": pid, "prompt_ids": prompt_ids, "output_ids": ids}
+        rec = {"id": pid, "prompt_ids": list(prompt_ids), "output_ids": ids}
         if tokenizer is not None:
             rec["text"] = tokenizer.decode(ids, skip_special_tokens=True)
+        regex = getattr(prompt_ids, "regex", None)
+        if regex is not None and constraints is not None:
+            rec["regex"] = regex
+            rec["matched"] = constraints.matched(regex, ids)
         out.append(rec)
     return out
 
@@ -146,6 +155,14 @@ def format_summary(summary: dict) -> str:
     if kp and kp["verify"] != "none":
         rows.append(("kernels", f"verification {kp['verify']}, target attention "
                                 f"{kp['target_attention']}"))
+    con = summary.get("constraint")
+    if con:
+        matched = "" if con.get("matched") is None else (
+            f"; outputs complete {con['matched']} of {con['prompts']}")
+        rows.append(("constraint", f"{con['patterns']} pattern(s), {con['states']} states x "
+                                   f"{con['token_classes']} token classes, "
+                                   f"{con['table_bytes'] / 1e6:.2f} MB, compiled in "
+                                   f"{con['compile_s']:.2f} s{matched}"))
     if "draft_ms" in summary:
         rows.append(("draft / verify ms per step", f"{summary['draft_ms']:.1f} / "
                                                    f"{summary['verify_ms']:.1f} (outside the loop)"))

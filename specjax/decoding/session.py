@@ -89,6 +89,18 @@ class Session:
         self.model_cfg = ModelConfig.from_dir(cfg.target)  # config.json only: no weights
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = self.loaded = self.drafter = None
+        self.constraint_set = None  # the last prompt set's (`constrain`)
+        self.constraint_stats: dict | None = None
+        self._default_regex = None  # --regex, or --json-schema's regex (checked here)
+        if cfg.constrained:
+            from specjax.constraints.sets import read_schema_file, regex_of
+
+            schema = None if cfg.json_schema is None else read_schema_file(cfg.json_schema)
+            try:
+                self._default_regex = regex_of(cfg.regex, schema)
+            except SpecjaxError as e:
+                flag = "--regex" if cfg.regex is not None else f"--json-schema {cfg.json_schema}"
+                raise SpecjaxError(f"{flag}: {e}") from None
         self._engines: dict[tuple, Any] = {}
         self._said: set[str] = set()  # the fallback notes printed so far (once each)
 
@@ -131,6 +143,60 @@ class Session:
 
         return read_prompt_set(self.tokenizer, self.model_cfg.vocab_size, prompt=prompt,
                                path=path, target=self.cfg.target, chat=chat)
+
+    def constrain(self, prompts, chat: bool = False) -> list[tuple[Any, list[int]]]:
+        """The prompts with their constraints (a prompt's own "regex"/"json_schema", else
+        --regex / --json-schema), each pattern compiled once into a token automaton
+        (`specjax.constraints.sets.compile_cached`, cached beside the compilation cache),
+        and `constraint_set` the set's stacked table (None when no prompt is constrained).
+        Reads the tokenizer only: a bad pattern fails before any weights load.
+        Raises SpecjaxError (one line) for a pattern that does not compile, a table over
+        the size budget, or a constraint with a lossy mode."""
+        import time
+
+        from specjax.constraints.sets import ConstrainedIds, ConstraintSet, compile_cached
+
+        out = []
+        for pid, ids in prompts:
+            regex = getattr(ids, "regex", None) or self._default_regex
+            out.append((pid, ids if regex is None else ConstrainedIds(ids, regex)))
+        patterns = list(dict.fromkeys(ids.regex for _, ids in out
+                                      if getattr(ids, "regex", None)))
+        if not patterns:
+            self.constraint_set, self.constraint_stats = None, None
+            return out
+        if self.lossy:
+            raise SpecjaxError("a lossy mode (--verify fly, --partial-verify) cannot run "
+                               "under a constraint: the constrained output is lossless only")
+        eos = self.eos_ids(chat)
+        if not eos:
+            raise SpecjaxError("a constraint ends a row at the end-of-sequence token: the "
+                               "target's config.json names none (or --ignore-eos)")
+        t0 = time.perf_counter()
+        autos = [compile_cached(p, self.cfg.target, eos, self.model_cfg.vocab_size,
+                                self._constraint_cache()) for p in patterns]
+        self.constraint_set = ConstraintSet(autos, eos, self.model_cfg.vocab_size)
+        self.constraint_stats = {
+            "patterns": len(autos), "prompts": sum(getattr(ids, "regex", None) is not None
+                                                   for _, ids in out),
+            "states": sum(a.num_states for a in autos),
+            "token_classes": max(a.num_classes for a in autos),
+            "table_bytes": self.constraint_set.table_bytes,
+            "compile_s": round(time.perf_counter() - t0, 3)}
+        return out
+
+    def _constraint_cache(self) -> str | None:
+        """Where compiled automata are cached: COMPILE_CACHE/specjax-constraints (None with
+        --compile-cache none)."""
+        import jax
+
+        from specjax.compile_cache import DEFAULT_COMPILE_CACHE
+
+        c = self.cfg
+        if c.compile_cache == "none":
+            return None
+        base = c.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
+        return os.path.join(os.path.abspath(base), "specjax-constraints")
 
     def _shapes(self, prompts) -> tuple[int, int]:
         """(max_length, prompt_width) for these prompts; SpecjaxError where they do not fit."""
@@ -223,7 +289,8 @@ class Session:
         from specjax.decoding.engines import build_engines
 
         shapes = self._shapes(prompts)
-        key = (*shapes, chat)
+        cset = self.constraint_set
+        key = (*shapes, chat, None if cset is None else tuple(cset.index))
         if key not in self._engines:
             check_memory(self.cfg, self.model_cfg, self.dtype, *shapes)
             self.load()
@@ -237,6 +304,7 @@ class Session:
         from tqdm import tqdm
 
         c = self.cfg
+        prompts = self.constrain(prompts, chat)
         plan = self.engines(prompts, chat)
         for note in self.notes(plan):
             if note not in self._said:
@@ -254,8 +322,11 @@ class Session:
             timing = plan.main.step_timing([ids for _, ids in batches[0]], c.max_new_tokens,
                                            base_key)
         summary = report_lib.summary(self, plan, len(prompts), chat, timing)
-        return Report(report_lib.records(prompts, plan.outputs["main"], self.tokenizer),
-                      summary)
+        recs = report_lib.records(prompts, plan.outputs["main"], self.tokenizer,
+                                  self.constraint_set)
+        if "constraint" in summary:
+            summary["constraint"]["matched"] = sum(bool(r.get("matched")) for r in recs)
+        return Report(recs, summary)
 
 
 def build(cfg: DecodeConfig) -> Session:

@@ -29,7 +29,7 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     holds max_length + N slots, N the verify forward's tokens); capture: the drafter's
     capture depths; constraint: a `specjax.constraints.loop.Constraint` in its rows'
     initial states, or None: the first token is drawn from the constrained distribution
-    and the state follows it (a row whose automaton has finished is done).
+    and the state follows it.
     -> (LoopState with no drafter state yet, the LoopView the drafter's init reads)."""
     B, Tp = prompts.shape
     capacity = cfg.max_length + cfg.tree_nodes(gamma, drafter)
@@ -61,7 +61,6 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     if constraint is not None:
         after = jnp.where(active, constraint.step(constraint.state, first), constraint.state)
         constraint = constraint.replace(state=after)
-        done = done | constraint.is_finished(after)
     state = LoopState(
         tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,

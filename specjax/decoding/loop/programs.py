@@ -57,7 +57,8 @@ def autoregressive_loop(graphdef, params, cfg: LoopConfig, prompts, prompt_lengt
       key: PRNG key.
       constraint: a `specjax.constraints.loop.Constraint` (`build_constraint`) or None:
         each row decodes under its automaton (the target's distribution masked to the
-        allowed tokens before the sampling filters; a finished automaton ends the row).
+        allowed tokens before the sampling filters; end of sequence is allowed in the
+        automaton's accepting states only, and is all a finished automaton allows).
     Returns: LoopResult.
     """
     return _run(graphdef, params, None, None, cfg, prompts, prompt_lengths, budgets, key, None,

@@ -170,7 +170,8 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
     and under CONSTRAINT ("constraint") the rows' `specjax.constraints.loop.Constraint`
     (the target's distribution at every verify position is masked to what the row's
     automaton allows there, before the sampling filters; the state follows the emitted
-    tokens; a row whose automaton has finished is done);
+    tokens; a row ends at the end-of-sequence token, which the automaton allows in its
+    accepting states, and alone once the pattern can go no further);
     chain_as_tree: verify a chain as the tree with one child per node, without the chain's
     fast path (the measurement behind it: benchmarks/chain_fast_path.py).
     Raises ValueError for a combination a rule or an extension refuses."""
@@ -294,7 +295,6 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         constraint = s.constraint
         if constraint is not None:  # the state follows the emitted tokens
             constraint = constraint.follow(node_states, last, next_token, active > 0)
-            done = done | ((active > 0) & constraint.is_finished(constraint.state))
         new = advance(s, tokens, lengths, done, active, cache, drafter_state, key, tau,
                       drafted=G).replace(constraint=constraint)
         if drafter is None:
