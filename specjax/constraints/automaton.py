@@ -117,13 +117,58 @@ def byte_vocabulary(tokenizer_dir: str) -> dict[bytes, list[int]]:
     return vocab
 
 
+# Keywords outlines-core 0.2.14 accepts but leaves out of the regex (numeric bounds become
+# any number, oneOf becomes anyOf, ...): an output could match the regex and break them.
+UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+              "uniqueItems", "minProperties", "maxProperties", "patternProperties",
+              "dependentRequired", "dependentSchemas", "dependencies", "contains",
+              "minContains", "maxContains", "propertyNames", "oneOf", "not", "if", "then",
+              "else", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems", "items")
+
+
+def unenforced_keywords(schema, path: str = "") -> list[tuple[str, str]]:
+    """[(JSON pointer, keyword)]: the keywords of `schema` (a dict) that the regex would
+    not enforce (`UNENFORCED`), in every subschema."""
+    if not isinstance(schema, dict):
+        return []
+    out = [(path or "/", k) for k in schema if k in UNENFORCED]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                out += unenforced_keywords(sub, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), dict):
+            out += unenforced_keywords(schema[key], f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                out += unenforced_keywords(sub, f"{path}/{key}/{i}")
+    return out
+
+
 def regex_from_json_schema(schema) -> str:
     """The regex of a JSON schema (a dict or its JSON text), by outlines-core.
 
-    Raises: SpecjaxError for a schema outlines-core cannot turn into a regex."""
+    Raises: SpecjaxError for a schema outlines-core cannot turn into a regex, or one with
+    a keyword the regex would not enforce (`UNENFORCED`: an output could then match the
+    regex and still fail validation)."""
     from outlines_core.json_schema import build_regex_from_schema
 
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SpecjaxError(f"the JSON schema is not JSON ({e.msg})") from None
+    bad = unenforced_keywords(schema)
+    if bad:
+        where, key = bad[0]
+        raise SpecjaxError(f"JSON schema keyword {key!r} at {where} is not enforced by "
+                           f"outlines-core's regex (an output could break it): remove it "
+                           f"(oneOf: anyOf), or constrain with --regex")
+    text = json.dumps(schema)
     try:
         return build_regex_from_schema(text)
     except Exception as e:  # outlines-core raises ValueError / TypeError / its own

@@ -81,6 +81,11 @@ class EngineSet:
         self.measured_at, self.table_written, self.relative = measured_at, False, None
         self.calibrated_s = None
 
+    def reset(self) -> None:
+        """Starts a new run's figures and outputs (the compiled engines stay)."""
+        self.stats = {name: Stats() for name in self.engines}
+        self.outputs = {name: [] for name in self.engines}
+
     @property
     def main(self) -> Engine | AdaptiveEngine:
         return self.engines["main"]

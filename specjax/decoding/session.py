@@ -306,6 +306,7 @@ class Session:
         c = self.cfg
         prompts = self.constrain(prompts, chat)
         plan = self.engines(prompts, chat)
+        plan.reset()  # a second run of the session reports its own prompts only
         for note in self.notes(plan):
             if note not in self._said:
                 self._said.add(note)

@@ -121,3 +121,17 @@ def test_bad_input_is_one_line(tmp_path):
         {"model": {"vocab": {"a": 0}}, "decoder": {"type": "Metaspace"}}))
     with pytest.raises(SpecjaxError, match="byte-level"):
         am.byte_vocabulary(str(tmp_path))
+
+
+def test_unenforced_schema_keywords_are_found_in_subschemas_only():
+    from specjax.constraints.automaton import unenforced_keywords
+
+    schema = {"type": "object", "properties": {
+        "minimum": {"type": "string"},  # a property named like a keyword: fine
+        "xs": {"type": "array", "items": {"type": "integer", "maximum": 3}},
+        "u": {"anyOf": [{"type": "object", "properties": {"v": {"multipleOf": 2}}}]}},
+        "$defs": {"d": {"oneOf": []}}}
+    assert sorted(unenforced_keywords(schema)) == sorted([
+        ("/properties/xs/items", "maximum"), ("/properties/u/anyOf/0/properties/v", "multipleOf"),
+        ("/$defs/d", "oneOf")])
+    assert unenforced_keywords({"type": "string", "maxLength": 3, "pattern": "a+"}) == []

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0}},
+                                           "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
@@ -92,11 +92,18 @@ def test_bad_constraints_fail_in_one_line_before_loading(tiny_demo, tmp_path, ca
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_bad_per_prompt_schema_is_one_line(tiny_demo, tmp_path, capsys):
+@pytest.mark.parametrize("schema,needle", [
+    (3, "JSON object"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}},
+     "'minimum' at /properties/n is not enforced"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' at /"),
+])
+def test_bad_per_prompt_schema_is_one_line(tiny_demo, tmp_path, capsys, schema, needle):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "x", "json_schema": 3}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "x", "json_schema": schema}) + "\n")
     code, _, err = run(base_args(tiny_demo, tmp_path, "--prompts", prompts), capsys)
-    assert code == 2 and "line 1" in err and "JSON object" in err, err
+    assert code == 2 and "line 1" in err and needle in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_library_engine_with_a_constraint_set(tiny_demo):
