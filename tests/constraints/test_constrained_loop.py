@@ -32,6 +32,8 @@ from specjax.decoding.adaptive import GammaSchedule
 from specjax.decoding.loop import LoopConfig, autoregressive_loop, speculative_loop
 from specjax.decoding.verify import Verdict
 from specjax.drafters import DrafterConfig, build_network, make_drafter
+from specjax.drafters.dynamic_tree import DynamicTree
+from specjax.drafters.logitspec import LogitSpecDrafter
 from specjax.testing import distribution as du
 from tests.drafters import test_lossless_drafters as ld
 
@@ -94,6 +96,11 @@ def _selector_drafter(sp):
 def _drafter(name, sp):
     if name == "selector":
         return _selector_drafter(sp)
+    if name.startswith("tree-"):  # an EAGLE-2 dynamic tree (--tree-topk 2 --tree-nodes 5)
+        inner, params = ld._drafter(name[len("tree-"):], sp)
+        return DynamicTree(inner, 2, 5), params
+    if name == "logitspec":
+        return LogitSpecDrafter.create(V, gamma=ld.GAMMA, tree_nodes=5, sampling=sp), ()
     return ld._drafter(name, sp)
 
 
@@ -200,6 +207,8 @@ CASES = [  # (drafter, verify, sampling, num_drafts); drafters mask their q exce
 ]
 SLOW = [
     ("eagle3", "token", TOP_K, 3),  # recursive rejection over a tree
+    ("tree-kv", "token", PLAIN, 1),  # an EAGLE-2 dynamic tree (its drafts not masked)
+    ("logitspec", "token", PLAIN, 1),
     ("kv", "both", PLAIN, 1),
     ("hybrid", "both", TOP_P, 1),
     ("selector", "both", PLAIN, 1),
@@ -239,7 +248,8 @@ def test_greedy_equals_constrained_autoregressive():
     tree), and every output walks the automaton."""
     ar, _ = _run("ar", "token", GREEDY, batch=4, seed=0)
     assert _walk_ok(ar).all()
-    for name, k in [("eagle3", 1), ("block-hidden", 1), ("ngram", 1), ("draft-lm", 2)]:
+    for name, k in [("eagle3", 1), ("block-hidden", 1), ("ngram", 1), ("draft-lm", 2),
+                    ("tree-eagle3", 1), ("tree-block-hidden", 1), ("logitspec", 1)]:
         spec, _ = _run(name, "block", GREEDY, num_drafts=k, batch=4, seed=0)
         np.testing.assert_array_equal(spec, ar, err_msg=name)
 
