@@ -36,7 +36,7 @@ DOC = os.path.join(ROOT, "docs", "structured.md")
 # name -> (what, regex or None, JSON schema or None)
 CONSTRAINTS = {
     "statement": ("a function body's first statement (regex)",
-                  r"( {4}| {8})(return|if|for|raise|with|self\.[a-z_]+ =) [^\n]{1,70}\n", None),
+                  r"( {4}| {8})(return|if|for|raise|with|self\.[a-z_]+ =) [^\n]+\n", None),
     "signature": ("a Python function signature (regex)",
                   r"def [a-z_][a-z0-9_]{0,30}\(([a-z_][a-z0-9_]{0,15}(, [a-z_][a-z0-9_]{0,15})"
                   r"{0,4})?\):", None),

@@ -123,7 +123,8 @@ UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
               "uniqueItems", "minProperties", "maxProperties", "patternProperties",
               "dependentRequired", "dependentSchemas", "dependencies", "contains",
               "minContains", "maxContains", "propertyNames", "oneOf", "not", "if", "then",
-              "else", "unevaluatedProperties", "unevaluatedItems")
+              "else", "unevaluatedProperties", "unevaluatedItems",
+              "allOf")  # allOf: 0.2.14 concatenates the parts' regexes (not JSON)
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMAS = ("items", "additionalProperties", "additionalItems")
 _SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems", "items")

@@ -12,11 +12,11 @@ widest, so a row's state is one int and a step is two gathers:
     automaton    i32[B]     the automaton of each row
     state        i32[B]     each row's state after its committed tokens (pending included)
 
-Exactness (docs/design.md section 4, "Constraints"): the target's distribution at every
-verify position is masked to the tokens its prefix's state allows (logits -inf elsewhere)
-BEFORE temperature, top-k and top-p, so every rule verifies against the constrained
-target, whatever the drafter proposed: a draft the constraint forbids has probability 0
-and is rejected. Drafters that mask their own q the same way (`draft_logits`) propose
+Exactness (docs/design.md section 4, "Constraints"; docs/structured.md): the target's
+distribution at every verify position is masked to the tokens its prefix's state allows
+(logits -inf elsewhere) BEFORE temperature, top-k and top-p, so every rule verifies
+against the constrained target, whatever the drafter proposed: a draft the constraint
+forbids has probability 0 and is rejected. Drafters that mask their own q the same way (`draft_logits`) propose
 only allowed tokens, each from the masked, renormalised distribution that the returned q
 is; that is still an autoregressive proposal (q_k depends on x_<k only), so every
 verification rule stays exact.

@@ -279,3 +279,41 @@ def test_drafters_propose_only_allowed_tokens(name):
         assert valid.mean() < 0.99, valid.mean()
     else:
         assert valid.all(), (name, valid.mean())
+
+
+def _parity_automaton(vocab: int) -> TokenAutomaton:
+    """Outputs alternate an even id (not 0) and an odd id; end of sequence (id 0) after
+    an odd one. Classes: 0 eos, 1 even, 2 odd; state 0 is final."""
+    cls = np.where(np.arange(vocab) % 2 == 0, 1, 2).astype(np.int32)
+    cls[0] = 0
+    nxt = np.array([[0, 1, X], [X, X, 0]], np.int32)
+    return TokenAutomaton("parity", cls, nxt, np.array([True, False]))
+
+
+@pytest.mark.slow
+def test_constrained_decoding_on_a_mesh_equals_one_device():
+    """Engine(mesh=, constraints=) on 8 simulated devices (data=2, model=4): the rows'
+    automaton states are split with the rows; greedy output equals one device's and
+    follows the automaton."""
+    from specjax.constraints.sets import ConstrainedIds, ConstraintSet
+    from specjax.decoding.engine import Engine
+    from specjax.decoding.sharding import decode_mesh
+    from tests.decoding import test_decode_mesh as dm
+
+    t = dm.target()
+    auto = _parity_automaton(t.cfg.vocab_size)
+    cset = ConstraintSet([auto], (0,), t.cfg.vocab_size)
+    prompts = [ConstrainedIds(p, "parity") if i % 2 == 0 else p
+               for i, p in enumerate(dm.prompts())]
+    outs = []
+    for mesh in (None, "data=2,model=4"):
+        drafter, dparams = dm.drafter_for("eagle3")
+        eng = Engine(t, drafter=drafter, drafter_params=dparams, max_length=48,
+                     prompt_width=16, batch_size=8, eos_token_ids=(0,), constraints=cset,
+                     mesh=None if mesh is None else decode_mesh(mesh))
+        outs.append(eng.run(prompts, max_new_tokens=24, key=jax.random.key(0)).outputs)
+    assert outs[0] == outs[1]
+    for i, out in enumerate(outs[0]):
+        if i % 2 == 0:
+            assert cset.matched("parity", out) or len(out) == 24, out
+            assert all((t_ % 2 == 0) == (j % 2 == 0) for j, t_ in enumerate(out) if t_), out
