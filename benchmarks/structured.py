@@ -35,6 +35,8 @@ DOC = os.path.join(ROOT, "docs", "structured.md")
 
 # name -> (what, regex or None, JSON schema or None)
 CONSTRAINTS = {
+    "anything": ("any non-empty text (regex): close to none's outputs, the mask's cost",
+                 r"[\s\S]+", None),
     "statement": ("a function body's first statement (regex)",
                   r"( {4}| {8})(return|if|for|raise|with|self\.[a-z_]+ =) [^\n]+\n", None),
     "signature": ("a Python function signature (regex)",

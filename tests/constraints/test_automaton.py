@@ -135,3 +135,25 @@ def test_unenforced_schema_keywords_are_found_in_subschemas_only():
         ("/properties/xs/items", "maximum"), ("/properties/u/anyOf/0/properties/v", "multipleOf"),
         ("/$defs/d", "oneOf")])
     assert unenforced_keywords({"type": "string", "maxLength": 3, "pattern": "a+"}) == []
+
+
+def test_compiled_tables_are_cached_by_pattern_and_tokenizer(tmp_path, monkeypatch):
+    """compile_cached writes CACHE/KEY.npz; a new process (an empty memory cache) reads it
+    back without compiling; another pattern or eos id is another key."""
+    from specjax.constraints import sets
+
+    first = sets.compile_cached("[0-9]{2}", TOK, (0,), V, cache_dir=str(tmp_path))
+    files = list(tmp_path.glob("*.npz"))
+    assert len(files) == 1
+    monkeypatch.setattr(sets, "_MEMORY", {})
+
+    def refuse(*a, **k):
+        raise AssertionError("compiled again despite the cache")
+
+    monkeypatch.setattr(sets, "compile_regex", refuse)
+    again = sets.compile_cached("[0-9]{2}", TOK, (0,), V, cache_dir=str(tmp_path))
+    for f in ("token_class", "next_state", "final"):
+        np.testing.assert_array_equal(getattr(first, f), getattr(again, f))
+    keys = {sets.cache_key(p, TOK, e, V) for p, e in
+            [("[0-9]{2}", (0,)), ("[0-9]{3}", (0,)), ("[0-9]{2}", (0, 1))]}
+    assert len(keys) == 3

@@ -93,9 +93,27 @@ def _selector_drafter(sp):
     return make_drafter(dcfg, net, ld._target(), gamma=ld.GAMMA, sampling=sp)
 
 
+def _markov_drafter(sp):
+    """A block drafter with DSpark's Markov head (rank 4), opinionated."""
+    dcfg = DrafterConfig.for_target(ld.CFG2, "block", gamma=ld.GAMMA, context="hidden",
+                                    mask_token_id=ld.PAD)
+    dcfg = dataclasses.replace(dcfg, markov_rank=4)
+    net = build_network(dcfg, rngs=nnx.Rngs(7))
+    state = nnx.state(net, nnx.Param)
+    nnx.update(net, jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 else x, state))
+    return make_drafter(dcfg, net, ld._target(), gamma=ld.GAMMA, sampling=sp)
+
+
 def _drafter(name, sp):
     if name == "selector":
         return _selector_drafter(sp)
+    if name == "markov":
+        return _markov_drafter(sp)
+    if name == "confident-block":  # verification scheduled by its confidence (DSpark)
+        from tests.decoding.test_confidence_schedule import _confident
+
+        inner, params = ld._drafter("block-hidden", sp)
+        return _confident(inner), params
     if name.startswith("tree-"):  # an EAGLE-2 dynamic tree (--tree-topk 2 --tree-nodes 5)
         inner, params = ld._drafter(name[len("tree-"):], sp)
         return DynamicTree(inner, 2, 5), params
@@ -126,8 +144,9 @@ def _run(name, verify, sp, num_drafts=1, schedule=False, kernels="off", wrong=No
     lc = LoopConfig(max_length=len(ld.PROMPT) + ld.N_NEW, prompt_width=ld.PROMPT_WIDTH,
                     sampling=sp, verify=ld.VERIFY[verify], kernels=kernels,
                     num_drafts=num_drafts,
-                    schedule=GammaSchedule((0, 1, ld.GAMMA), policy="random") if schedule
-                    else None)
+                    schedule=GammaSchedule((0, 1, ld.GAMMA), policy="random",
+                                           confidence=name.startswith("confident"))
+                    if schedule else None)
     if name == "ar":
         res = autoregressive_loop(g, params, lc, *_prompts(batch), jax.random.key(seed),
                                   constraint=c)
@@ -212,6 +231,7 @@ SLOW = [
     ("kv", "both", PLAIN, 1),
     ("hybrid", "both", TOP_P, 1),
     ("selector", "both", PLAIN, 1),
+    ("markov", "both", TOP_P, 1),
     ("medc", "both", PLAIN, 1),
     ("dflash", "both", TOP_K, 1),
     ("block-kv", "token", PLAIN, 2),
@@ -227,8 +247,11 @@ def test_speculative_output_follows_constrained_target(name, verify, sp, num_dra
 
 
 @pytest.mark.slow
-def test_adaptive_draft_length_under_a_constraint():
-    _assert_exact("eagle3", "both", PLAIN, schedule=True)
+@pytest.mark.parametrize("name", ["eagle3", "confident-block"])
+def test_adaptive_draft_length_under_a_constraint(name):
+    """A random draft length per step; for the confident block drafter, per row from its
+    confidence in the drafts (the schedule DSpark's head drives)."""
+    _assert_exact(name, "both", PLAIN, schedule=True)
 
 
 @pytest.mark.slow
