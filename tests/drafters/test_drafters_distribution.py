@@ -118,8 +118,8 @@ def test_path_selector_with_the_unconditioned_q_fails(monkeypatch):
 
     real = selector.draft_chain
 
-    def wrong(pred, succ, proj, top_k, h, logits, first, key, sampling):
-        draft, _ = real(pred, succ, proj, top_k, h, logits, first, key, sampling)
+    def wrong(pred, succ, proj, top_k, h, logits, first, key, sampling, constraint=None):
+        draft, _ = real(pred, succ, proj, top_k, h, logits, first, key, sampling, constraint)
         return draft, filtered_probs(logits, sampling)
 
     monkeypatch.setattr(selector, "draft_chain", wrong)

@@ -393,8 +393,8 @@ def test_markov_with_the_uncorrected_q_fails(monkeypatch):
 
     real = markov.draft_chain
 
-    def wrong(head, h, logits, first, key, sampling):
-        draft, _ = real(head, h, logits, first, key, sampling)
+    def wrong(head, h, logits, first, key, sampling, constraint=None):
+        draft, _ = real(head, h, logits, first, key, sampling, constraint)
         return draft, filtered_probs(logits, sampling)
 
     monkeypatch.setattr(markov, "draft_chain", wrong)
