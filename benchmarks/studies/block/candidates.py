@@ -36,7 +36,7 @@ DRAFTER = os.path.join(ROOT, "checkpoints", "demo", "drafters", "block")
 
 
 def measure(drafter_dir: str, n_rows: int, seq_len: int, anchors: int, batch: int,
-            seed: int) -> dict:
+            seed: int, top_k: int | None = None, full_vocab: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -54,11 +54,11 @@ def measure(drafter_dir: str, n_rows: int, seq_len: int, anchors: int, batch: in
     nnx.update(net, params)
     if not dcfg.selector_rank:
         raise SystemExit(f"{drafter_dir}: no path selector (selector_rank 0)")
-    K, G = dcfg.selector_top_k, dcfg.gamma
+    K, G = top_k or dcfg.selector_top_k, dcfg.gamma
     vocab_file = os.path.join(drafter_dir, "draft_vocab.json")
     V = target.cfg.vocab_size
     hot = np.zeros(V, bool)
-    if os.path.isfile(vocab_file):
+    if os.path.isfile(vocab_file) and not full_vocab:
         hot[json.load(open(vocab_file))["ids"]] = True
     else:
         hot[:] = True
@@ -121,9 +121,14 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="the selector's candidates per position (default: the drafter's)")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="draft over every id, not the hot vocabulary (--draft-vocab full)")
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args(argv)
-    res = measure(a.drafter, a.rows, a.seq_len, a.anchors, a.batch, a.seed)
+    res = measure(a.drafter, a.rows, a.seq_len, a.anchors, a.batch, a.seed, a.top_k,
+                  a.full_vocab)
     from benchmarks.lib.report import write_json
 
     write_json(a.out, res)
