@@ -79,6 +79,55 @@ def automaton_costs(name: str, target: str, eos, vocab_size: int) -> dict:
             "token_classes": auto.num_classes, "table_bytes": auto.table_bytes}
 
 
+def synthetic_tokenizer(path: str, vocab_size: int = 151_936, seed: int = 0) -> int:
+    """Writes a byte-level BPE tokenizer.json of `vocab_size` ids to `path` (the 256 bytes,
+    then distinct random strings of 2-12 ASCII code characters, the last id an
+    end-of-sequence special token): Qwen3's vocabulary size without its tokenizer, which
+    this machine cannot download. Returns the end-of-sequence id."""
+    import random
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    rng = random.Random(seed)
+    alphabet = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _.,:;\"{}[]()"
+                b"\n\t-=+*/'#")
+    vocab = {b2u[b]: b for b in range(256)}
+    while len(vocab) < vocab_size - 1:
+        n = rng.choice([2, 3, 3, 4, 4, 5, 6, 7, 8, 10, 12])
+        vocab.setdefault("".join(b2u[rng.choice(alphabet)] for _ in range(n)), len(vocab))
+    eos = vocab_size - 1
+    tok = {"version": "1.0", "added_tokens": [{"id": eos, "content": "<eos>", "special": True}],
+           "normalizer": None, "pre_tokenizer": {"type": "ByteLevel"}, "post_processor": None,
+           "decoder": {"type": "ByteLevel"},
+           "model": {"type": "BPE", "vocab": vocab, "merges": []}}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return eos
+
+
+def all_automata(names) -> dict:
+    """{"demo": {name: costs} on the demo target's 8,192 ids, "qwen3_size": {name: costs}
+    on `synthetic_tokenizer`'s 151,936 ids}."""
+    import tempfile
+
+    from specjax.decoding.loading import DEMO_TARGET
+    from specjax.models.config import ModelConfig
+
+    mc = ModelConfig.from_dir(DEMO_TARGET)
+    out = {"demo": {n: automaton_costs(n, DEMO_TARGET, tuple(mc.eos_token_ids),
+                                       mc.vocab_size) for n in names}}
+    with tempfile.TemporaryDirectory() as tmp:
+        eos = synthetic_tokenizer(tmp)
+        out["qwen3_size"] = {n: automaton_costs(n, tmp, (eos,), eos + 1) for n in names}
+    for where, rows in out.items():
+        for n, a in rows.items():
+            print(f"{where} {n}: {a['compile_s']} s, {a['states']} states, "
+                  f"{a['token_classes']} classes", file=sys.stderr)
+    return out
+
+
 def decode(system, regex, n_prompts: int, new_tokens: int) -> dict:
     """One decode.py session of `system` on the first n bundled prompts (regex None:
     unconstrained) -> the summary's figures."""
@@ -107,17 +156,14 @@ def measure(n_prompts: int, new_tokens: int, only=None) -> dict:
     from specjax.models.config import ModelConfig
 
     mc = ModelConfig.from_dir(DEMO_TARGET)
-    eos = tuple(mc.eos_token_ids)
     names = [n for n in CONSTRAINTS if not only or n in only]
     out = {"git": git_rev(ROOT), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "prompts": n_prompts, "max_new_tokens": new_tokens, "target": "checkpoints/demo/target",
-           "vocab_size": mc.vocab_size, "automata": {}, "decode": []}
-    for name in names:
-        out["automata"][name] = automaton_costs(name, DEMO_TARGET, eos, mc.vocab_size)
-        print(f"{name}: {out['automata'][name]}", file=sys.stderr)
+           "vocab_size": mc.vocab_size, "decode": []}
+    out.update(automata_record(names))
     for system in SYSTEMS:
         for name in [None, *names]:
-            regex = None if name is None else out["automata"][name]["regex"]
+            regex = None if name is None else out["automata"]["demo"][name]["regex"]
             row = {"system": system[0], "constraint": name or "none",
                    **decode(system, regex, n_prompts, new_tokens)}
             print(row, file=sys.stderr)
@@ -125,18 +171,33 @@ def measure(n_prompts: int, new_tokens: int, only=None) -> dict:
     return out
 
 
+def automata_record(names) -> dict:
+    return {"automata": all_automata(names), "automata_git": git_rev(ROOT),
+            "automata_measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def render(res: dict) -> str:
-    lines = [f"Measured {res['measured_at']} at git {res['git']} on the 2-core CPU, "
-             f"{res['prompts']} bundled prompts, at most {res['max_new_tokens']} new tokens, "
-             f"`--gamma fixed` (G = 7), the shipped demo drafters, float32; "
-             "`python benchmarks/structured.py`.\n",
-             "| constraint | regex from schema (s) | automaton compile (s) | states | "
-             "token classes | table bytes |", "|---|---|---|---|---|---|"]
-    for name, a in res["automata"].items():
+    lines = [f"Automata measured {res['automata_measured_at']} at git {res['automata_git']}: "
+             "on the demo target's 8,192-token vocabulary and on a synthetic byte-level "
+             "vocabulary of Qwen3's size (151,936 ids, `synthetic_tokenizer`), compiled from "
+             "nothing (no cache).\n",
+             "| constraint | regex from schema (s) | compile, 8,192 ids (s) | states | "
+             "token classes | table bytes | compile, 151,936 ids (s) | states | token classes "
+             "| table bytes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    big = res["automata"].get("qwen3_size", {})
+    for name, a in res["automata"]["demo"].items():
+        b = big.get(name)
+        tail = ("| - | - | - | - |" if b is None else
+                f"| {fmt(b['compile_s'], '.2f')} | {b['states']} | {b['token_classes']} "
+                f"| {b['table_bytes']:,} |")
         lines.append(f"| {name}: {CONSTRAINTS[name][0]} | {fmt(a['schema_to_regex_s'], '.3f')} "
-                     f"| {fmt(a['compile_s'], '.3f')} | {a['states']} | {a['token_classes']} "
-                     f"| {a['table_bytes']:,} |")
-    lines += ["", "| system | constraint | tau | tok/s | AR tok/s | speedup | identical | "
+                     f"| {fmt(a['compile_s'], '.2f')} | {a['states']} | {a['token_classes']} "
+                     f"| {a['table_bytes']:,} " + tail)
+    lines += ["", f"Decoding measured {res['measured_at']} at git {res['git']} on the 2-core "
+              f"CPU, {res['prompts']} bundled prompts, at most {res['max_new_tokens']} new "
+              "tokens, `--gamma fixed` (G = 7), the shipped demo drafters, float32; "
+              "`python benchmarks/structured.py`.\n"]
+    lines += ["| system | constraint | tau | tok/s | AR tok/s | speedup | identical | "
               "complete | new tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         same = "-" if r["ar_identical"] is None else str(r["ar_identical"])
@@ -158,9 +219,17 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(CONSTRAINTS))
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--automata-only", action="store_true",
+                    help="measure the automata again and keep the results file's decoding rows")
     a = ap.parse_args(argv)
     if a.render_only:
         write_doc(json.load(open(a.out)))
+        return 0
+    if a.automata_only:
+        res = json.load(open(a.out))
+        res.update(automata_record([n for n in CONSTRAINTS if not a.only or n in a.only]))
+        save_results(a.out, res, RESULTS, write_doc)
+        print(render(res))
         return 0
     res = measure(a.prompts, a.max_new_tokens, a.only)
     save_results(a.out, res, RESULTS, write_doc)
