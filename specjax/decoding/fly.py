@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.drafter import take_rows
+from specjax.decoding.kernel_policy import FUSED_VERIFY
 from specjax.decoding.verify import Verdict
 
 
@@ -109,7 +110,7 @@ class FlyVerify:
         raise ValueError("--verify fly (lossy) verifies one chain, not a draft tree")
 
     def fused_note(self, sampling, kernels):
-        if kernels == "off":
+        if kernels not in FUSED_VERIFY:
             return None
         return f"kernels={kernels}: --verify fly (lossy) has no fused kernel; verifying unfused"
 

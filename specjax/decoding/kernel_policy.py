@@ -1,6 +1,6 @@
 """Which attention and verification kernels a decoding loop runs: the policy, in one place.
 
-    kernels = resolve_kernels("auto")               # "pallas" on TPU/GPU, "reference" on CPU
+    kernels = resolve_kernels("auto")   # "pallas" on TPU, "attention" on GPU, "reference" on CPU
     fn = target_attention(kernels, cache_sharding, "auto", None)   # Transformer(attention=)
     fn = drafter_attention(kernels, cache_sharding, "auto", None)  # attend(kernel=)
     drafter = with_drafter_attention(drafter, fn)   # a learned drafter attends with fn
@@ -23,8 +23,10 @@ import jax
 from specjax.core.drafter import AttentionKernel
 from specjax.errors import SpecjaxError
 
-KERNELS = ("auto", "off", "reference", "pallas")  # the user's choice (decode.py --kernels)
-LOOP_KERNELS = ("off", "reference", "pallas")  # resolved: `LoopConfig.kernels`
+KERNELS = ("auto", "off", "reference", "pallas", "attention")  # decode.py --kernels
+LOOP_KERNELS = ("off", "reference", "pallas", "attention")  # resolved: `LoopConfig.kernels`
+ATTENTION_KERNELS = ("pallas", "attention")  # the settings that run the attention kernels
+FUSED_VERIFY = ("reference", "pallas")  # the settings that fuse verification
 
 
 def resolve_kernels(kernels: str, backend: str | None = None) -> str:
@@ -35,18 +37,23 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     Pallas kernels (interpret mode on CPU, slow there); the two give identical output.
     "pallas" also runs the target's decode and verify attention into its KV cache through
     pallas_kernels.attention (`target_attention`) and the learned drafters' attention
-    through packed_attention (`drafter_attention`); the others keep the chunked jnp
-    attention.
-    "auto": "pallas" on TPU (its Mosaic lowering is checked by the tests) and on GPU (the
-    Triton kernels match the jnp reference and decode faster there: `scripts/
-    device_round.sh`, docs/kernels.md), "reference" on CPU (interpret mode is slow).
+    through packed_attention (`drafter_attention`); "off" and "reference" keep the chunked
+    jnp attention. "attention": the attention kernels of "pallas" with the unfused
+    verification of "off".
+    "auto", per kernel by measurement where one exists: on GPU "attention" (the Triton
+    attention kernels decode faster than the jnp path, while the fused verification kernel
+    ran at 0.30-0.90x the speed of the unfused path at B <= 8 on an H100, slower:
+    docs/kernels.md, round1 of 2026-11-26); on TPU "pallas" (its Mosaic lowering is
+    checked by the tests; no TPU has measured either kernel, so the fused path stays
+    until one does); "reference" on CPU (interpret mode is slow).
     Raises SpecjaxError on any other name.
     """
     if kernels not in KERNELS:
         raise SpecjaxError(f"--kernels={kernels!r}: expected one of {', '.join(KERNELS)}")
     if kernels != "auto":
         return kernels
-    return "reference" if (backend or jax.default_backend()) == "cpu" else "pallas"
+    backend = backend or jax.default_backend()
+    return {"cpu": "reference", "gpu": "attention"}.get(backend, "pallas")
 
 
 def pallas_layout(pallas_backend: str, interpret: bool | None) -> tuple[str, bool | None]:
@@ -61,12 +68,13 @@ def pallas_layout(pallas_backend: str, interpret: bool | None) -> tuple[str, boo
 def target_attention(kernels: str, cache_sharding, pallas_backend: str,
                      interpret: bool | None) -> Callable | None:
     """The `attention=` argument of the target's decode and verify forwards: None (the
-    chunked jnp `specjax.models.attention.cache_attention`) unless kernels == "pallas" and the
+    chunked jnp `specjax.models.attention.cache_attention`) unless kernels is "pallas" or
+    "attention" (`ATTENTION_KERNELS`) and the
     cache is not sharded over a mesh (the kernel is not partitioned: XLA would gather the
     cache), then the causal `pallas_kernels.attention.decode_attention` over the
     layer-major cache, read in place (its tree mode when the forward passes tree_mask=, a
     draft tree's verify forward). See `specjax.decoding.loop.LoopConfig.target_attention`."""
-    if kernels != "pallas" or cache_sharding is not None:
+    if kernels not in ATTENTION_KERNELS or cache_sharding is not None:
         return None
     from pallas_kernels.attention import decode_attention
 
@@ -87,10 +95,11 @@ def target_attention(kernels: str, cache_sharding, pallas_backend: str,
 def drafter_attention(kernels: str, cache_sharding, pallas_backend: str,
                       interpret: bool | None) -> AttentionKernel | None:
     """The kernel a learned drafter attends with (`specjax.drafters.attend.attend`'s
-    `kernel`): None (the jnp path) unless kernels == "pallas" and no mesh, then
+    `kernel`): None (the jnp path) unless kernels is "pallas" or "attention" and no mesh,
+    then
     `pallas_kernels.attention.packed_attention` for every source given by a per-query
     limit. See `specjax.decoding.loop.LoopConfig.drafter_attention`."""
-    if kernels != "pallas" or cache_sharding is not None:
+    if kernels not in ATTENTION_KERNELS or cache_sharding is not None:
         return None
     from pallas_kernels.attention import packed_attention
 
@@ -127,17 +136,18 @@ def describe(cfg, drafter) -> tuple[dict, list[str]]:
     "pallas" | "jnp" | None (a drafter with no attention of its own)}: the path each part
     takes. notes: one line per fallback (the fused verifier skipped for draft trees,
     top-k/top-p, a custom or lossy rule; the attention kernels skipped on a mesh), which
-    decode.py prints on stderr; none with kernels "off" (nothing was asked for)."""
+    decode.py prints on stderr; none with kernels "off" (nothing was asked for), nor for
+    verification with "attention" (which asks for it unfused)."""
     k, mesh = cfg.kernels, cfg.cache_sharding is not None
     notes = []
-    attn = "pallas" if k == "pallas" and not mesh else "jnp"
-    if k == "pallas" and mesh:
-        notes.append("kernels=pallas: the attention kernels are not partitioned over a mesh; "
+    attn = "pallas" if k in ATTENTION_KERNELS and not mesh else "jnp"
+    if k in ATTENTION_KERNELS and mesh:
+        notes.append(f"kernels={k}: the attention kernels are not partitioned over a mesh; "
                      "the target and drafter attend with the jnp path")
     verify = "none"
     if drafter is not None:
         verify = "unfused"
-        if k != "off":
+        if k in FUSED_VERIFY:
             rule = cfg.rule()
             tree = cfg.num_drafts > 1 or hasattr(drafter, "propose_tree")
             if tree:

@@ -159,10 +159,12 @@ class DecodeConfig:
     kernels: str = option(
         "auto", "verification: pallas = the fused Pallas kernel from the target's logits "
         "(interpret mode on CPU: slow), reference = its jnp twin (identical output for a "
-        "seed), off = specjax.decoding.verify on probabilities; auto: pallas on TPU and GPU, "
-        "reference on CPU. pallas also runs the target's and the learned drafters' "
-        "attention through pallas_kernels.attention",
-        choices=("auto", "off", "reference", "pallas"))
+        "seed), off = specjax.decoding.verify on probabilities. pallas also runs the "
+        "target's and the learned drafters' attention through pallas_kernels.attention; "
+        "attention = those attention kernels with verification as off. auto: per kernel "
+        "what measured faster: attention on GPU (the fused verification kernel is slower "
+        "than off there, docs/kernels.md), pallas on TPU (not measured yet), reference on CPU",
+        choices=("auto", "off", "reference", "pallas", "attention"))
     mesh: str | None = option(
         None, "data=D,model=M: shard the target's weights and KV cache over M devices "
         "(heads, F, V) and batch rows over D (--batch-size a multiple of D); default: one "

@@ -33,6 +33,7 @@ import jax
 
 from specjax.core.sampling import SamplingParams, filtered_probs
 from specjax.decoding import tree_verify
+from specjax.decoding.kernel_policy import FUSED_VERIFY
 from specjax.decoding.verify import Verdict, verify_block, verify_greedy, verify_token
 
 VerifyFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
@@ -97,13 +98,14 @@ class _Lossless:
         return self._fn(draft, q, filtered_probs(logits, sampling), key)
 
     def fused_note(self, sampling, kernels):
-        if kernels != "off" and not sampling.greedy and (sampling.top_k or sampling.top_p < 1):
+        if (kernels in FUSED_VERIFY and not sampling.greedy
+                and (sampling.top_k or sampling.top_p < 1)):
             return (f"kernels={kernels}: top-k/top-p sampling has no fused verification "
                     "kernel; verifying unfused (specjax.decoding.verify)")
         return None
 
     def fused(self, sampling, kernels, backend, interpret):
-        if kernels == "off" or self.fused_note(sampling, kernels) is not None:
+        if kernels not in FUSED_VERIFY or self.fused_note(sampling, kernels) is not None:
             return None
         from pallas_kernels.verify import verify_logits
 
@@ -167,7 +169,7 @@ class Custom:
         raise ValueError(f"verify={self.fn!r} has no draft-tree form (num_drafts > 1)")
 
     def fused_note(self, sampling, kernels):
-        if kernels == "off":
+        if kernels not in FUSED_VERIFY:
             return None
         return f"kernels={kernels}: a custom verify rule is not fused; verifying with it unfused"
 

@@ -80,3 +80,23 @@ def test_mesh_drops_the_attention_kernels():
     assert paths["target_attention"] == paths["drafter_attention"] == "jnp"
     assert paths["verify"] == "fused-pallas"
     assert len(notes) == 1 and "mesh" in notes[0]
+
+
+def test_attention_setting_fuses_attention_not_verification():
+    """kernels="attention" (the GPU's auto): the attention kernels of "pallas", the
+    verification of "off", and nothing to note (nothing asked for was skipped)."""
+    c = cfg(kernels="attention", sampling=SamplingParams(1.0), verify="token")
+    paths, notes = describe(c, Learned())
+    assert c.fused_verify() is None and paths["verify"] == "unfused"
+    assert c.target_attention() is not None and c.drafter_attention() is not None
+    assert paths["target_attention"] == paths["drafter_attention"] == "pallas"
+    assert notes == []
+
+
+@pytest.mark.parametrize("backend,want", [("cpu", "reference"), ("gpu", "attention"),
+                                          ("tpu", "pallas")])
+def test_auto_picks_per_backend(backend, want):
+    from specjax.decoding.kernel_policy import resolve_kernels
+
+    assert resolve_kernels("auto", backend) == want
+    assert resolve_kernels("off", backend) == "off"

@@ -157,6 +157,14 @@ def test_loops_pallas_equals_reference(kind, temperature):
     assert [len(r) - n for r, n in zip(pallas, prompts()[1].tolist(), strict=True)] == BUDGETS
 
 
+def test_loop_attention_setting_equals_off():
+    """kernels="attention" (the GPU's --kernels auto): the attention kernels with the
+    unfused verification of "off"; the same tokens as "off" for a seed at T = 1."""
+    cfg = LoopConfig(max_length=16, prompt_width=8, kernels="attention")
+    assert callable(cfg.target_attention()) and cfg.fused_verify() is None
+    assert _run("eagle3", "attention", 1.0) == _run("eagle3", "off", 1.0)
+
+
 def test_engine_pallas_equals_reference_sampled():
     """Through Engine (unrolled layers on CPU, a static layer index), n-gram at T = 1."""
     target, _ = models()

@@ -63,7 +63,9 @@ class LoopConfig:
       rules are not fused: they take the "off" path (one log line). "pallas" also runs
       the target's attention into its KV cache in decode and verify forwards through
       `pallas_kernels.attention` (see `target_attention`); "off" and "reference" keep the
-      chunked jnp attention (`specjax.models.attention`).
+      chunked jnp attention (`specjax.models.attention`). "attention": the attention
+      kernels of "pallas", verification unfused as "off" (`kernel_policy.resolve_kernels`:
+      the GPU's "auto").
     pallas_backend: "auto" (Triton on GPU, Mosaic TPU layout elsewhere), "tpu" or
       "triton": the kernels' layout and compiler parameters (specjax.export sets it).
     pallas_interpret: None (interpret mode on the CPU backend only) or a bool.
@@ -155,7 +157,8 @@ class LoopConfig:
     def target_attention(self) -> Callable | None:
         """The `attention=` argument of the target's decode and verify forwards
         (`specjax.models.model.Transformer.__call__`): None (the chunked jnp
-        `specjax.models.attention.cache_attention`) unless kernels == "pallas", then the
+        `specjax.models.attention.cache_attention`) unless kernels is "pallas" or
+        "attention", then the
         causal `pallas_kernels.attention.decode_attention` over the layer-major cache,
         read in place, whose cost follows each row's length, not the capacity. The prefill
         always takes the jnp path. With `cache_sharding` (a mesh) the jnp path runs too
@@ -166,7 +169,8 @@ class LoopConfig:
 
     def drafter_attention(self) -> Callable | None:
         """The kernel a learned drafter attends with (its `attention` field; the `kernel`
-        of `specjax.drafters.attend.attend`): None (jnp) unless kernels == "pallas", then
+        of `specjax.drafters.attend.attend`): None (jnp) unless kernels is "pallas" or
+        "attention", then
         `pallas_kernels.attention.packed_attention`; on a mesh the jnp path
         (`specjax.decoding.kernel_policy.drafter_attention`)."""
         return kernel_policy.drafter_attention(self.kernels, self.cache_sharding,
