@@ -12,6 +12,9 @@ compiler settings that make the suite fast (also inherited by the subprocesses i
   83 s, 2026-11-29).
 Both are in TEST_XLA_FLAGS; tests/decoding/test_lossless_opt_level.py strips them and
 reruns greedy identity and a sampled distribution test as users compile (XLA's defaults).
+XLA aborts the process on a flag it does not know, and newer jaxlibs (0.12, Python 3.12's)
+dropped the emitters flag: a flag is added only where a subprocess with it runs jax (one
+probe per run; the answer is passed to xdist workers in SPECJAX_TEST_XLA_PROBED).
 - jax's persistent compilation cache in `.jax_cache/` (gitignored): programs that the
   suite compiles more than once, and every program on a second run, load instead of
   compiling (the same file warm: 37 s). The cache key holds the program, the jax version
@@ -22,14 +25,39 @@ reruns greedy identity and a sampled distribution test as users compile (XLA's d
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-for _flag in TEST_XLA_FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), _flag)))
+
+
+def _known_xla_flags(flags) -> tuple[str, ...]:
+    """The flags this jaxlib's XLA accepts (a subprocess runs jax with all of them, then
+    without the ones it names as unknown)."""
+    code = "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+    flags = list(flags)
+    while flags:
+        env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True)
+        bad = [f for f in flags if r.returncode != 0 and f"Unknown flag in XLA_FLAGS: {f}"
+               in r.stderr]
+        if not bad:
+            break
+        flags = [f for f in flags if f not in bad]
+    return tuple(flags)
+
+
+if "SPECJAX_TEST_XLA_PROBED" not in os.environ:  # the controller probes, workers inherit
+    _todo = [f for f in TEST_XLA_FLAGS
+             if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
+    if _todo:
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
+                                                         *_known_xla_flags(_todo))))
+    os.environ["SPECJAX_TEST_XLA_PROBED"] = "1"
 if os.environ.get("SPECJAX_TEST_NO_CACHE"):  # decode.py would use ~/.cache/specjax/jax
     os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 else:
