@@ -468,7 +468,8 @@ def step_packed_time(rec: dict, dry_run: bool) -> None:
 
 
 def step_decode_demo(rec: dict, dry_run: bool) -> None:
-    """decode.py on the demo with --kernels pallas and --kernels off: same completions?"""
+    """decode.py on the demo with --kernels pallas, attention (the GPU's auto: attention
+    kernels, verification unfused) and off: same completions, and each one's tokens/s."""
     from specjax.decoding.loading import DEMO_PROMPTS
 
     n = 4 if dry_run else 16
@@ -479,12 +480,12 @@ def step_decode_demo(rec: dict, dry_run: bool) -> None:
     with open(pfile, "w", encoding="utf-8") as f:
         f.writelines(lines)
     runs = {}
-    for kernels in ("pallas", "off"):
+    for kernels in ("pallas", "attention", "off"):
         summ, outp = os.path.join(tmp, f"{kernels}.json"), os.path.join(tmp, f"{kernels}.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, "decode.py"), "--prompts", pfile,
                "--kernels", kernels, "--summary", summ, "--output", outp, "--show", "0",
                "--max-new-tokens", "32" if dry_run else "128"]
-        if kernels == "off":
+        if kernels != "pallas":
             cmd.append("--no-compare-ar")
         t = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -499,8 +500,9 @@ def step_decode_demo(rec: dict, dry_run: bool) -> None:
                    for k, v in runs.items()}
     if all(r["rc"] == 0 for r in runs.values()):
         key = "completion_ids" if "completion_ids" in runs["off"]["completions"][0] else "completion"
-        rec["identical"] = ([c.get(key) for c in runs["pallas"]["completions"]]
-                            == [c.get(key) for c in runs["off"]["completions"]])
+        off = [c.get(key) for c in runs["off"]["completions"]]
+        rec["identical"] = all([c.get(key) for c in runs[k]["completions"]] == off
+                               for k in runs)
         rec["compared_field"] = key
 
 
