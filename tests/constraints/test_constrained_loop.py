@@ -284,8 +284,9 @@ def accept_all(draft, q, p, key):
     return Verdict(jnp.full((B,), G, jnp.int32), jnp.argmax(p[:, -1], -1).astype(jnp.int32))
 
 
-@pytest.mark.parametrize("name", ["eagle3", "block-hidden", "draft-lm", "kv", "hybrid",
-                                  "selector", "medc", "dflash", "ngram"])
+@pytest.mark.parametrize("name", ["eagle3", "block-hidden", "ngram"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("draft-lm", "kv", "hybrid", "selector", "medc", "dflash")])
 def test_drafters_propose_only_allowed_tokens(name):
     """Drafters that read `LoopView.constraint` draft only what the automaton allows
     (every draft accepted by the probe `accept_all` walks DFA); n-gram lookup does not
