@@ -110,7 +110,8 @@ class DecodeConfig:
         None, "structured output: every output must match this regex (Rust regex syntax; "
         "outlines-core compiles it into a token automaton over the target's tokenizer). "
         "Lossless: the output is exactly the target's constrained decoding "
-        "(docs/structured.md); a row ends when its automaton allows nothing more. Prompts "
+        "(docs/structured.md); end of sequence is allowed only where the pattern is complete. "
+        "Prompts "
         "with their own \"regex\" or \"json_schema\" field keep theirs", metavar="PATTERN")
     json_schema: str | None = option(
         None, "structured output: every output must be JSON valid against this JSON schema "
