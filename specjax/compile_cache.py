@@ -12,6 +12,19 @@ DEFAULT_COMPILE_CACHE = os.path.join(
     "specjax", "jax")
 
 
+def cache_subdir(arg: str | None, name: str) -> str | None:
+    """COMPILE_CACHE/name, beside jax's own files (it reads only its own there), for
+    specjax's caches of other things (cost tables, constraint automata): COMPILE_CACHE is
+    `arg` (--compile-cache), else jax's configured directory, else DEFAULT_COMPILE_CACHE;
+    None with "none"."""
+    if arg == "none":
+        return None
+    import jax
+
+    base = arg or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
+    return os.path.join(os.path.abspath(base), name)
+
+
 def enable_compile_cache(arg: str | None) -> str | None:
     """Points jax's persistent compilation cache at `arg` ("none": off; None: the
     directory jax already has from JAX_COMPILATION_CACHE_DIR, else DEFAULT_COMPILE_CACHE,

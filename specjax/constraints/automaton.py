@@ -163,6 +163,8 @@ def regex_from_json_schema(schema) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise SpecjaxError(f"the JSON schema is not JSON ({e.msg})") from None
+    if not isinstance(schema, dict):
+        raise SpecjaxError("the JSON schema must be a JSON object")
     bad = unenforced_keywords(schema)
     if bad:
         where, key = bad[0]

@@ -124,37 +124,26 @@ def free_automaton(vocab_size: int) -> TokenAutomaton:
                           np.zeros(1, bool))
 
 
-def build_constraint(automata: Sequence[TokenAutomaton | None], rows: Sequence[int | None],
-                     eos_ids, vocab_size: int, keep_free: bool = False) -> Constraint:
-    """The `Constraint` of a batch, host-side (numpy -> jnp).
-
-    automata: the distinct automata; rows: for each of the B rows the index of its
-    automaton in `automata`, or None for no constraint; eos_ids: the target's
-    end-of-sequence ids: a state in which an automaton allows no token at all allows
-    them (the row ends there, its output incomplete); vocab_size: V;
-    keep_free: the unconstrained automaton is in the table even if no row follows it
-    (`specjax.constraints.sets.ConstraintSet`: the same shapes for every batch).
-    Raises ValueError for an automaton over another vocabulary width, a bad index, or a
-    state that allows nothing when there is no end-of-sequence id to allow."""
-    autos = [a for a in automata if a is not None]
-    if any(a.token_class.shape[0] != vocab_size for a in autos):
+def stack_automata(automata: Sequence[TokenAutomaton], eos_ids, vocab_size: int
+                   ) -> tuple[Constraint, np.ndarray]:
+    """The tables of `automata` plus the one-state automaton of unconstrained rows (last),
+    host-side (numpy -> jnp), with no rows yet (automaton and state i32[0]); and the start
+    state of each automaton i32[A] (the unconstrained one last). eos_ids: the target's
+    end-of-sequence ids: a state in which an automaton allows no token at all allows them
+    (the row ends there, its output incomplete); vocab_size: V.
+    Raises ValueError for an automaton over another vocabulary width, or a state that
+    allows nothing when there is no end-of-sequence id to allow."""
+    if any(a.token_class.shape[0] != vocab_size for a in automata):
         raise ValueError(f"an automaton was compiled for another vocabulary width than "
                          f"{vocab_size}")
-    index = {}
-    for i, a in enumerate(automata):
-        if a is not None:
-            index[i] = len(index)
-    table = list(autos)
-    if keep_free or any(r is None or automata[r] is None for r in rows):
-        table.append(free_automaton(vocab_size))
-    free = len(table) - 1
+    table = [*automata, free_automaton(vocab_size)]
     C = max(a.num_classes for a in table)
     offsets = np.cumsum([0] + [a.num_states for a in table])
     next_state = np.full((offsets[-1], C), DEAD, np.int32)
     eos = [int(e) for e in eos_ids if 0 <= int(e) < vocab_size]
     for a, off in zip(table, offsets[:-1], strict=False):
-        nxt = np.where(a.next_state == DEAD, DEAD, a.next_state + off)
-        next_state[off:off + a.num_states, :a.num_classes] = nxt
+        next_state[off:off + a.num_states, :a.num_classes] = np.where(
+            a.next_state == DEAD, DEAD, a.next_state + off)
         stuck = np.flatnonzero(~np.any(a.next_state != DEAD, axis=1))
         if len(stuck):  # nothing allowed (a pattern no token can go on with): end the row
             if not eos:
@@ -163,26 +152,33 @@ def build_constraint(automata: Sequence[TokenAutomaton | None], rows: Sequence[i
             eos_cls = np.unique(a.token_class[eos])
             for s_ in stuck:
                 next_state[off + s_, eos_cls] = off + s_
-    which = []
-    for r in rows:
-        if r is None or automata[r] is None:
-            which.append(free)
-        elif r not in index:
-            raise ValueError(f"row automaton index {r} out of range")
-        else:
-            which.append(index[r])
-    which = np.asarray(which, np.int32)
-    return Constraint(
+    none = jnp.zeros((0,), jnp.int32)
+    tables = Constraint(
         token_class=jnp.asarray(np.stack([a.token_class for a in table]), jnp.int32),
-        next_state=jnp.asarray(next_state),
-        automaton=jnp.asarray(which), state=jnp.asarray(offsets[:-1][which], jnp.int32))
+        next_state=jnp.asarray(next_state), automaton=none, state=none)
+    return tables, offsets[:-1].astype(np.int32)
 
 
-def constrained(constraint: Constraint | None, logits, state):
-    """The target's logits f32[B,...,V] masked in state i32[B,...] (unchanged without a
-    constraint)."""
-    return logits if constraint is None else constraint.mask(logits, state)
+def with_rows(tables: Constraint, starts: np.ndarray, rows: Sequence[int | None]
+              ) -> Constraint:
+    """`stack_automata`'s tables with B rows: row b follows automaton rows[b] (an index
+    into the stacked automata; None: unconstrained) from its start state.
+    Raises ValueError for an index out of range."""
+    free = len(starts) - 1
+    bad = [r for r in rows if r is not None and not 0 <= r < free]
+    if bad:
+        raise ValueError(f"row automaton index {bad[0]} out of range ({free} automata)")
+    which = np.asarray([free if r is None else r for r in rows], np.int32)
+    return tables.replace(automaton=jnp.asarray(which), state=jnp.asarray(starts[which]))
 
 
-__all__ = ["Constraint", "build_constraint", "constrained", "draft_logits", "draft_state",
-           "free_automaton", "row_state"]
+def build_constraint(automata: Sequence[TokenAutomaton], rows: Sequence[int | None],
+                     eos_ids, vocab_size: int) -> Constraint:
+    """The `Constraint` of a batch, host-side: `stack_automata` then `with_rows`.
+    automata: the distinct automata; rows: for each of the B rows the index of its
+    automaton in `automata`, or None for no constraint. Raises what they raise."""
+    return with_rows(*stack_automata(automata, eos_ids, vocab_size), rows)
+
+
+__all__ = ["Constraint", "build_constraint", "draft_logits", "draft_state",
+           "free_automaton", "row_state", "stack_automata", "with_rows"]

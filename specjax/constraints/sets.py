@@ -25,7 +25,7 @@ from specjax.constraints.automaton import (
     compile_regex,
     regex_from_json_schema,
 )
-from specjax.constraints.loop import Constraint, build_constraint
+from specjax.constraints.loop import Constraint, stack_automata, with_rows
 from specjax.errors import SpecjaxError
 
 
@@ -52,13 +52,6 @@ def regex_of(regex=None, json_schema=None, where: str = "") -> str | None:
         return regex
     if json_schema is None:
         return None
-    if isinstance(json_schema, str):
-        try:
-            json_schema = json.loads(json_schema)
-        except json.JSONDecodeError as e:
-            raise SpecjaxError(f"{at}the JSON schema is not JSON ({e.msg})") from None
-    if not isinstance(json_schema, dict):
-        raise SpecjaxError(f"{at}the JSON schema must be a JSON object")
     try:
         return regex_from_json_schema(json_schema)
     except SpecjaxError as e:
@@ -152,6 +145,8 @@ class ConstraintSet:
         self.eos_ids = tuple(eos_ids)
         self.vocab_size = vocab_size
         self.table_bytes = sum(a.table_bytes for a in self.automata)
+        # stacked once: a batch only sets its rows' automata and start states
+        self._tables, self._starts = stack_automata(self.automata, self.eos_ids, vocab_size)
 
     def rows(self, prompts, batch_size: int) -> Constraint:
         """The `Constraint` of one batch: row b follows prompts[b]'s `regex` (a
@@ -165,9 +160,7 @@ class ConstraintSet:
                                    "ConstraintSet")
             which.append(None if regex is None else self.index[regex])
         which += [None] * (batch_size - len(which))
-        # every automaton and the free one are always in the table: constant shapes
-        return build_constraint(self.automata + [None], which, self.eos_ids,
-                                self.vocab_size, keep_free=True)
+        return with_rows(self._tables, self._starts, which)
 
     def matched(self, regex: str, output_ids) -> bool:
         """Whether output_ids (new tokens, an end-of-sequence token included or not)

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from specjax.compile_cache import DEFAULT_COMPILE_CACHE
+from specjax.compile_cache import cache_subdir
 from specjax.decoding import adaptive
 from specjax.decoding.adaptive.controller import AdaptiveEngine, make_engine
 from specjax.decoding.engine import Engine, Stats
@@ -48,9 +48,9 @@ def default_cost_table(session, schedule, max_length: int) -> str | None:
     import jax
 
     c = session.cfg
-    if c.compile_cache == "none":
+    where = cache_subdir(c.compile_cache, "specjax-costs")
+    if where is None:
         return None
-    base = c.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
     key = adaptive.table_key(
         target=session.model_cfg, target_weights=weights_id(c.target), dtype=session.dtype,
         drafter=weights_id(session.loaded.name),
@@ -61,8 +61,7 @@ def default_cost_table(session, schedule, max_length: int) -> str | None:
         top_k=c.top_k, top_p=c.top_p, verify=c.verify, kernels=c.kernels, mesh=c.mesh,
         choices=schedule.choices, table_version=7, backend=jax.default_backend(),
         device=jax.devices()[0].device_kind, jax=jax.__version__)
-    # inside the compile cache: jax reads only its own *-cache files there
-    return os.path.join(os.path.abspath(base), "specjax-costs", key + ".json")
+    return os.path.join(where, key + ".json")
 
 
 class EngineSet:

@@ -41,11 +41,10 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     jnp attention. "attention": the attention kernels of "pallas" with the unfused
     verification of "off".
     "auto", per kernel by measurement where one exists: on GPU "attention" (the Triton
-    attention kernels decode faster than the jnp path, while the fused verification kernel
-    ran at 0.30-0.90x the speed of the unfused path at B <= 8 on an H100, slower:
-    docs/kernels.md, round1 of 2026-11-26); on TPU "pallas" (its Mosaic lowering is
-    checked by the tests; no TPU has measured either kernel, so the fused path stays
-    until one does); "reference" on CPU (interpret mode is slow).
+    attention kernels beat the jnp path there and the fused verification kernel does not
+    beat the unfused one: `scripts/device_round.sh`, docs/kernels.md); on TPU "pallas"
+    (its Mosaic lowering is checked by the tests; unmeasured there, so the fused path
+    stays until a round says otherwise); "reference" on CPU (interpret mode is slow).
     Raises SpecjaxError on any other name.
     """
     if kernels not in KERNELS:

@@ -188,15 +188,9 @@ class Session:
     def _constraint_cache(self) -> str | None:
         """Where compiled automata are cached: COMPILE_CACHE/specjax-constraints (None with
         --compile-cache none)."""
-        import jax
+        from specjax.compile_cache import cache_subdir
 
-        from specjax.compile_cache import DEFAULT_COMPILE_CACHE
-
-        c = self.cfg
-        if c.compile_cache == "none":
-            return None
-        base = c.compile_cache or jax.config.jax_compilation_cache_dir or DEFAULT_COMPILE_CACHE
-        return os.path.join(os.path.abspath(base), "specjax-constraints")
+        return cache_subdir(self.cfg.compile_cache, "specjax-constraints")
 
     def _shapes(self, prompts) -> tuple[int, int]:
         """(max_length, prompt_width) for these prompts; SpecjaxError where they do not fit."""

@@ -116,57 +116,41 @@ def seq_index(seqs, vocab: int = V) -> np.ndarray:
     return idx
 
 
-def exact_joint(target: Transformer, prompt, n: int, temperature, top_k=0, top_p=1.0):
+def exact_joint(target: Transformer, prompt, n: int, temperature, top_k=0, top_p=1.0,
+                next_state=None, start: int = 0):
     """The target's exact distribution over its first n generated tokens after
     `prompt`: f64[V**n] indexed by `seq_index`, and the filter margin over the contexts.
 
     Enumerates every (n-1)-token continuation, runs one forward over prompt + it, and
     multiplies the filtered conditionals at positions Tp-1 .. Tp+n-2.
+
+    next_state: None, or a token automaton i32[S,V] over token ids (-1: not allowed),
+    written by the test (no token classes, no tokenizer), from state `start`: constrained
+    autoregressive decoding (docs/structured.md), where at each position the logits of the
+    tokens the prefix's state forbids are -inf BEFORE temperature, top-k and top-p.
     """
     prompt = np.asarray(prompt, np.int32)
     Tp = prompt.size
     conts = all_tuples(n - 1)
-    ctx = np.concatenate([np.broadcast_to(prompt, (len(conts), Tp)), conts], axis=1)
-    logits = context_logits(target, ctx)[:, Tp - 1:]  # [V^(n-1), n, V]
-    probs = np_filtered_probs(logits, temperature, top_k, top_p)
-    joint = np.ones((len(conts), V))
-    for j in range(n - 1):
-        joint *= probs[np.arange(len(conts)), j, conts[:, j]][:, None]
-    joint *= probs[:, n - 1]
-    margin = filter_margin(logits, temperature, top_k, top_p)
-    return joint.reshape(-1), margin
-
-
-def exact_constrained_joint(target: Transformer, prompt, n: int, next_state, temperature,
-                            top_k=0, top_p=1.0, start: int = 0):
-    """The target's exact distribution over its first n generated tokens after `prompt`
-    under a token automaton (constrained autoregressive decoding, docs/structured.md):
-    at each position the logits of the tokens the prefix's state forbids are -inf BEFORE
-    temperature, top-k and top-p. next_state: i32[S,V] over token ids (-1: not allowed),
-    written by the test (no token classes, no tokenizer); start: the initial state.
-    -> (f64[V**n] indexed by `seq_index`, the filter margin over the contexts)."""
-    prompt = np.asarray(prompt, np.int32)
-    next_state = np.asarray(next_state)
-    Tp = prompt.size
-    conts = all_tuples(n - 1)
     M = len(conts)
     ctx = np.concatenate([np.broadcast_to(prompt, (M, Tp)), conts], axis=1)
-    logits = context_logits(target, ctx)[:, Tp - 1:]  # [M, n, V]
-    states = np.full((M, n), start, np.int64)
-    for j in range(1, n):  # the state before position j: after conts[:, :j]
-        prev = states[:, j - 1]
-        nxt = next_state[np.maximum(prev, 0), conts[:, j - 1]]
-        states[:, j] = np.where(prev < 0, -1, nxt)
-    allowed = (next_state[np.maximum(states, 0)] >= 0) | (states < 0)[..., None]
-    masked = np.where(allowed, logits, -np.inf)
-    probs = np_filtered_probs(masked, temperature, top_k, top_p)
+    logits = context_logits(target, ctx)[:, Tp - 1:]  # [V^(n-1), n, V]
+    if next_state is not None:
+        next_state = np.asarray(next_state)
+        states = np.full((M, n), start, np.int64)
+        for j in range(1, n):  # the state before position j: after conts[:, :j]
+            prev = states[:, j - 1]
+            states[:, j] = np.where(prev < 0, -1,
+                                    next_state[np.maximum(prev, 0), conts[:, j - 1]])
+        allowed = (next_state[np.maximum(states, 0)] >= 0) | (states < 0)[..., None]
+        logits = np.where(allowed, logits, -np.inf)  # a forbidden token: probability 0
+    probs = np_filtered_probs(logits, temperature, top_k, top_p)
     joint = np.ones((M, V))
     for j in range(n - 1):
         joint *= probs[np.arange(M), j, conts[:, j]][:, None]
     joint *= probs[:, n - 1]
-    live = states[:, -1] >= 0  # a path through a forbidden token has probability 0
-    joint *= live[:, None]
-    return joint.reshape(-1), filter_margin(masked, temperature, top_k, top_p)
+    margin = filter_margin(logits, temperature, top_k, top_p)
+    return joint.reshape(-1), margin
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -6,7 +6,7 @@ The setting of tests/drafters/test_lossless_drafters.py (a 6-token-vocabulary ta
 25,000 rows per rule, 5 new tokens, G = 2, every view of the 5-token law by
 `distribution.projection_test`), under an automaton written here over the token ids
 (`DFA`: 3 states, each forbidding 2-3 of the 6 tokens). The reference is
-`distribution.exact_constrained_joint`: float64 enumeration with the forbidden logits at
+`distribution.exact_joint(..., next_state=DFA)`: float64 enumeration with the forbidden logits at
 -inf before temperature, top-k and top-p. Power checks: a loop that verifies against the
 unconstrained target, and one whose automaton state does not follow the accepted drafts
 (`UnmaskedTarget`, `StaleState` below), fail the same test.
@@ -164,8 +164,8 @@ def _run(name, verify, sp, num_drafts=1, schedule=False, kernels="off", wrong=No
 
 @functools.cache
 def _exact(sp: SamplingParams):
-    joint, margin = du.exact_constrained_joint(ld._target(), ld.PROMPT, ld.N_NEW, DFA,
-                                               sp.temperature, sp.top_k, sp.top_p)
+    joint, margin = du.exact_joint(ld._target(), ld.PROMPT, ld.N_NEW, sp.temperature,
+                                   sp.top_k, sp.top_p, next_state=DFA)
     assert margin > 1e-3, f"filter boundary margin {margin:.2e} too small for {sp}"
     return joint
 

@@ -58,9 +58,9 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     tokens = tokens.at[rows, jnp.where(active, prompt_lengths, capacity)].set(first, mode="drop")
     lengths = prompt_lengths + active.astype(jnp.int32)
     done = ~active | (budgets <= 1) | is_eos(first, cfg.eos_token_ids)
-    if constraint is not None:
-        after = jnp.where(active, constraint.step(constraint.state, first), constraint.state)
-        constraint = constraint.replace(state=after)
+    if constraint is not None:  # the pending token is the first: the state follows it
+        constraint = constraint.follow(constraint.state[:, None], jnp.zeros_like(first),
+                                       first, active)
     state = LoopState(
         tokens=tokens, lengths=lengths, prompt_lengths=prompt_lengths, budgets=budgets,
         done=done, cache=cache.rewind(prompt_lengths), drafter_state=(), key=key,
