@@ -11,7 +11,8 @@ every adjacent pair and every run of three, one threshold for the whole family f
 simulated null. Power checks: a drafter that reports a stale q after its first round,
 and the biased verifiers of tests/decoding/test_distribution.py, must fail the same test.
 
-Every drafter: the draft LM, n-gram lookup (one-hot q), eagle3 and hybrid (also with
+Every drafter: the draft LM, n-gram lookup (one-hot q), the test-only oracle drafter
+(specjax/testing/oracle.py: a recording, each token kept with probability 0.7), eagle3 and hybrid (also with
 --draft-stop's one-hot fillers), kv, block with context hidden / kv / both, and the two imported layouts (an EAGLE-3 head with its own
 hot vocabulary, d2t; a DFlash head), both written here for the tiny 2-layer target and
 read by `specjax.drafters.external.load_external`. One loop call verifies half of its
@@ -50,6 +51,7 @@ from specjax.drafters.draft_lm import DraftLMDrafter
 from specjax.drafters.external import load_external
 from specjax.drafters.ngram import NgramDrafter
 from specjax.testing import distribution as du
+from specjax.testing.oracle import OracleDrafter
 from tests.decoding.test_distribution import BIASED
 
 V = du.V
@@ -188,6 +190,10 @@ def _drafter(name: str, sp: SamplingParams, hot: tuple[int, ...] | None = None):
     if name == "ngram":
         assert hot is None
         return NgramDrafter(GAMMA, V, sampling=sp), ()
+    if name == "oracle":  # the 8B round's controlled-acceptance drafter: one recording
+        assert hot is None  # (any tokens: a proposal source) for every row
+        rec = np.asarray([PROMPT + (3, 0, 2, 2, 4, 1, 0, 3)], np.int32)
+        return OracleDrafter(GAMMA, V, 0.7, sampling=sp), {"tokens": jnp.asarray(rec)}
     if name in ("eagle3-hf", "dflash"):
         with tempfile.TemporaryDirectory() as tmp:
             if name == "eagle3-hf":
@@ -400,6 +406,7 @@ def _assert_lossless(*args, **kwargs):
 
 FAST = [
     ("ngram", "both", PLAIN, None, "off"),
+    ("oracle", "both", PLAIN, None, "off"),
     ("eagle3", "both", TOP_K, HOT, "off"),
     ("kv", "both", TOP_K, None, "off"),
     ("hybrid", "both", PLAIN, HOT, "off"),
