@@ -23,6 +23,9 @@ loop's own work: the baseline that a real drafter's cost is read against.
                                            vocab_size=V)
     Engine(target, drafter=drafter, drafter_params=params, ...)
 
+The acceptance is a parameter (params["acceptance"], f32[]), not part of the static
+drafter, so one compiled loop runs every tau (`with_acceptance`).
+
 `OracleTreeDrafter` proposes the same chain inside a draft tree of `tree_nodes` nodes, the
 other nodes wrong tokens hung off the chain (so a step verifies N nodes at the chain's
 acceptance): the verify cost of a tree of N nodes, measured in the loop.
@@ -73,6 +76,13 @@ def record(prompts, completions, width: int | None = None) -> np.ndarray:
     return out
 
 
+def with_acceptance(params: dict, acceptance: float) -> dict:
+    """The oracle's params with another acceptance (in [0, 1]; the same compiled loop)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance={acceptance} must lie in [0, 1]")
+    return {**params, "acceptance": jnp.float32(acceptance)}
+
+
 def _rows(rec, B: int):
     """The recording i32[B, W] (one row [1, W] serves every row)."""
     return jnp.broadcast_to(rec, (B, rec.shape[1]))
@@ -80,13 +90,12 @@ def _rows(rec, B: int):
 
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
-    """gamma: G; vocab_size: V; acceptance: the probability each draft token is the
-    recorded one. params: {"tokens": i32[B, W]} from `record` (or [1, W]: one recording
-    for every row)."""
+    """gamma: G; vocab_size: V. params: {"tokens": i32[B, W] from `record` (or [1, W]:
+    one recording for every row), "acceptance": f32[] the probability each draft token is
+    the recorded one}."""
 
     gamma: int
     vocab_size: int
-    acceptance: float
     sampling: SamplingParams = SamplingParams()
     capture: tuple[int, ...] = ()
 
@@ -94,10 +103,9 @@ class OracleDrafter:
     def create(cls, prompts, completions, *, gamma: int, acceptance: float, vocab_size: int,
                **kw):
         """(drafter, params) for rows prompt + completion (lists of token ids)."""
-        if not 0.0 <= acceptance <= 1.0:
-            raise ValueError(f"acceptance={acceptance} must lie in [0, 1]")
-        return (cls(gamma, vocab_size, float(acceptance), **kw),
-                {"tokens": jnp.asarray(record(prompts, completions))})
+        return (cls(gamma, vocab_size, **kw),
+                with_acceptance({"tokens": jnp.asarray(record(prompts, completions))},
+                                acceptance))
 
     def init(self, params, view, key):
         return ()
@@ -113,7 +121,7 @@ class OracleDrafter:
         W = rec.shape[1]
         idx = view.lengths[:, None] + jnp.arange(self.gamma)[None, :]
         true = jnp.take_along_axis(rec, jnp.clip(idx, 0, W - 1), axis=1)
-        keep = jax.random.uniform(key, (B, self.gamma)) < self.acceptance
+        keep = jax.random.uniform(key, (B, self.gamma)) < params["acceptance"]
         return jnp.where(keep, true, (true + 1) % self.vocab_size).astype(jnp.int32)
 
     def propose(self, params, state, view, key):

@@ -193,7 +193,8 @@ def _drafter(name: str, sp: SamplingParams, hot: tuple[int, ...] | None = None):
     if name == "oracle":  # the 8B round's controlled-acceptance drafter: one recording
         assert hot is None  # (any tokens: a proposal source) for every row
         rec = np.asarray([PROMPT + (3, 0, 2, 2, 4, 1, 0, 3)], np.int32)
-        return OracleDrafter(GAMMA, V, 0.7, sampling=sp), {"tokens": jnp.asarray(rec)}
+        return OracleDrafter(GAMMA, V, sampling=sp), {"tokens": jnp.asarray(rec),
+                                                       "acceptance": jnp.float32(0.7)}
     if name in ("eagle3-hf", "dflash"):
         with tempfile.TemporaryDirectory() as tmp:
             if name == "eagle3-hf":

@@ -25,6 +25,7 @@ from specjax.testing.oracle import (
     acceptance_for_tau,
     expected_tau,
     record,
+    with_acceptance,
 )
 from specjax.testing.tiny import tiny_config
 
@@ -75,25 +76,23 @@ def _ar(B):
     return eng.run(_prompts(B), NEW, jax.random.key(0)).outputs
 
 
-def _spec(drafter, params, B):
-    eng = Engine(_target(), drafter=drafter, drafter_params=params, sampling=GREEDY,
-                 max_length=TP + NEW, prompt_width=TP, batch_size=B)
-    return eng.run(_prompts(B), NEW, jax.random.key(1))
-
-
 @pytest.mark.parametrize("tree_nodes", [None, 13])
 def test_greedy_equals_ar_and_tau_follows_acceptance(tree_nodes):
+    """One compiled loop for every acceptance (a parameter, `with_acceptance`)."""
     B, G = 3, 4
     ar = _ar(B)
+    kw = dict(gamma=G, acceptance=0.0, vocab_size=V)
+    if tree_nodes:
+        d, p = OracleTreeDrafter.create(_prompts(B), ar, tree_nodes=tree_nodes, **kw)
+        assert d.max_children >= 2
+    else:
+        d, p = OracleDrafter.create(_prompts(B), ar, **kw)
+    eng = Engine(_target(), drafter=d, drafter_params=p, sampling=GREEDY,
+                 max_length=TP + NEW, prompt_width=TP, batch_size=B)
     taus = {}
     for a in (0.0, 0.6, 1.0):
-        kw = dict(gamma=G, acceptance=a, vocab_size=V)
-        if tree_nodes:
-            d, p = OracleTreeDrafter.create(_prompts(B), ar, tree_nodes=tree_nodes, **kw)
-            assert d.max_children >= 2
-        else:
-            d, p = OracleDrafter.create(_prompts(B), ar, **kw)
-        out = _spec(d, p, B)
+        eng.drafter_params = with_acceptance(p, a)
+        out = eng.run(_prompts(B), NEW, jax.random.key(1))
         assert out.outputs == ar, a
         steps, acc = np.asarray(out.steps), np.asarray(out.accepted)
         taus[a] = 1 + acc.sum() / steps.sum()
@@ -104,15 +103,17 @@ def test_greedy_equals_ar_and_tau_follows_acceptance(tree_nodes):
     assert taus[0.0] == 1.0
     assert abs(taus[0.6] - expected_tau(0.6, G)) < 0.6, taus  # ~25 steps in all
     assert taus[1.0] > taus[0.6] > taus[0.0]
+    with pytest.raises(ValueError, match="acceptance"):
+        with_acceptance(p, 1.5)
 
 
 def test_tree_extra_nodes_never_the_recorded_token():
-    d = OracleTreeDrafter(4, V, 1.0, tree_nodes=16)
+    d = OracleTreeDrafter(4, V, tree_nodes=16)
     rec = np.arange(40, dtype=np.int32)[None] % V
     lengths = np.array([5, 9], np.int32)
     view = LoopView(tokens=np.tile(rec, (2, 1)), lengths=lengths, target_cache=None,
                     hidden=None, positions=None)
-    tree, _ = d.propose_tree({"tokens": rec}, (), view, jax.random.key(0))
+    tree, _ = d.propose_tree({"tokens": rec, "acceptance": 1.0}, (), view, jax.random.key(0))
     tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
     depths = np.asarray(tree.depths)
     for b in range(2):
