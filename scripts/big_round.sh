@@ -6,12 +6,14 @@
 # width, and drafter training at 8B size. Everything lands under --out as it is measured
 # (OUT/big_round.json, OUT/profile_summary.json, OUT/big_round.log).
 #
-#   bash scripts/big_round.sh --budget SECONDS --out DIR [--part 1|2] [--dry-run]
+#   bash scripts/big_round.sh --budget SECONDS --out DIR [--part 1|2|3] [--dry-run]
 #
-# One lent session (15 device minutes) runs it as two calls, each under the 10-minute
-# per-call limit: `--part 1 --budget 500` (ar, spec, heads, profile) and `--part 2
-# --budget 480` (cmdbuf, tree, train); without --part every step runs. The same commands
-# run on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's flags are GPU
+# One lent session (15 device minutes, the machine's start included) runs two calls, each
+# under the 10-minute per-call limit, into two folders: `--part 1 --budget 480` (ar,
+# profile, spec, heads) and `--part 2 --budget 240` (train); the next session `--part 3
+# --budget 420` (tree, bandwidth, cmdbuf). Without --part every step runs. A step that
+# would not fit what is left of --budget is recorded as skipped. The same commands run
+# on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's flags are GPU
 # flags and change nothing there). --dry-run runs every step on the CPU at tiny shapes
 # (tests/cli/test_big_round.py, in CI). Environment: PYTHON (default python3).
 set -uo pipefail
@@ -22,7 +24,7 @@ while [ $# -gt 0 ]; do
     --out) OUTD=${2:-}; shift 2 ;;
     --part) PART=(--part "${2:-}"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
     *) echo "big_round.sh: error: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -31,8 +33,8 @@ if [ -z "$OUTD" ]; then echo "big_round.sh: error: --out DIR is required" >&2; e
 if ! [[ "$BUDGET" =~ ^[0-9]+$ ]] || [ "$BUDGET" -lt 1 ]; then
   echo "big_round.sh: error: --budget SECONDS (a positive integer) is required" >&2; exit 2
 fi
-if [ ${#PART[@]} = 2 ] && ! [[ "${PART[1]}" =~ ^[12]$ ]]; then
-  echo "big_round.sh: error: --part must be 1 or 2" >&2; exit 2
+if [ ${#PART[@]} = 2 ] && ! [[ "${PART[1]}" =~ ^[123]$ ]]; then
+  echo "big_round.sh: error: --part must be 1, 2 or 3" >&2; exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
