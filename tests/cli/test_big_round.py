@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.mark.parametrize("args, match", [
     (["--budget", "60"], "--out DIR is required"),
     (["--out", "X", "--budget", "soon"], "--budget SECONDS"),
-    (["--out", "X", "--budget", "9", "--part", "3"], "--part must be 1 or 2"),
+    (["--out", "X", "--budget", "9", "--part", "4"], "--part must be 1, 2 or 3"),
     (["--out", "X", "--bogus"], "unknown argument --bogus"),
 ])
 def test_bad_arguments_exit_2(tmp_path, args, match):
