@@ -40,19 +40,20 @@ def resolve_kernels(kernels: str, backend: str | None = None) -> str:
     through packed_attention (`drafter_attention`); "off" and "reference" keep the chunked
     jnp attention. "attention": the attention kernels of "pallas" with the unfused
     verification of "off".
-    "auto", per kernel by measurement where one exists: on GPU "attention" (the Triton
-    attention kernels beat the jnp path there and the fused verification kernel does not
-    beat the unfused one: `scripts/device_round.sh`, docs/kernels.md); on TPU "pallas"
-    (its Mosaic lowering is checked by the tests; unmeasured there, so the fused path
-    stays until a round says otherwise); "reference" on CPU (interpret mode is slow).
+    "auto": per kernel, the backend's entry in `specjax.backend_choices` (measured on
+    GPU: "attention", the Triton attention kernel with unfused verification; a stated
+    reason on TPU: "pallas"; "reference" on CPU, where the kernels run in interpret mode);
+    `python benchmarks/kernel_choice.py` derives the measured entries from the device
+    rounds.
     Raises SpecjaxError on any other name.
     """
     if kernels not in KERNELS:
         raise SpecjaxError(f"--kernels={kernels!r}: expected one of {', '.join(KERNELS)}")
     if kernels != "auto":
         return kernels
-    backend = backend or jax.default_backend()
-    return {"cpu": "reference", "gpu": "attention"}.get(backend, "pallas")
+    from specjax.backend_choices import choice, kernels_setting
+
+    return kernels_setting(choice(backend or jax.default_backend()))
 
 
 def pallas_layout(pallas_backend: str, interpret: bool | None) -> tuple[str, bool | None]:

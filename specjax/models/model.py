@@ -90,12 +90,15 @@ def decoding_params(state, layer_loop: str = "auto"):
     layer_loop: "scan" (stacked weights under `lax.scan`: one compiled layer, the layout
       that compiles one layer whatever L), "unroll" (per-layer arrays, see
       `unstack_layers`: faster per token on XLA:CPU and on GPU, where slicing stacked
-      weights inside the loop copies them; compile time grows with L), or "auto" (scan
-      on TPU, where it is unmeasured, unroll elsewhere). `benchmarks/decode_speed.py`
-      and `scripts/device_round.sh` (step big_target) measure both.
+      weights inside the loop copies them; compile time grows with L), or "auto" (the
+      backend's entry in `specjax.backend_choices`: measured on GPU, unroll; a stated
+      reason on TPU, scan; unroll on CPU). `benchmarks/decode_speed.py` and
+      `scripts/big_round.sh` (step ar) measure both.
     """
     if layer_loop == "auto":
-        layer_loop = "scan" if jax.default_backend() == "tpu" else "unroll"
+        from specjax.backend_choices import choice
+
+        layer_loop = choice(jax.default_backend())["layer_loop"]
     if layer_loop == "unroll":
         return unstack_layers(state)
     if layer_loop != "scan":

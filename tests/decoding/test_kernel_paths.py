@@ -100,3 +100,38 @@ def test_auto_picks_per_backend(backend, want):
 
     assert resolve_kernels("auto", backend) == want
     assert resolve_kernels("off", backend) == "off"
+
+
+def test_auto_table_matches_the_device_rounds(tmp_path):
+    """specjax/backend_choices.py's measured entries are what benchmarks/kernel_choice.py
+    derives from the committed device rounds; a round that says otherwise fails --check."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "benchmarks", "kernel_choice.py")
+    p = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "gpu attention: pallas" in p.stdout and "gpu verify: unfused" in p.stdout
+    # a GPU round in which the fused verification wins in the loop: the table is wrong
+    shutil.copytree(os.path.join(root, "benchmarks", "results", "device"), tmp_path / "d")
+    fake = {"steps": {"environment": {"backend": "gpu"}, "decode_demo": {"runs": {
+        "pallas": {"summary": {"tokens_per_s": 200.0}},
+        "attention": {"summary": {"tokens_per_s": 100.0}}}}}}
+    (tmp_path / "d" / "h100-2026-11-26" / "round9.json").write_text(json.dumps(fake))
+    p = subprocess.run([sys.executable, script, "--check", "--results", str(tmp_path / "d")],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "gpu verify: measured fused" in p.stderr, p.stderr
+
+
+def test_layer_loop_auto_follows_the_table(monkeypatch):
+    from specjax import backend_choices
+    from specjax.models import model
+
+    monkeypatch.setitem(backend_choices.CHOICES, "cpu",
+                        {**backend_choices.CHOICES["cpu"], "layer_loop": "scan"})
+    state = {"x": 1}
+    assert model.decoding_params(state, "auto") is state  # scan: the stacked layout as is
