@@ -177,6 +177,9 @@ class Engine:
         extension that takes run-time inputs gets them from `run`'s and `compile`'s
         `inputs` (`speculative_loop`'s); adaptive draft length is one, driven from beside
         the engine by `specjax.decoding.adaptive.controller.AdaptiveEngine`.
+      exact: batch-invariant target forwards (`LoopConfig.exact`,
+        `specjax.models.invariant`): greedy output equal to an exact autoregressive
+        engine's bit for bit in any dtype; "auto" kernels then keep the jnp attention.
       constraints: None, or a `specjax.constraints.ConstraintSet`: structured output. A
         prompt given as `specjax.constraints.ConstrainedIds` (token ids with a `regex`)
         decodes under its automaton (docs/structured.md), plain lists unconstrained; the
@@ -193,7 +196,8 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), layer_loop: str = "auto",
                  kernels: str = "auto", mesh=None, prefill_chunk: int | None = None,
                  prefill_min_chunk: int | None = None, num_drafts: int = 1,
-                 partial=None, extensions: dict | None = None, constraints=None):
+                 partial=None, extensions: dict | None = None, constraints=None,
+                 exact: bool = False):
         if batch_size < 1:
             raise SpecjaxError(f"--batch-size={batch_size} must be >= 1")
         extensions = dict(extensions or {})
@@ -224,9 +228,12 @@ class Engine:
             shape = (c.num_layers, batch_size, c.num_kv_heads, max_length + nodes,
                      c.head_dim)
             cache_sharding = sharding.cache_sharding(mesh, shape, c.num_heads)
+        resolved = resolve_kernels(kernels)
+        if exact and kernels == "auto":  # the exact mode attends with the jnp path
+            resolved = {"pallas": "reference", "attention": "off"}.get(resolved, resolved)
         self.cfg = LoopConfig(max_length=max_length, prompt_width=prompt_width,
                               sampling=sampling, eos_token_ids=tuple(eos_token_ids),
-                              verify=verify, kernels=resolve_kernels(kernels),
+                              verify=verify, kernels=resolved, exact=exact,
                               cache_sharding=cache_sharding, prefill_chunk=prefill_chunk,
                               prefill_min_chunk=prefill_min_chunk, num_drafts=num_drafts,
                               **(extensions if drafter is not None else {}))

@@ -59,6 +59,7 @@ def default_cost_table(session, schedule, max_length: int) -> str | None:
         draft_window=c.draft_window, draft_reuse=c.draft_reuse, batch=c.batch_size,
         length_bucket=length_bucket(max_length), temperature=c.temperature,
         top_k=c.top_k, top_p=c.top_p, verify=c.verify, kernels=c.kernels, mesh=c.mesh,
+        **({"exact": True} if c.exact else {}),
         choices=schedule.choices, table_version=7, backend=jax.default_backend(),
         device=jax.devices()[0].device_kind, jax=jax.__version__)
     return os.path.join(where, key + ".json")
@@ -164,7 +165,8 @@ def build_engines(session, max_length: int, prompt_width: int, eos: tuple[int, .
     drafter, loaded = session.drafter, session.loaded
     common = dict(sampling=session.sampling, verify=session.rule(), max_length=max_length,
                   prompt_width=prompt_width, batch_size=c.batch_size, eos_token_ids=eos,
-                  kernels=c.kernels, mesh=mesh, constraints=session.constraint_set)
+                  kernels=c.kernels, mesh=mesh, constraints=session.constraint_set,
+                  exact=c.exact)
     schedule = table = costs = baseline = alpha = measured_at = None
     if c.adaptive and drafter is not None:
         # a drafter with a confidence head (DSpark's) picks each step's verify length from

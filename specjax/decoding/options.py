@@ -162,10 +162,16 @@ class DecodeConfig:
         "(interpret mode on CPU: slow), reference = its jnp twin (identical output for a "
         "seed), off = specjax.decoding.verify on probabilities. pallas also runs the "
         "target's and the learned drafters' attention through pallas_kernels.attention; "
-        "attention = those attention kernels with verification as off. auto: per kernel "
-        "what measured faster: attention on GPU (the fused verification kernel is slower "
-        "than off there, docs/kernels.md), pallas on TPU (not measured yet), reference on CPU",
+        "attention = those attention kernels with verification as off. auto: the "
+        "backend's entry in specjax/backend_choices.py (attention on GPU, measured; pallas "
+        "on TPU, unmeasured; reference on CPU; docs/accelerators.md)",
         choices=("auto", "off", "reference", "pallas", "attention"))
+    exact: bool = option(
+        False, "batch-invariant target forwards (specjax/models/invariant.py): every token "
+        "row is computed by the same program in a verify forward as in a one-token step, "
+        "so greedy output equals autoregressive decoding bit for bit in bf16 too (the "
+        "speculative and the autoregressive run both take it). Slower: each row is its own "
+        "product. Chains only; jnp attention (--kernels auto/off/reference)")
     mesh: str | None = option(
         None, "data=D,model=M: shard the target's weights and KV cache over M devices "
         "(heads, F, V) and batch rows over D (--batch-size a multiple of D); default: one "
@@ -246,6 +252,13 @@ def _check(c: DecodeConfig) -> None:
                                "--num-drafts)")
     if c.verify != "fly" and (c.fly_window is not None or c.fly_entropy is not None):
         raise SpecjaxError("--fly-window and --fly-entropy go with --verify fly")
+    if c.exact:
+        if c.trees:
+            raise SpecjaxError("--exact verifies one chain: no --num-drafts, --tree-topk or "
+                               "logitspec")
+        if c.kernels in ("pallas", "attention"):
+            raise SpecjaxError(f"--exact takes the jnp attention: --kernels {c.kernels} "
+                               "cannot run with it (auto, off or reference)")
     if c.partial_budget is not None and not c.partial_verify:
         raise SpecjaxError("--partial-budget goes with --partial-verify")
     lossy = [m for m, on in (("--verify fly", c.verify == "fly"),

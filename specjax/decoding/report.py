@@ -35,6 +35,7 @@ def summary(session, plan, num_prompts: int, chat: bool, timing: dict | None) ->
            "kernels": main.cfg.kernels,
            "kernel_paths": kernel_policy.describe(main.cfg, drafter)[0],
            "ar_identity_guaranteed": session.identity_guaranteed,
+           "ar_identity": session.identity, "exact": c.exact,
            "num_drafts": main.cfg.num_drafts,
            "nodes_per_step": (main.cfg.tree_nodes(loaded.gamma, drafter)
                               if drafter is not None else 1),
@@ -173,6 +174,8 @@ def format_summary(summary: dict) -> str:
             same = str(summary["ar_identical"])
             if summary.get("ar_identity_guaranteed") is False and not summary.get("lossy"):
                 same += " (bf16: not guaranteed)"
+            elif summary.get("exact"):
+                same += " (--exact: bit-identical by construction)"
             rows.append(("identical to AR", same))
         agree = summary.get("ar_agreement")
         if agree:

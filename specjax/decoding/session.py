@@ -112,14 +112,31 @@ class Session:
     @property
     def identity_guaranteed(self) -> bool:
         """True when greedy output is guaranteed identical to autoregressive decoding and
-        sampled output exactly the target's distribution: a lossless rule with the target
-        in float32 (--dtype and --matmul-dtype). In bf16 a verify forward of G+1 rows
-        rounds differently from a one-row forward, and greedy output can differ on a few
-        prompts (docs/decode.md, "Exactness and dtypes")."""
+        sampled output exactly the target's distribution: a lossless rule with either
+        --exact (batch-invariant forwards, any dtype: `specjax.models.invariant`) or the
+        target in float32 (--dtype and --matmul-dtype). In float32 a verify forward of
+        G+1 rows still rounds a few last bits differently from a one-row forward, far
+        below any logit gap seen so far; in bf16 the difference is large enough to flip
+        a near-tie, and greedy output can differ on a few prompts (docs/decode.md,
+        "Exactness and dtypes")."""
         import jax.numpy as jnp
 
-        return (not self.lossy and self.dtype == jnp.float32
-                and self.cfg.matmul_dtype in ("auto", "float32"))
+        return not self.lossy and (self.cfg.exact or (
+            self.dtype == jnp.float32 and self.cfg.matmul_dtype in ("auto", "float32")))
+
+    @property
+    def identity(self) -> str:
+        """How the run relates to autoregressive decoding at T = 0: "bit-identical
+        (--exact)", "float32", "not guaranteed (bfloat16)" or "lossy"."""
+        import jax.numpy as jnp
+
+        if self.lossy:
+            return "lossy"
+        if self.cfg.exact:
+            return "bit-identical (--exact)"
+        if self.dtype == jnp.float32 and self.cfg.matmul_dtype in ("auto", "float32"):
+            return "float32"
+        return "not guaranteed (bfloat16)"
 
     def notes(self, plan) -> list[str]:
         """The lines decode.py prints on stderr before decoding: each fallback from the
@@ -131,7 +148,8 @@ class Session:
         if self.drafter is not None and not self.identity_guaranteed and not self.lossy:
             notes.append("note: the target runs in bfloat16 (--dtype/--matmul-dtype): the "
                          "output is the target's up to bf16 rounding, not guaranteed "
-                         "identical to autoregressive decoding; --dtype float32 guarantees it")
+                         "identical to autoregressive decoding; --exact (any dtype) or "
+                         "--dtype float32 makes it so")
         return notes
 
     def read_prompts(self, prompt: str | None = None, path: str | None = None,

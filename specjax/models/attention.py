@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import invariant
+
 DEFAULT_CHUNK = 256
 NEG = -1e30
 
@@ -53,6 +55,20 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
     """
     if chunk <= 0:
         raise ValueError(f"chunk={chunk} must be positive")
+    if invariant.active():  # each query row alone (specjax.models.invariant)
+        if k.shape[-2] % invariant.CHUNK:
+            raise ValueError(f"batch-invariant attention needs a cache capacity that is a "
+                             f"multiple of {invariant.CHUNK}, not {k.shape[-2]}")
+
+        def one(row):  # q [1, B, K, H], q_pos [1, B]: chunks of CHUNK slots from slot 0
+            qi, pi = row
+            m, l, acc = cache_attention_stats(jnp.moveaxis(qi, 0, 2), k, v, pi.T,
+                                              chunk=invariant.CHUNK, dot_dtype=dot_dtype,
+                                              layer=layer)
+            return (acc / l[..., None])[None, :, :, 0]
+
+        out = invariant.per_row(one, (jnp.moveaxis(q, 2, 0), q_pos.T))  # [Q, B, K, H]
+        return jnp.moveaxis(out, 0, 2)
     S = k.shape[-2]
     qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.models import invariant
 from specjax.models.matmul import linear
 
 
@@ -85,7 +86,20 @@ def kv(w, x, cos, sin, eps, num_kv_heads: int, head_dim: int):
 
 
 def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: int):
-    """A layer's attention inputs: `qkv` of input_norm(x) for the residual x [B,T,D]."""
+    """A layer's attention inputs: `qkv` of input_norm(x) for the residual x [B,T,D].
+    Inside `specjax.models.invariant.batch_invariant()` one token row at a time."""
+    if invariant.active():
+        B, T, D = x.shape
+
+        def one(row):  # x [1, D], cos, sin [1, H]
+            xr, c, s = (a[:, None] for a in row)
+            return tuple(a[:, 0] for a in layer_qkv(w, xr, c, s, eps, num_heads,
+                                                     num_kv_heads, head_dim))
+
+        trig = (jnp.broadcast_to(a, (B, T, a.shape[-1])).reshape(B * T, -1) for a in (cos, sin))
+        q, k, v = invariant.per_row(one, (x.reshape(B * T, D), *trig))
+        return (q.reshape(B, T, num_heads, head_dim), k.reshape(B, T, num_kv_heads, head_dim),
+                v.reshape(B, T, num_kv_heads, head_dim))
     return qkv(w, rms_norm(x, w["input_norm"], eps), cos, sin, eps, num_heads,
                num_kv_heads, head_dim)
 
@@ -116,10 +130,21 @@ def mlp(w, x, eps):
 
 
 def layer_out(w, x, attn, eps):
-    """The rest of a layer after attention: `attention_out`, then the `mlp` -> [B,T,D]."""
+    """The rest of a layer after attention: `attention_out`, then the `mlp` -> [B,T,D].
+    Inside `specjax.models.invariant.batch_invariant()` one token row at a time."""
+    if invariant.active():
+        B, T, D = x.shape
+        out = invariant.per_row(lambda r: layer_out(w, r[0][:, None], r[1][:, None], eps)[:, 0],
+                                (x.reshape(B * T, D), attn.reshape(B * T, -1)))
+        return out.reshape(B, T, D)
     return mlp(w, attention_out(w, x, attn), eps)
 
 
 def logits(x, final_norm, head, eps):
-    """f32[...,V] = head(final_norm(x)) with an LM head [V,D]."""
+    """f32[...,V] = head(final_norm(x)) with an LM head [V,D]. Inside
+    `specjax.models.invariant.batch_invariant()` one token row at a time."""
+    if invariant.active():
+        flat = x.reshape(-1, x.shape[-1])
+        out = invariant.per_row(lambda r: logits(r, final_norm, head, eps), flat)
+        return out.reshape(*x.shape[:-1], head.shape[0])
     return linear(rms_norm(x, final_norm, eps), head, jnp.float32)

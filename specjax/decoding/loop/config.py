@@ -87,6 +87,13 @@ class LoopConfig:
       mask (`specjax.core.tree`, `specjax.decoding.tree_verify`); the accepted path's K/V
       are compacted into place (`specjax.decoding.loop.step.compact_path`).
 
+    exact: True: the target's forwards are batch-invariant
+      (`specjax.models.invariant`): each token row is computed by the same program in a
+      verify forward of G + 1 tokens as in a one-token forward, so greedy speculative
+      output equals autoregressive output (exact=True too) bit for bit in any dtype, at
+      the price of the rows' parallelism. With the jnp attention only ("off" or
+      "reference"): ValueError with "pallas" or "attention".
+
     Loop extensions (`specjax.decoding.loop.extension`; None: off):
     schedule: a `specjax.decoding.adaptive.GammaSchedule`: each step picks its draft
       length from `schedule.choices` (chains only; the speculative loop then takes a cost
@@ -109,6 +116,7 @@ class LoopConfig:
     prefill_min_chunk: int | None = None
     cache_sharding: Any = None
     num_drafts: int = 1
+    exact: bool = False
     schedule: Any = extension_field()
     partial: Any = extension_field()
 
@@ -122,6 +130,9 @@ class LoopConfig:
                 raise ValueError(f"{name}={value} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
+        if self.exact and self.kernels in kernel_policy.ATTENTION_KERNELS:
+            raise ValueError(f"exact=True takes the jnp attention, not kernels={self.kernels!r}"
+                             " (use 'reference' or 'off')")
         self.rule()  # a rule that cannot run at this sampling raises here
         owners = [e.name for e in self.extensions() if e.owns_step]
         if len(owners) > 1:

@@ -11,6 +11,7 @@ from specjax.core.drafter import LoopView
 from specjax.core.sampling import sample_logits
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.state import LoopState
+from specjax.models import invariant
 from specjax.models.prefill import pad_rows, padded_width, scan_prompt_pieces
 
 
@@ -33,6 +34,8 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     -> (LoopState with no drafter state yet, the LoopView the drafter's init reads)."""
     B, Tp = prompts.shape
     capacity = cfg.max_length + cfg.tree_nodes(gamma, drafter)
+    if cfg.exact:  # whole attention chunks at absolute slots (specjax.models.invariant)
+        capacity = -(-capacity // invariant.CHUNK) * invariant.CHUNK
     positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), (B, Tp))
     cache = model.init_cache(B, capacity)
     if cfg.cache_sharding is not None:
@@ -40,7 +43,8 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
     sizes = cfg.prefill_sizes()
-    with jax.named_scope("prefill"):  # benchmarks/profile_step.py reads the scope
+    with jax.named_scope("prefill"), invariant.batch_invariant(cfg.exact):
+        # (benchmarks/profile_step.py reads the scope)
         if Tp <= sizes[0]:
             out = model(prompts, positions, cache, capture=capture,
                         logits_at=(prompt_lengths - 1)[:, None])

@@ -36,6 +36,7 @@ from specjax.decoding import kernel_policy
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.prefill import is_eos, prefill
 from specjax.decoding.loop.state import LoopState
+from specjax.models import invariant
 from specjax.models.kv_cache import KVCache
 from specjax.models.matmul import DRAFTS_AXIS
 
@@ -183,6 +184,8 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
         capture = drafter.capture
     own_tree = drafter is not None and hasattr(drafter, "propose_tree")  # a TreeDrafter
     tree_mode = G > 0 and (cfg.num_drafts > 1 or own_tree or chain_as_tree)
+    if cfg.exact and tree_mode:
+        raise ValueError("exact=True verifies chains only (no draft trees, num_drafts 1)")
     reads_logits = getattr(drafter, "reads_logits", False)
     # a mode extends speculation; autoregressive decoding runs without (as the fallback
     # program of an adaptive engine, built from the same config)
@@ -255,8 +258,9 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
             positions, mask = base[:, None] + offsets[None, :], None
         with jax.named_scope("target_verify_forward"):
             if forward_ext is None:
-                out = model(fed, positions, s.cache, capture=capture, attention=attention,
-                            tree_mask=mask)
+                with invariant.batch_invariant(cfg.exact):  # the exact mode
+                    out = model(fed, positions, s.cache, capture=capture,
+                                attention=attention, tree_mask=mask)
                 logits, hidden, cache = out.logits, out.hidden, out.cache
             else:  # e.g. SpecPV (lossy): a plain, full or partial forward, chosen per step
                 logits, hidden, cache, mine = forward_ext.verify_forward(
