@@ -36,6 +36,8 @@ left than its estimate (EST). The steps, in the order they run:
   tree     the oracle's chain inside a draft tree of 16 and 64 nodes (B = 1) and 32
            (B = 8) at tau 4: the loop's ms per step by node count (what verifying N nodes
            costs in the loop).
+  exact    the exact mode (--exact) at B = 1: AR and the oracle loop at tau 6 with and
+           without it: its cost per step and bf16 identity with AR.
   cmdbuf   the first AR row in fresh processes with XLA's GPU command buffers off
            (`--xla_gpu_enable_command_buffer=`) and extended to while loops and
            conditionals (the decode loop's body is one): launch overhead on and off.
@@ -83,12 +85,12 @@ CMDBUF = {"none": "--xla_gpu_enable_command_buffer=",
 # rough seconds on an H100/H200 (compiles of the unrolled 36-layer loop included: about
 # 40 s each); a step starts only when this much of the budget is left
 EST = {"environment": 5, "bandwidth": 10, "ar": 150, "profile": 20, "spec": 110,
-       "heads": 180, "train": 220, "tree": 140, "cmdbuf": 150}
+       "heads": 180, "train": 220, "tree": 140, "exact": 180, "cmdbuf": 150}
 STEPS = tuple(EST)
 # one lent session (15 device minutes, machine start included) runs parts 1 and 2 as two
 # calls; part 3 is the next session's
 PARTS = {"1": "environment,ar,profile,spec,heads", "2": "environment,train",
-         "3": "environment,bandwidth,tree,cmdbuf"}
+         "3": "environment,bandwidth,exact,tree,cmdbuf"}
 
 
 class Ctx:
@@ -152,6 +154,16 @@ class Ctx:
                       sampling=SamplingParams(temperature=0.0),
                       max_length=self.prompt + self.new, prompt_width=self.prompt,
                       batch_size=B, kernels=kernels or self.kernels, layer_loop=layer_loop)
+
+    def engine_exact(self, B: int, drafter=None, params=None):
+        """`engine` with the exact mode (--exact: batch-invariant forwards, jnp attention)."""
+        from specjax.core.sampling import SamplingParams
+        from specjax.decoding.engine import Engine
+
+        return Engine(self.target, drafter=drafter, drafter_params=params,
+                      sampling=SamplingParams(temperature=0.0),
+                      max_length=self.prompt + self.new, prompt_width=self.prompt,
+                      batch_size=B, kernels="off", exact=True)
 
     def timed(self, eng, B: int, row: dict, prefix: str = "") -> list:
         """Compiles, warms up, runs `repeats` times; fills row[prefix + ...] with the
@@ -400,6 +412,41 @@ def projection(results: dict) -> list[dict]:
     return out
 
 
+def step_exact(rec: dict, ctx: Ctx) -> None:
+    """The exact mode (--exact) at 8B size, B = 1: AR and the oracle loop at tau 6, each
+    with and without it (jnp attention, "off" kernels, so the two differ only in the
+    mode): ms per step, the mode's cost, and whether greedy speculative output equals
+    AR output in bf16 with it (it must) and without it."""
+    from specjax.testing.oracle import OracleDrafter, acceptance_for_tau
+
+    V, B = ctx.target.cfg.vocab_size, 1
+    rows = []
+    for exact in (False, True):
+        row = {"B": B, "exact": exact, "kernels": "off"}
+        rows.append(row)
+        try:
+            ar_eng = ctx.engine(B, "off")
+            if exact:
+                ar_eng = ctx.engine_exact(B)
+            ar = ctx.timed(ar_eng, B, row, prefix="ar_")
+            d, p = OracleDrafter.create(ctx.prompts(B), ar, gamma=GAMMA,
+                                        acceptance=acceptance_for_tau(6.0, GAMMA),
+                                        vocab_size=V)
+            eng = ctx.engine_exact(B, d, p) if exact else ctx.engine(B, "off", drafter=d,
+                                                                    params=p)
+            out = ctx.timed(eng, B, row, prefix="spec_")
+            row["identical_to_ar"] = out == ar
+            row["speedup"] = row["spec_tokens_per_s"] / row["ar_tokens_per_s"]
+        except Exception as e:
+            _error(row, e, f"exact {row}")
+        ctx.save_rows(rec, rows)
+    if all("ar_ms_per_step" in r for r in rows):
+        rec["exact_ar_cost"] = rows[1]["ar_ms_per_step"] / rows[0]["ar_ms_per_step"]
+        rec["exact_spec_cost"] = rows[1]["spec_ms_per_step"] / rows[0]["spec_ms_per_step"]
+    rec["passed"] = (not any("error" in r for r in rows)
+                     and rows[-1].get("identical_to_ar") is True)
+
+
 def step_tree(rec: dict, ctx: Ctx) -> None:
     from specjax.testing.oracle import OracleTreeDrafter, acceptance_for_tau
 
@@ -620,6 +667,7 @@ def main(argv=None) -> int:
     fns = {"environment": step_environment, "bandwidth": lambda r: step_bandwidth(r, d)}
     for name, fn in (("ar", step_ar), ("cmdbuf", step_cmdbuf), ("profile", step_profile),
                      ("spec", step_spec), ("tree", step_tree), ("heads", step_heads),
+                     ("exact", step_exact),
                      ("train", step_train)):
         fns[name] = (lambda f: lambda r: f(r, ctx))(fn)
     for name in STEPS:

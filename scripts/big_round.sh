@@ -11,7 +11,7 @@
 # One lent session (15 device minutes, the machine's start included) runs two calls, each
 # under the 10-minute per-call limit, into two folders: `--part 1 --budget 480` (ar,
 # profile, spec, heads) and `--part 2 --budget 240` (train); the next session `--part 3
-# --budget 420` (tree, bandwidth, cmdbuf). Without --part every step runs. A step that
+# --budget 540` (exact, tree, bandwidth, cmdbuf). Without --part every step runs. A step that
 # would not fit what is left of --budget is recorded as skipped. The same commands run
 # on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's flags are GPU
 # flags and change nothing there). --dry-run runs every step on the CPU at tiny shapes

@@ -74,7 +74,8 @@ def test_dry_run_every_step_passes(tmp_path):
     steps = res["steps"]
     assert res["dry_run"] and res["failed"] == []
     assert set(steps) == {"environment", "bandwidth", "ar", "cmdbuf", "profile", "spec",
-                          "tree", "heads", "train"}
+                          "tree", "heads", "train", "exact"}
+    assert [r["identical_to_ar"] for r in steps["exact"]["rows"]][-1] is True
     assert all("error" not in r and "skipped" not in r for r in steps.values()), steps
     spec = steps["spec"]["rows"]
     assert [r["target_tau"] for r in spec] == [1.0, 2.0, 4.0, 6.0]
