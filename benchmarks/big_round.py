@@ -4,13 +4,14 @@ weights made on the device (no download), measured the way decode.py runs it.
     python benchmarks/big_round.py --out DIR --budget SECONDS [--only STEPS]  # GPU / TPU
     python benchmarks/big_round.py --out DIR --dry-run                        # CPU, tiny
 
-scripts/big_round.sh wraps it (what a device session runs: `--part 1` and `--part 2` as
-two calls of one lent session, `--part 3` in the next). Each step writes DIR/big_round.json
+scripts/big_round.sh wraps it (what a device session runs: `--part 1`, `--part 2`, `--part
+3`, one call each, as many as the session's device time allows). Each step writes DIR/big_round.json
 as it ends (the long steps after every row) and is skipped when less of the budget is
 left than its estimate (EST). The steps, in the order they run:
 
   ar       autoregressive decoding, greedy, 128-token prompts, 128 new tokens: tokens/s and
-           ms per step at B = 1, 8, 32 per kernel choice and layer loop, against the
+           ms per step at B = 1, 8, 32 with the attention kernel and at B = 1, 8 with the
+           jnp attention it replaces (`--kernels off`), per layer loop, against the
            bandwidth roofline (weights + KV read once per step); the completions are the
            recording the oracle drafter proposes from (`spec`, `tree`).
   profile  a profiler trace of the B = 1 AR run, summarised on the device (the device's
@@ -77,20 +78,21 @@ TAUS = (1.0, 2.0, 4.0, 6.0)
 # published tau (docs/design.md's reference numbers; for the projection only)
 PUBLISHED = {"EAGLE-3, Llama-3.1-8B, T=0 (paper)": 6.23,
              "DFlash, Qwen3-8B, block 16 (paper)": 6.49}
-AR_PLAN = "1:attention:auto,8:attention:auto,32:attention:auto"
+# the attention kernel against the jnp path it replaces ("off"), in the loop, at B 1 and 8
+AR_PLAN = "1:attention:auto,8:attention:auto,32:attention:auto,1:off:auto,8:off:auto"
 DRY_AR_PLAN = "1:attention:auto,2:off:auto"
 CMDBUF = {"none": "--xla_gpu_enable_command_buffer=",
           "with_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
                         "CUDNN,WHILE,CONDITIONAL"}
 # rough seconds on an H100/H200 (compiles of the unrolled 36-layer loop included: about
 # 40 s each); a step starts only when this much of the budget is left
-EST = {"environment": 5, "bandwidth": 10, "ar": 150, "profile": 20, "spec": 110,
+EST = {"environment": 5, "bandwidth": 10, "ar": 230, "profile": 20, "spec": 110,
        "heads": 180, "train": 220, "tree": 140, "exact": 180, "cmdbuf": 150}
 STEPS = tuple(EST)
-# one lent session (15 device minutes, machine start included) runs parts 1 and 2 as two
-# calls; part 3 is the next session's
-PARTS = {"1": "environment,ar,profile,spec,heads", "2": "environment,train",
-         "3": "environment,bandwidth,exact,tree,cmdbuf"}
+# one call each (under the 10-minute per-call limit), in this order: a lent session (15
+# device minutes, the machine's start included) runs part 1 and what is left of the next
+PARTS = {"1": "environment,ar,profile,spec,heads", "2": "environment,train,exact,tree",
+         "3": "environment,bandwidth,cmdbuf"}
 
 
 class Ctx:

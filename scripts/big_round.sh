@@ -8,14 +8,14 @@
 #
 #   bash scripts/big_round.sh --budget SECONDS --out DIR [--part 1|2|3] [--dry-run]
 #
-# One lent session (15 device minutes, the machine's start included) runs two calls, each
-# under the 10-minute per-call limit, into two folders: `--part 1 --budget 480` (ar,
-# profile, spec, heads) and `--part 2 --budget 240` (train); the next session `--part 3
-# --budget 540` (exact, tree, bandwidth, cmdbuf). Without --part every step runs. A step that
-# would not fit what is left of --budget is recorded as skipped. The same commands run
-# on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's flags are GPU
-# flags and change nothing there). --dry-run runs every step on the CPU at tiny shapes
-# (tests/cli/test_big_round.py, in CI). Environment: PYTHON (default python3).
+# Three parts, one call each under the 10-minute per-call limit, into three folders, as
+# many as a lent session's 15 device minutes (the machine's start included) allow:
+# `--part 1 --budget 560` (ar, profile, spec, heads), `--part 2 --budget 560` (train,
+# exact, tree), `--part 3 --budget 240` (bandwidth, cmdbuf). Without --part every step
+# runs. A step that would not fit what is left of --budget is recorded as skipped. The
+# same commands run on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's
+# flags are GPU flags and change nothing there). --dry-run runs every step on the CPU at
+# tiny shapes (tests/cli/test_big_round.py, in CI). Environment: PYTHON (default python3).
 set -uo pipefail
 BUDGET=""; OUTD=""; DRY=0; PART=()
 while [ $# -gt 0 ]; do
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     --out) OUTD=${2:-}; shift 2 ;;
     --part) PART=(--part "${2:-}"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "big_round.sh: error: unknown argument $1" >&2; exit 2 ;;
   esac
 done

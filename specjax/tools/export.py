@@ -2,7 +2,7 @@
 
     python -m specjax.export --config CONFIG.json [--drafter none|ngram|DIR]
         [--platforms tpu,cuda] [--kernels pallas|reference|off] [--batch 1]
-        [--max-length 2048] [--gamma G] [--temperature 0] [--layer-loop scan]
+        [--max-length 2048] [--gamma G] [--temperature 0] [--layer-loop scan] [--exact]
 
 Builds the target (and a learned drafter from its directory's config.json) as abstract
 shapes (`jax.eval_shape`: no weights are read or allocated, so Qwen3-8B or a 70B model
@@ -58,6 +58,9 @@ def build_parser() -> cli.ArgumentParser:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="weights and activations (bfloat16, as on TPU/GPU)")
     ap.add_argument("--layer-loop", choices=("scan", "unroll"), default="scan")
+    ap.add_argument("--exact", action="store_true",
+                    help="the exact mode (decode.py --exact: batch-invariant target forwards; "
+                         "takes --kernels reference or off)")
     return ap
 
 
@@ -124,7 +127,7 @@ def abstract_engine(args):
         lc = LoopConfig(max_length=S, prompt_width=Tp, sampling=sampling,
                         eos_token_ids=tuple(cfg.eos_token_ids), verify=args.verify,
                         kernels=args.kernels, pallas_backend=pallas_backend,
-                        pallas_interpret=False)
+                        pallas_interpret=False, exact=args.exact)
         loops = [("autoregressive", autoregressive_loop,
                   (held["graphdef"], params, lc, *arrays))]
         if args.drafter != "none":
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
         for flag in ("batch", "max_length"):
             if getattr(args, flag) < 1:
                 raise SpecjaxError(f"--{flag.replace('_', '-')} must be >= 1")
+        if args.exact and args.kernels == "pallas":
+            raise SpecjaxError("--exact takes the jnp attention: --kernels reference or off")
         if not os.path.exists(args.config):
             raise SpecjaxError(f"--config {args.config}: no such file or directory")
         for line in export_loops(args):

@@ -48,6 +48,20 @@ def test_qwen3_8b_ngram_sampled_lowers_for_tpu_and_gpu(tmp_path, capsys):
         assert ar.endswith(f"1 {kind} custom calls") and sp.endswith(f"3 {kind} custom calls")
 
 
+def test_exact_mode_lowers_at_8b_for_tpu_and_gpu(tmp_path, capsys):
+    """The exact mode (batch-invariant forwards, jnp attention) at Qwen3-8B shapes."""
+    cfg = hf_configs.write("Qwen3-8B", str(tmp_path / "qwen3-8b"))
+    code, out, err = _run(capsys, "--config", f"{cfg}/config.json", "--drafter", "ngram",
+                          "--gamma", 7, "--kernels", "reference", "--exact",
+                          "--max-length", 4096)
+    assert code == 0, err
+    for platform in ("tpu", "cuda"):
+        assert f"{platform:5s} autoregressive  lowered" in out
+        assert f"{platform:5s} speculative     lowered" in out
+    code, out, err = _run(capsys, "--config", f"{cfg}/config.json", "--exact")
+    assert code == 2 and "--exact takes the jnp attention" in err
+
+
 @pytest.mark.parametrize("name,kind,platform", [("Llama-3.1-8B", "eagle3", "tpu"),
                                                 ("Qwen3-8B", "kv", "cuda")])
 def test_learned_drafters_lower_at_8b(tmp_path, capsys, name, kind, platform):
