@@ -63,12 +63,12 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
             raise ValueError(f"batch-invariant attention needs a cache capacity that is a "
                              f"multiple of {invariant.CHUNK}, not {k.shape[-2]}")
 
-        def one(row):  # q [1, B, K, H], q_pos [1, B]: chunks of CHUNK slots from slot 0
+        def one(row):  # q [rows, B, K, H], q_pos [rows, B]: chunks of CHUNK slots from 0
             qi, pi = row
             m, l, acc = cache_attention_stats(jnp.moveaxis(qi, 0, 2), k, v, pi.T,
                                               chunk=invariant.CHUNK, dot_dtype=dot_dtype,
                                               layer=layer)
-            return (acc / l[..., None])[None, :, :, 0]
+            return jnp.moveaxis(acc / l[..., None], 2, 0)  # [rows, B, K, H]
 
         out = invariant.per_row(one, (jnp.moveaxis(q, 2, 0), q_pos.T))  # [Q, B, K, H]
         return jnp.moveaxis(out, 0, 2)

@@ -10,25 +10,33 @@ them weight-major), on GPUs cuBLAS splits K differently by shape. In f32 the rou
 differences almost never change an argmax; in bf16 they do on a few prompts, and greedy
 speculative output then differs from autoregressive output (docs/accelerators.md).
 
-The construction (mode "rows"): every operation that reduces within a token row, the
-projections (`linear`), RMSNorm and attention, runs under `jax.lax.map` over the rows,
-one row at a time, through the one-row path. Each row is then the same compiled
-computation, on the same shapes, in an autoregressive step and in a verify forward,
-whatever B and T are. Elementwise operations (RoPE, SwiGLU's product, residual adds)
-and gathers are the same per element at any shape. Attention is already invariant in
-its structure (`specjax.models.attention`: new K/V are written into the cache before any
+The construction: the token rows of a forward (B x T of them) go through the layer in
+tiles of a fixed ROWS rows (zero rows pad the last tile), one tile at a time under
+`jax.lax.map`: a layer's pre-attention block (`specjax.models.layers.layer_qkv`: norm,
+projections, q/k norms, RoPE), each attention query (`specjax.models.attention`), the
+post-attention block (`layer_out`: o_proj, residual, norm, MLP) and the final norm and
+LM head (`logits`). Every tile is then the same compiled computation on the same shapes,
+in an autoregressive step and in a verify forward, whatever B and T are; what remains is
+that a row's result does not depend on where in its tile it sits or on its neighbours,
+which holds for kernels that compute every output element with the same reduction order
+(XLA:CPU's GEMM and fused loops, checked by tests/models/test_invariant.py; on GPU and
+TPU the device round's `exact` step measures it). Shapes matter beyond the matmuls: on
+XLA:CPU the fused elementwise code of the default mode rounded differently at different
+shapes, which is why whole blocks go through the tiles, not only the products.
+Attention is invariant in its structure (new K/V are written into the cache before any
 query reads it, and a fully masked chunk is an exact no-op); in the exact mode every
-query row reads the cache in chunks of CHUNK slots at absolute positions (the loop
-rounds the cache capacity up to a multiple of CHUNK: an autoregressive loop and a
-speculative one have different capacities, and a softmax over all S slots, or a last
-chunk clamped to S, would reduce in an order that depends on S), and its two dots are
-per row.
+query reads the cache in chunks of CHUNK slots at absolute positions (the loop rounds the
+cache capacity up to a multiple of CHUNK: an autoregressive loop and a speculative one
+have different capacities, and a softmax over all S slots, or a last chunk clamped to S,
+would reduce in an order that depends on S).
 
-The price is the rows' parallelism: M rows cost M one-row products instead of one M-row
-product, so on an accelerator a verify forward reads the weights G + 1 times. The mode is
-opt-in, for users who need bit-identical output more than speed; a Pallas matmul with
-fixed tiles would keep the rows' parallelism (see docs/accelerators.md for the state of
-that work).
+The price: an autoregressive step computes a tile of ROWS rows for its B, and a verify
+forward ceil(B (G + 1) / ROWS) tiles one after another instead of one product. With
+ROWS = 8 on the 2-core CPU the demo's bf16 speculative decoding ran at 0.86x the default
+mode's speed (`python benchmarks/exact_mode.py`); on an accelerator an 8-row tile costs
+about what one row does (the weights' bytes dominate), so the mode should cost little
+there: unmeasured until a device round runs. ROWS = 1 (one row at a time) is the
+construction that assumes least, at 0.46x on the CPU.
 
     with batch_invariant():
         ...  # trace the target's forward here
@@ -40,11 +48,14 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 
 _ACTIVE = contextvars.ContextVar("specjax_batch_invariant", default=False)
 # Attention chunk of the exact mode: slots [i * CHUNK, (i + 1) * CHUNK), the same chunks
 # for every query whatever the cache capacity (a multiple of CHUNK in the exact mode)
 CHUNK = 64
+# Token rows per tile (`per_row`): every tile has this many rows whatever the batch
+ROWS = 8
 
 
 @contextlib.contextmanager
@@ -65,14 +76,23 @@ def active() -> bool:
 
 
 def per_row(fn, xs):
-    """fn applied to each row of xs (an array [M, ...] or a pytree of them) alone:
-    jax.lax.map of fn(row i with a leading axis of 1), that axis dropped again (fn sees
-    one row, with the switch off, so its own one-row path runs) -> [M, ...]."""
-    def one(row):
-        with batch_invariant(False):
-            out = fn(jax.tree.map(lambda a: a[None], row))
-        return jax.tree.map(lambda a: a[0], out)
+    """fn applied to the rows of xs (an array [M, ...] or a pytree of them) in tiles of
+    ROWS rows: xs padded with zero rows to a multiple of ROWS, then jax.lax.map of fn over
+    [ROWS, ...] tiles (fn sees a tile with the switch off, so its own path runs on a
+    fixed shape), the padding dropped again -> [M, ...]."""
+    R = ROWS
+    M = jax.tree.leaves(xs)[0].shape[0]
+    Mp = -(-M // R) * R
 
-    return jax.lax.map(one, xs)
+    def tiles(a):
+        a = jnp.pad(a, [(0, Mp - M)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(Mp // R, R, *a.shape[1:])
+
+    def one(tile):
+        with batch_invariant(False):
+            return fn(tile)
+
+    out = jax.lax.map(one, jax.tree.map(tiles, xs))
+    return jax.tree.map(lambda a: a.reshape(Mp, *a.shape[2:])[:M], out)
 
 
