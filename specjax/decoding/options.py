@@ -170,8 +170,9 @@ class DecodeConfig:
         False, "batch-invariant target forwards (specjax/models/invariant.py): every token "
         "row is computed by the same program in a verify forward as in a one-token step, "
         "so greedy output equals autoregressive decoding bit for bit in bf16 too (the "
-        "speculative and the autoregressive run both take it). Slower: each row is its own "
-        "product. Chains only; jnp attention (--kernels auto/off/reference)")
+        "speculative and the autoregressive run both take it). Slower: token rows go in "
+        "tiles of 8, one tile after another. Chains only; jnp attention (--kernels "
+        "auto/off/reference)")
     mesh: str | None = option(
         None, "data=D,model=M: shard the target's weights and KV cache over M devices "
         "(heads, F, V) and batch rows over D (--batch-size a multiple of D); default: one "

@@ -32,11 +32,11 @@ would reduce in an order that depends on S).
 
 The price: an autoregressive step computes a tile of ROWS rows for its B, and a verify
 forward ceil(B (G + 1) / ROWS) tiles one after another instead of one product. With
-ROWS = 8 on the 2-core CPU the demo's bf16 speculative decoding ran at 0.86x the default
+ROWS = 8 on the 2-core CPU the demo's bf16 speculative decoding ran at 0.82x the default
 mode's speed (`python benchmarks/exact_mode.py`); on an accelerator an 8-row tile costs
 about what one row does (the weights' bytes dominate), so the mode should cost little
 there: unmeasured until a device round runs. ROWS = 1 (one row at a time) is the
-construction that assumes least, at 0.46x on the CPU.
+construction that assumes least, at 0.46x on the CPU (the same benchmark at bb39b3b).
 
     with batch_invariant():
         ...  # trace the target's forward here
