@@ -62,10 +62,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
 from benchmarks import kernels as kb  # noqa: E402
-from benchmarks.device_round import (  # noqa: E402
+from benchmarks.lib.device import (  # noqa: E402
     Round,
-    _big_config,
     bandwidth,
+    big_config,
     device_name,
     log,
     step_bandwidth,
@@ -120,7 +120,7 @@ class Ctx:
 
             from specjax.models.model import Transformer
 
-            cfg = _big_config(self.dry_run)
+            cfg = big_config(self.dry_run)
             t = time.time()
             self._target = Transformer(cfg, dtype=jnp.float32 if self.dry_run
                                        else jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -663,8 +663,7 @@ def main(argv=None) -> int:
         for row in _plan(text):
             if len(row) != n or not row[0].isdigit():
                 ap.error(f"{flag}: bad row {':'.join(row)!r}")
-    rnd = Round(args.out, args.budget, d)
-    rnd.path = os.path.join(args.out, "big_round.json")
+    rnd = Round(args.out, args.budget, d, name="big_round")
     ctx = Ctx(d, rnd, args)
     fns = {"environment": step_environment, "bandwidth": lambda r: step_bandwidth(r, d)}
     for name, fn in (("ar", step_ar), ("cmdbuf", step_cmdbuf), ("profile", step_profile),
