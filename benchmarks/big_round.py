@@ -39,6 +39,8 @@ left than its estimate (EST). The steps, in the order they run:
            costs in the loop).
   exact    the exact mode (--exact) at B = 1: AR and the oracle loop at tau 6 with and
            without it: its cost per step and bf16 identity with AR.
+  update   `heads` at B = 1 with each head also run without its update: the drafter's
+           cost per step split into propose and update.
   cmdbuf   the first AR row in fresh processes with XLA's GPU command buffers off
            (`--xla_gpu_enable_command_buffer=`) and extended to while loops and
            conditionals (the decode loop's body is one): launch overhead on and off.
@@ -87,12 +89,12 @@ CMDBUF = {"none": "--xla_gpu_enable_command_buffer=",
 # rough seconds on an H100/H200 (compiles of the unrolled 36-layer loop included: about
 # 40 s each); a step starts only when this much of the budget is left
 EST = {"environment": 5, "bandwidth": 10, "ar": 230, "profile": 20, "spec": 110,
-       "heads": 180, "train": 220, "tree": 140, "exact": 180, "cmdbuf": 150}
+       "heads": 180, "train": 220, "tree": 140, "exact": 180, "cmdbuf": 150, "update": 200}
 STEPS = tuple(EST)
 # one call each (under the 10-minute per-call limit), in this order: a lent session (15
 # device minutes, the machine's start included) runs part 1 and what is left of the next
 PARTS = {"1": "environment,ar,profile,spec,heads", "2": "environment,train,exact,tree",
-         "3": "environment,bandwidth,cmdbuf"}
+         "3": "environment,bandwidth,cmdbuf,update"}
 
 
 class Ctx:
@@ -501,13 +503,28 @@ def _head(kind: str, ctx: Ctx):
     return d, p, desc
 
 
-def step_heads(rec: dict, ctx: Ctx) -> None:
+def without_update(drafter):
+    """The drafter with its `update` replaced by one that keeps the state as it is (a
+    subclass with the same fields, so the loop's kernel choice still reaches it): the
+    loop's ms per step with it, against the drafter's own, is what the update costs.
+    For timing only: its drafts then come from a state that never learns the verdicts."""
+    import dataclasses
+
+    cls = type(drafter)
+    sub = dataclasses.dataclass(frozen=True)(
+        type(f"NoUpdate{cls.__name__}", (cls,),
+             {"update": lambda self, params, state, view, num_accepted: state}))
+    return sub(**{f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
+                  if f.init})
+
+
+def step_heads(rec: dict, ctx: Ctx, plan: str | None = None) -> None:
     from specjax.testing.oracle import OracleDrafter
 
     V = ctx.target.cfg.vocab_size
     rows = []
     base = ctx.tau1_ms  # from `spec` when it ran
-    for B, kind in _plan(ctx.args.heads_plan):
+    for B, kind in _plan(plan or ctx.args.heads_plan):
         B = int(B)
         row = {"B": B, "kind": kind}
         rows.append(row)
@@ -518,8 +535,10 @@ def step_heads(rec: dict, ctx: Ctx) -> None:
                                             vocab_size=V)
                 ctx.timed(ctx.engine(B, drafter=d, params=p), B, b := {})
                 base[B] = b["ms_per_step"]
-            d, p, desc = _head(kind, ctx)
-            row.update(desc)
+            d, p, desc = _head(kind.removesuffix("-noupdate"), ctx)
+            if kind.endswith("-noupdate"):
+                d = without_update(d)
+            row.update(desc, kind=kind)
             out = ctx.timed(ctx.engine(B, drafter=d, params=p), B, row)
             row["identical_to_ar"] = out == ar
             row["oracle_tau1_ms_per_step"] = base[B]
@@ -529,6 +548,18 @@ def step_heads(rec: dict, ctx: Ctx) -> None:
             _error(row, e, f"heads {row}")
         ctx.save_rows(rec, rows)
     rec["passed"] = not any("error" in r for r in rows)
+
+
+def step_update(rec: dict, ctx: Ctx) -> None:
+    """`heads` at B = 1 with each head also run without its update (`without_update`):
+    the drafter's ms per step split into propose and update, as the loop runs them."""
+    step_heads(rec, ctx, ctx.args.update_plan)
+    rows = {r["kind"]: r for r in rec.get("rows", []) if "drafter_ms_per_step" in r}
+    for kind in ("eagle3", "block"):
+        if kind in rows and f"{kind}-noupdate" in rows:
+            full, no = rows[kind], rows[f"{kind}-noupdate"]
+            full["update_ms_per_step"] = full["ms_per_step"] - no["ms_per_step"]
+            full["propose_ms_per_step"] = no["drafter_ms_per_step"]
 
 
 def _train_one(objective: str, ctx: Ctx) -> dict:
@@ -636,8 +667,11 @@ def build_parser() -> cli.ArgumentParser:
     ap.add_argument("--tree-plan", default=None,
                     help="tree rows B:nodes (default 1:16,1:64,8:32)")
     ap.add_argument("--heads-plan", default=None,
-                    help="heads rows B:kind (default 1:eagle3,1:block,8:eagle3,8:block)")
+                    help="heads rows B:kind, kind eagle3 or block, KIND-noupdate without its "
+                         "update (default 1:eagle3,1:block,8:eagle3,8:block)")
     ap.add_argument("--train-objectives", default="ttt,block", help="train: objectives")
+    ap.add_argument("--update-plan", default="1:eagle3,1:eagle3-noupdate,1:block,"
+                    "1:block-noupdate", help="update: heads rows (see --heads-plan)")
     return ap
 
 
@@ -658,17 +692,20 @@ def main(argv=None) -> int:
     args.tree_plan = args.tree_plan or ("1:12" if d else "1:16,1:64,8:32")
     args.heads_plan = args.heads_plan or ("1:eagle3,1:block" if d else
                                           "1:eagle3,1:block,8:eagle3,8:block")
+    heads = ("eagle3", "block", "eagle3-noupdate", "block-noupdate")
     for flag, text, n in (("--ar-plan", args.ar_plan, 3), ("--tree-plan", args.tree_plan, 2),
-                          ("--heads-plan", args.heads_plan, 2)):
+                          ("--heads-plan", args.heads_plan, 2),
+                          ("--update-plan", args.update_plan, 2)):
         for row in _plan(text):
-            if len(row) != n or not row[0].isdigit():
+            if (len(row) != n or not row[0].isdigit()
+                    or (flag in ("--heads-plan", "--update-plan") and row[1] not in heads)):
                 ap.error(f"{flag}: bad row {':'.join(row)!r}")
     rnd = Round(args.out, args.budget, d, name="big_round")
     ctx = Ctx(d, rnd, args)
     fns = {"environment": step_environment, "bandwidth": lambda r: step_bandwidth(r, d)}
     for name, fn in (("ar", step_ar), ("cmdbuf", step_cmdbuf), ("profile", step_profile),
                      ("spec", step_spec), ("tree", step_tree), ("heads", step_heads),
-                     ("exact", step_exact),
+                     ("exact", step_exact), ("update", step_update),
                      ("train", step_train)):
         fns[name] = (lambda f: lambda r: f(r, ctx))(fn)
     for name in STEPS:

@@ -11,7 +11,7 @@
 # Three parts, one call each under the 10-minute per-call limit, into three folders, as
 # many as a lent session's 15 device minutes (the machine's start included) allow:
 # `--part 1 --budget 560` (ar, profile, spec, heads), `--part 2 --budget 560` (train,
-# exact, tree), `--part 3 --budget 240` (bandwidth, cmdbuf). Without --part every step
+# exact, tree), `--part 3 --budget 420` (bandwidth, cmdbuf, update). Without --part every step
 # runs. A step that would not fit what is left of --budget is recorded as skipped. The
 # same commands run on a TPU (the layer loop "auto" is the backend's; the cmdbuf step's
 # flags are GPU flags and change nothing there). --dry-run runs every step on the CPU at

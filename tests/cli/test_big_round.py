@@ -36,6 +36,7 @@ def test_bad_arguments_exit_2(tmp_path, args, match):
     (["--only", "nope"], "unknown step 'nope'"),
     (["--only", "ar", "--part", "1"], "--only and --part"),
     (["--ar-plan", "1:attention"], "--ar-plan: bad row '1:attention'"),
+    (["--heads-plan", "1:medusa"], "--heads-plan: bad row '1:medusa'"),
 ])
 def test_driver_rejects_bad_input(tmp_path, args, match):
     p = subprocess.run([sys.executable, DRIVER, "--out", str(tmp_path / "o"), *args],
@@ -74,7 +75,10 @@ def test_dry_run_every_step_passes(tmp_path):
     steps = res["steps"]
     assert res["dry_run"] and res["failed"] == []
     assert set(steps) == {"environment", "bandwidth", "ar", "cmdbuf", "profile", "spec",
-                          "tree", "heads", "train", "exact"}
+                          "tree", "heads", "train", "exact", "update"}
+    upd = {r["kind"]: r for r in steps["update"]["rows"]}
+    assert set(upd) == {"eagle3", "eagle3-noupdate", "block", "block-noupdate"}
+    assert "update_ms_per_step" in upd["eagle3"] and "propose_ms_per_step" in upd["block"]
     assert [r["identical_to_ar"] for r in steps["exact"]["rows"]][-1] is True
     assert all("error" not in r and "skipped" not in r for r in steps.values()), steps
     spec = steps["spec"]["rows"]
