@@ -12,10 +12,9 @@ When S <= chunk there is one chunk and the plain softmax path runs (no loop). Th
 attention of a row depends only on that row (a fully masked chunk is an exact no-op),
 but neither path makes a one-token and an 8-token forward bitwise equal in general:
 with bf16 matmuls on XLA:CPU the demo target's row 0 differed in 2 of 42 positions
-unchunked and 1 of 42 chunked (positions 240-261 and 495-514). Inside
-`specjax.models.invariant.batch_invariant()` (the exact mode) each query row is computed
-alone, in chunks of `invariant.CHUNK` slots from slot 0 whatever the capacity, which
-makes them equal. The
+unchunked and 1 of 42 chunked (positions 240-261 and 495-514). In the exact
+mode (`rows`, `specjax.models.invariant`) the query rows go in tiles of `rows`, in chunks of `invariant.CHUNK` slots from slot 0 whatever the capacity, which
+makes them equal (`cache_attention(..., rows=)`). The
 Pallas kernel in `pallas_kernels/attention` does the same on TPU/GPU with per-row tile
 skipping; this is the jnp path every backend can run.
 """
@@ -33,7 +32,7 @@ NEG = -1e30
 
 
 def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=None,
-                    layer=None):
+                    layer=None, rows: int | None = None):
     """Attention of folded queries over one layer of a KV cache, slot <= query position.
 
     Args:
@@ -49,6 +48,9 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
       chunk: slots per chunk (> 0). S <= chunk: one unchunked pass.
       dot_dtype: dtype of the two attention dots (default: q's); scores, softmax and
         accumulation are f32.
+      rows: None, or the exact mode's tile (`specjax.models.invariant`): the Q query rows
+        go in tiles of `rows`, each read in chunks of `invariant.CHUNK` slots from slot 0
+        (ValueError unless S is a multiple of CHUNK).
 
     Returns:
       f32 [B, K, Q, H].
@@ -58,7 +60,7 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
     """
     if chunk <= 0:
         raise ValueError(f"chunk={chunk} must be positive")
-    if invariant.active():  # each query row alone (specjax.models.invariant)
+    if rows is not None:  # the exact mode (specjax.models.invariant)
         if k.shape[-2] % invariant.CHUNK:
             raise ValueError(f"batch-invariant attention needs a cache capacity that is a "
                              f"multiple of {invariant.CHUNK}, not {k.shape[-2]}")
@@ -70,7 +72,7 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
                                               layer=layer)
             return jnp.moveaxis(acc / l[..., None], 2, 0)  # [rows, B, K, H]
 
-        out = invariant.per_row(one, (jnp.moveaxis(q, 2, 0), q_pos.T))  # [Q, B, K, H]
+        out = invariant.per_row(one, (jnp.moveaxis(q, 2, 0), q_pos.T), rows)  # [Q,B,K,H]
         return jnp.moveaxis(out, 0, 2)
     S = k.shape[-2]
     qd, rows, scores_of, values_of = _parts(q, q_pos, dot_dtype, layer)

@@ -1,6 +1,8 @@
 """Batch-invariant target forwards: every token row computed by the same program whatever
 the number of rows beside it, so a verify forward of G + 1 tokens gives each token the
-bits a one-token forward gives it (`LoopConfig(exact=True)`, `decode.py --exact`).
+bits a one-token forward gives it (`LoopConfig(exact=True)`, `decode.py --exact`; the
+target's forward takes it as `invariant_rows=ROWS`, an explicit argument like every
+other path choice).
 
 Why it is needed: a speculative step verifies G + 1 tokens in one forward, where
 autoregressive decoding runs one. The matmul libraries pick their algorithm (and with it
@@ -38,19 +40,14 @@ about what one row does (the weights' bytes dominate), so the mode should cost l
 there: unmeasured until a device round runs. ROWS = 1 (one row at a time) is the
 construction that assumes least, at 0.46x on the CPU (the same benchmark at bb39b3b).
 
-    with batch_invariant():
-        ...  # trace the target's forward here
+    target(tokens, positions, cache, invariant_rows=invariant.ROWS)  # the exact mode
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 
-_ACTIVE = contextvars.ContextVar("specjax_batch_invariant", default=False)
 # Attention chunk of the exact mode: slots [i * CHUNK, (i + 1) * CHUNK), the same chunks
 # for every query whatever the cache capacity (a multiple of CHUNK in the exact mode)
 CHUNK = 64
@@ -58,41 +55,18 @@ CHUNK = 64
 ROWS = 8
 
 
-@contextlib.contextmanager
-def batch_invariant(on: bool = True):
-    """While tracing inside this block, the target's row reductions run one row at a time
-    (see the module docstring). A trace-time switch: it is part of what the caller's jit
-    cache keys on only through the caller's static arguments (`LoopConfig.exact`)."""
-    token = _ACTIVE.set(on)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active() -> bool:
-    """True inside `batch_invariant()` (while tracing)."""
-    return _ACTIVE.get()
-
-
-def per_row(fn, xs):
+def per_row(fn, xs, rows: int = ROWS):
     """fn applied to the rows of xs (an array [M, ...] or a pytree of them) in tiles of
-    ROWS rows: xs padded with zero rows to a multiple of ROWS, then jax.lax.map of fn over
-    [ROWS, ...] tiles (fn sees a tile with the switch off, so its own path runs on a
-    fixed shape), the padding dropped again -> [M, ...]."""
-    R = ROWS
+    `rows` rows: xs padded with zero rows to a multiple of `rows`, then jax.lax.map of fn
+    over [rows, ...] tiles (every tile the same computation on the same shapes), the
+    padding dropped again -> [M, ...]. fn must treat its leading axis as independent
+    rows (a batch)."""
     M = jax.tree.leaves(xs)[0].shape[0]
-    Mp = -(-M // R) * R
+    Mp = -(-M // rows) * rows
 
     def tiles(a):
         a = jnp.pad(a, [(0, Mp - M)] + [(0, 0)] * (a.ndim - 1))
-        return a.reshape(Mp // R, R, *a.shape[1:])
+        return a.reshape(Mp // rows, rows, *a.shape[1:])
 
-    def one(tile):
-        with batch_invariant(False):
-            return fn(tile)
-
-    out = jax.lax.map(one, jax.tree.map(tiles, xs))
+    out = jax.lax.map(fn, jax.tree.map(tiles, xs))
     return jax.tree.map(lambda a: a.reshape(Mp, *a.shape[2:])[:M], out)
-
-

@@ -85,10 +85,12 @@ def kv(w, x, cos, sin, eps, num_kv_heads: int, head_dim: int):
     return apply_rope(k, cos, sin), v
 
 
-def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: int):
+def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: int,
+              rows: int | None = None):
     """A layer's attention inputs: `qkv` of input_norm(x) for the residual x [B,T,D].
-    Inside `specjax.models.invariant.batch_invariant()` one token row at a time."""
-    if invariant.active():
+    rows: None, or the exact mode's tile: token rows in tiles of that many
+    (`specjax.models.invariant.per_row`)."""
+    if rows is not None:
         B, T, D = x.shape
 
         def one(row):  # x [1, D], cos, sin [1, H]
@@ -97,7 +99,7 @@ def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: 
                                                      num_kv_heads, head_dim))
 
         trig = (jnp.broadcast_to(a, (B, T, a.shape[-1])).reshape(B * T, -1) for a in (cos, sin))
-        q, k, v = invariant.per_row(one, (x.reshape(B * T, D), *trig))
+        q, k, v = invariant.per_row(one, (x.reshape(B * T, D), *trig), rows)
         return (q.reshape(B, T, num_heads, head_dim), k.reshape(B, T, num_kv_heads, head_dim),
                 v.reshape(B, T, num_kv_heads, head_dim))
     return qkv(w, rms_norm(x, w["input_norm"], eps), cos, sin, eps, num_heads,
@@ -129,22 +131,21 @@ def mlp(w, x, eps):
     return x + swiglu(w, rms_norm(x, w["post_norm"], eps))
 
 
-def layer_out(w, x, attn, eps):
+def layer_out(w, x, attn, eps, rows: int | None = None):
     """The rest of a layer after attention: `attention_out`, then the `mlp` -> [B,T,D].
-    Inside `specjax.models.invariant.batch_invariant()` one token row at a time."""
-    if invariant.active():
+    rows: as in `layer_qkv`."""
+    if rows is not None:
         B, T, D = x.shape
         out = invariant.per_row(lambda r: layer_out(w, r[0][:, None], r[1][:, None], eps)[:, 0],
-                                (x.reshape(B * T, D), attn.reshape(B * T, -1)))
+                                (x.reshape(B * T, D), attn.reshape(B * T, -1)), rows)
         return out.reshape(B, T, D)
     return mlp(w, attention_out(w, x, attn), eps)
 
 
-def logits(x, final_norm, head, eps):
-    """f32[...,V] = head(final_norm(x)) with an LM head [V,D]. Inside
-    `specjax.models.invariant.batch_invariant()` one token row at a time."""
-    if invariant.active():
+def logits(x, final_norm, head, eps, rows: int | None = None):
+    """f32[...,V] = head(final_norm(x)) with an LM head [V,D]. rows: as in `layer_qkv`."""
+    if rows is not None:
         flat = x.reshape(-1, x.shape[-1])
-        out = invariant.per_row(lambda r: logits(r, final_norm, head, eps), flat)
+        out = invariant.per_row(lambda r: logits(r, final_norm, head, eps), flat, rows)
         return out.reshape(*x.shape[:-1], head.shape[0])
     return linear(rms_norm(x, final_norm, eps), head, jnp.float32)

@@ -130,7 +130,8 @@ class _Forward(NamedTuple):
     q_pos i32[B,R*T]; causal_limit i32[B,T]; depths / kv_layers (the capture and
     capture_kv layers as i32 arrays, or None); the attention callables; and for a draft
     tree's verify forward tree_mask bool[B,T,T] (None otherwise) and slots i32[B,T], the
-    cache slots the new tokens' K/V go to (= positions without a tree)."""
+    cache slots the new tokens' K/V go to (= positions without a tree); rows: the exact
+    mode's tile (`__call__`'s invariant_rows) or None."""
 
     cos: jax.Array
     sin: jax.Array
@@ -144,6 +145,7 @@ class _Forward(NamedTuple):
     self_attention: Callable | None
     tree_mask: jax.Array | None = None
     slots: jax.Array | None = None
+    rows: int | None = None
 
 
 class Transformer(nnx.Module):
@@ -209,6 +211,7 @@ class Transformer(nnx.Module):
         attention: Callable | None = None,
         self_attention: Callable | None = None,
         tree_mask: jax.Array | None = None,
+        invariant_rows: int | None = None,
     ) -> ForwardOutput:
         """Runs T new tokens per row through the decoder, writing their K/V into `cache`.
 
@@ -245,6 +248,12 @@ class Transformer(nnx.Module):
             [T, T] scores in memory). It gets limit = t + 1, which is the causal mask when
             each row's positions increase along the row (as in training, PoSE's
             skip-wise positions included).
+          invariant_rows: None, or the exact mode's tile (`specjax.models.invariant`): the
+            token rows go through each layer's blocks, the jnp attention and the LM head
+            in tiles of this many rows, so that each token's result is the same in a
+            one-token and a T-token forward (needs the jnp attention: ValueError with
+            `attention` or `tree_mask`; the cache capacity a multiple of
+            `invariant.CHUNK`).
 
         Returns:
           ForwardOutput(logits f32[B,T',V], hidden [C,B,T,D] or None, cache with
@@ -257,6 +266,9 @@ class Transformer(nnx.Module):
             raise ValueError("capture_kv needs a cache-free forward (cache=None)")
         if tree_mask is not None and cache is None:
             raise ValueError("tree_mask needs a cache (a draft tree's verify forward)")
+        if invariant_rows is not None and (attention is not None or tree_mask is not None):
+            raise ValueError("invariant_rows takes the jnp attention of a chain (no "
+                             "attention kernel, no tree_mask)")
         embed = self.embed[...]
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)  # [B,T,D]
         cos, sin = self.rope(positions, self.dtype)
@@ -279,7 +291,7 @@ class Transformer(nnx.Module):
             depths=jnp.asarray(capture, jnp.int32) if capture else None,
             kv_layers=jnp.asarray(capture_kv, jnp.int32) if capture_kv else None,
             attention=attention, self_attention=self_attention, tree_mask=tree_mask,
-            slots=slots)
+            slots=slots, rows=invariant_rows)
         carry = LayerCarry(
             x=x, k_cache=k_cache, v_cache=v_cache,
             captured=(jnp.zeros((len(capture), B, T, c.hidden_size), x.dtype)
@@ -294,7 +306,7 @@ class Transformer(nnx.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         head = embed if self.lm_head is None else self.lm_head[...]
-        out = logits(x, self.final_norm[...], head, c.rms_norm_eps)
+        out = logits(x, self.final_norm[...], head, c.rms_norm_eps, rows=invariant_rows)
         new_cache = None if cache is None else KVCache(
             k=carry.k_cache, v=carry.v_cache, lengths=(slots[:, -1] + 1).astype(jnp.int32))
         return ForwardOutput(out, captured, new_cache, carry.kv_out)
@@ -325,7 +337,7 @@ class Transformer(nnx.Module):
         if f.depths is not None:
             hit = (f.depths == carry.layer)[:, None, None, None]
             captured = jnp.where(hit, carry.x[None], captured)
-        q, k, v = layer_qkv(w, carry.x, f.cos, f.sin, c.rms_norm_eps, N, K, H)
+        q, k, v = layer_qkv(w, carry.x, f.cos, f.sin, c.rms_norm_eps, N, K, H, rows=f.rows)
         # GQA as one batched matmul per KV head: query rows (r, t) of head k*R + r.
         qg = q.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4).reshape(B, K, R * T, H)
         ad = w["q_proj"].dtype  # attention dots in the matmul dtype too
@@ -340,7 +352,7 @@ class Transformer(nnx.Module):
         if folded:  # [B,K,R*T,H] -> [B,T,N*H]
             attn = attn.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
         attn = attn.reshape(B, T, N * H)
-        x = layer_out(w, carry.x, attn, c.rms_norm_eps)
+        x = layer_out(w, carry.x, attn, c.rms_norm_eps, rows=f.rows)
         return LayerCarry(x, k_all, v_all, captured, carry.layer + 1, kv_out)
 
     @staticmethod
@@ -382,7 +394,7 @@ class Transformer(nnx.Module):
                                k, v).astype(v_all.dtype)
         else:  # chunks up to the longest row's position: cost follows the context
             attn = cache_attention(qg, k_all, v_all, f.q_pos, chunk=self.attention_chunk,
-                                   dot_dtype=ad, layer=l).astype(v_all.dtype)
+                                   dot_dtype=ad, layer=l, rows=f.rows).astype(v_all.dtype)
         return attn, k_all, v_all
 
     def _tree_attention(self, f: _Forward, l, q, qg, k, v, k_all, v_all, ad):

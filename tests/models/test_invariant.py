@@ -1,5 +1,6 @@
 """The exact mode (issue 54, part 2): batch-invariant target forwards
-(specjax/models/invariant.py, `LoopConfig(exact=True)`, decode.py --exact).
+(specjax/models/invariant.py, the forward's `invariant_rows`, `LoopConfig(exact=True)`,
+decode.py --exact).
 
 - The core claim, at the forward: a verify forward of T tokens gives every token the
   bits (hidden states at every depth, logits, the K/V it writes) that T one-token
@@ -25,6 +26,7 @@ from flax import nnx
 import decode
 from specjax.core.sampling import SamplingParams
 from specjax.decoding.engine import Engine
+from specjax.decoding.fly import FlyVerify
 from specjax.decoding.loop import LoopConfig
 from specjax.decoding.options import DecodeConfig
 from specjax.drafters.ngram import NgramDrafter
@@ -61,8 +63,8 @@ def _one_vs_block(dtype, exact: bool):
 
     @jax.jit
     def forward(params, cache, tk, pos):
-        with invariant.batch_invariant(exact):
-            out = nnx.merge(g, params)(tk, pos, cache, capture=depths)
+        out = nnx.merge(g, params)(tk, pos, cache, capture=depths,
+                                   invariant_rows=invariant.ROWS if exact else None)
         return out.hidden, out.logits, out.cache
 
     cache = prefill(params)
@@ -91,8 +93,8 @@ def test_attention_needs_whole_chunks():
     k = jnp.zeros((1, 1, invariant.CHUNK + 8, 8))
     from specjax.models.attention import cache_attention
 
-    with invariant.batch_invariant(), pytest.raises(ValueError, match="multiple of"):
-        cache_attention(jnp.zeros((1, 1, 2, 8)), k, k, jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="multiple of"):
+        cache_attention(jnp.zeros((1, 1, 2, 8)), k, k, jnp.zeros((1, 2), jnp.int32), rows=8)
 
 
 def test_exact_loop_speculative_equals_autoregressive_in_bf16():
@@ -115,8 +117,15 @@ def test_exact_loop_speculative_equals_autoregressive_in_bf16():
 def test_refusals():
     with pytest.raises(ValueError, match="exact=True takes the jnp attention"):
         LoopConfig(max_length=8, prompt_width=4, kernels="attention", exact=True)
+    with pytest.raises(ValueError, match="lossy"):
+        LoopConfig(max_length=8, prompt_width=4, verify=FlyVerify(), exact=True)
+    with pytest.raises(ValueError, match="invariant_rows takes the jnp attention"):
+        _target("float32")(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                           _target("float32").init_cache(1, 64), invariant_rows=8,
+                           attention=lambda *a: None)
     for kw, match in ((dict(num_drafts=2), "--exact verifies one chain"),
-                      (dict(kernels="pallas"), "--exact takes the jnp attention")):
+                      (dict(kernels="pallas"), "--exact takes the jnp attention"),
+                      (dict(verify="fly"), "--exact .* lossy")):
         with pytest.raises(SpecjaxError, match=match):
             DecodeConfig(exact=True, **kw)
 

@@ -130,6 +130,9 @@ class LoopConfig:
                 raise ValueError(f"{name}={value} must be >= 1")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {KERNEL_CHOICES}")
+        if self.exact and self.lossy:
+            raise ValueError("exact=True keeps the output identical to autoregressive "
+                             "decoding: not with a lossy rule or extension")
         if self.exact and self.kernels in kernel_policy.ATTENTION_KERNELS:
             raise ValueError(f"exact=True takes the jnp attention, not kernels={self.kernels!r}"
                              " (use 'reference' or 'off')")
@@ -164,6 +167,13 @@ class LoopConfig:
         through pallas_kernels.verify, or None where this config takes the "off" path."""
         return self.rule().fused(self.sampling, self.kernels, self.pallas_backend,
                                  self.pallas_interpret)
+
+    def invariant_rows(self) -> int | None:
+        """The target forwards' `invariant_rows`: the exact mode's tile
+        (`specjax.models.invariant.ROWS`) with exact=True, else None."""
+        from specjax.models import invariant
+
+        return invariant.ROWS if self.exact else None
 
     def target_attention(self) -> Callable | None:
         """The `attention=` argument of the target's decode and verify forwards

@@ -43,15 +43,16 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
                                       shardings=cfg.cache_sharding)
         cache = cache.replace(k=constrain(cache.k), v=constrain(cache.v))
     sizes = cfg.prefill_sizes()
-    with jax.named_scope("prefill"), invariant.batch_invariant(cfg.exact):
-        # (benchmarks/profile_step.py reads the scope)
+    rows = cfg.invariant_rows()  # the exact mode's tile, or None
+    with jax.named_scope("prefill"):  # benchmarks/profile_step.py reads the scope
         if Tp <= sizes[0]:
             out = model(prompts, positions, cache, capture=capture,
-                        logits_at=(prompt_lengths - 1)[:, None])
+                        logits_at=(prompt_lengths - 1)[:, None], invariant_rows=rows)
             last_logits, hidden, cache = out.logits[:, 0], out.hidden, out.cache
         else:
             last_logits, hidden, cache = chunked_prefill(model, sizes, prompts,
-                                                          prompt_lengths, cache, capture)
+                                                          prompt_lengths, cache, capture,
+                                                          invariant_rows=rows)
     key, k_first = jax.random.split(key)
     if constraint is not None:
         last_logits = constraint.mask(last_logits, constraint.state)
@@ -76,7 +77,8 @@ def prefill(model, cfg: LoopConfig, prompts, prompt_lengths, budgets, key, gamma
     return state, view
 
 
-def chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
+def chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture,
+                    invariant_rows: int | None = None):
     """The prefill forward over Tp > sizes[0] prompt tokens, in the pieces of
     `specjax.models.prefill.scan_prompt_pieces` (whole chunks of sizes[0], then the rest as one
     piece of the smallest size in `sizes` that covers it).
@@ -96,7 +98,8 @@ def chunked_prefill(model, sizes, prompts, prompt_lengths, cache, capture):
     def run(toks, start, size, cache):
         pos = start + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, size))
         at = jnp.clip(last - start, 0, size - 1)[:, None]
-        return model(toks, pos, cache, capture=capture, logits_at=at)
+        return model(toks, pos, cache, capture=capture, logits_at=at,
+                     invariant_rows=invariant_rows)
 
     def forward(carry, start, size):
         cache, logits, hidden = carry

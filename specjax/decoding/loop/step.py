@@ -36,7 +36,6 @@ from specjax.decoding import kernel_policy
 from specjax.decoding.loop.config import LoopConfig
 from specjax.decoding.loop.prefill import is_eos, prefill
 from specjax.decoding.loop.state import LoopState
-from specjax.models import invariant
 from specjax.models.kv_cache import KVCache
 from specjax.models.matmul import DRAFTS_AXIS
 
@@ -258,9 +257,8 @@ def step_phases(graphdef, drafter: Drafter | None, cfg: LoopConfig, *,
             positions, mask = base[:, None] + offsets[None, :], None
         with jax.named_scope("target_verify_forward"):
             if forward_ext is None:
-                with invariant.batch_invariant(cfg.exact):  # the exact mode
-                    out = model(fed, positions, s.cache, capture=capture,
-                                attention=attention, tree_mask=mask)
+                out = model(fed, positions, s.cache, capture=capture, attention=attention,
+                            tree_mask=mask, invariant_rows=cfg.invariant_rows())
                 logits, hidden, cache = out.logits, out.hidden, out.cache
             else:  # e.g. SpecPV (lossy): a plain, full or partial forward, chosen per step
                 logits, hidden, cache, mine = forward_ext.verify_forward(
