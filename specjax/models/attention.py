@@ -65,8 +65,8 @@ def cache_attention(q, k, v, q_pos, *, chunk: int = DEFAULT_CHUNK, dot_dtype=Non
             raise ValueError(f"batch-invariant attention needs a cache capacity that is a "
                              f"multiple of {invariant.CHUNK}, not {k.shape[-2]}")
 
-        def one(row):  # q [rows, B, K, H], q_pos [rows, B]: chunks of CHUNK slots from 0
-            qi, pi = row
+        def one(tile):  # q [rows, B, K, H], q_pos [rows, B]: chunks of CHUNK slots from 0
+            qi, pi = tile
             m, l, acc = cache_attention_stats(jnp.moveaxis(qi, 0, 2), k, v, pi.T,
                                               chunk=invariant.CHUNK, dot_dtype=dot_dtype,
                                               layer=layer)

@@ -12,7 +12,7 @@ them weight-major), on GPUs cuBLAS splits K differently by shape. In f32 the rou
 differences almost never change an argmax; in bf16 they do on a few prompts, and greedy
 speculative output then differs from autoregressive output (docs/accelerators.md).
 
-The construction: the token rows of a forward (B x T of them) go through the layer in
+The construction: the token rows of a forward (B x T of them) go through each layer in
 tiles of a fixed ROWS rows (zero rows pad the last tile), one tile at a time under
 `jax.lax.map`: a layer's pre-attention block (`specjax.models.layers.layer_qkv`: norm,
 projections, q/k norms, RoPE), each attention query (`specjax.models.attention`), the

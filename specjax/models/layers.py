@@ -93,8 +93,8 @@ def layer_qkv(w, x, cos, sin, eps, num_heads: int, num_kv_heads: int, head_dim: 
     if rows is not None:
         B, T, D = x.shape
 
-        def one(row):  # x [1, D], cos, sin [1, H]
-            xr, c, s = (a[:, None] for a in row)
+        def one(tile):  # x [rows, D], cos, sin [rows, H]: rows as a batch of T = 1
+            xr, c, s = (a[:, None] for a in tile)
             return tuple(a[:, 0] for a in layer_qkv(w, xr, c, s, eps, num_heads,
                                                      num_kv_heads, head_dim))
 
@@ -136,7 +136,7 @@ def layer_out(w, x, attn, eps, rows: int | None = None):
     rows: as in `layer_qkv`."""
     if rows is not None:
         B, T, D = x.shape
-        out = invariant.per_row(lambda r: layer_out(w, r[0][:, None], r[1][:, None], eps)[:, 0],
+        out = invariant.per_row(lambda t: layer_out(w, t[0][:, None], t[1][:, None], eps)[:, 0],
                                 (x.reshape(B * T, D), attn.reshape(B * T, -1)), rows)
         return out.reshape(B, T, D)
     return mlp(w, attention_out(w, x, attn), eps)
