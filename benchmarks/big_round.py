@@ -51,6 +51,7 @@ Everything runs at `--kernels` "attention" (the attention kernels, unfused verif
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -104,7 +105,9 @@ class Ctx:
     def __init__(self, dry_run: bool, rnd: Round, args):
         self.dry_run, self.rnd, self.args = dry_run, rnd, args
         self._target = None
-        self.engines: dict = {}  # (B, kernels, layer_loop) -> a compiled AR Engine
+        # the B = 1 AR engine `ar` compiled, kept for `profile` (only that one: every
+        # unrolled Engine holds its own per-layer copy of the weights, 16 GB at 8B size)
+        self.profile_engine = None
         self.tau1_ms: dict[int, float] = {}  # B -> the oracle's ms per step at tau 1
         self.record: dict[int, list] = {}
         self.ar_ms: dict[int, float] = {}  # B -> AR ms per step, tokens/s
@@ -148,7 +151,8 @@ class Ctx:
                 for _ in range(B)]
 
     def engine(self, B: int, kernels: str | None = None, layer_loop: str = "auto",
-               drafter=None, params=None):
+               drafter=None, params=None, exact: bool = False):
+        """A greedy Engine over the target (exact: --exact's batch-invariant forwards)."""
         from specjax.core.sampling import SamplingParams
         from specjax.decoding.engine import Engine
 
@@ -157,17 +161,8 @@ class Ctx:
         return Engine(self.target, drafter=drafter, drafter_params=params,
                       sampling=SamplingParams(temperature=0.0),
                       max_length=self.prompt + self.new, prompt_width=self.prompt,
-                      batch_size=B, kernels=kernels or self.kernels, layer_loop=layer_loop)
-
-    def engine_exact(self, B: int, drafter=None, params=None):
-        """`engine` with the exact mode (--exact: batch-invariant forwards, jnp attention)."""
-        from specjax.core.sampling import SamplingParams
-        from specjax.decoding.engine import Engine
-
-        return Engine(self.target, drafter=drafter, drafter_params=params,
-                      sampling=SamplingParams(temperature=0.0),
-                      max_length=self.prompt + self.new, prompt_width=self.prompt,
-                      batch_size=B, kernels="off", exact=True)
+                      batch_size=B, kernels=kernels or self.kernels, layer_loop=layer_loop,
+                      exact=exact)
 
     def timed(self, eng, B: int, row: dict, prefix: str = "") -> list:
         """Compiles, warms up, runs `repeats` times; fills row[prefix + ...] with the
@@ -201,8 +196,7 @@ class Ctx:
 
     def save_rows(self, rec: dict, rows: list) -> None:
         rec["rows"] = rows
-        self.rnd.results["steps"]["_current"] = rec
-        self.rnd.save()
+        self.rnd.save_partial(rec)
 
 
 def _plan(text: str) -> list[list[str]]:
@@ -226,8 +220,11 @@ def step_ar(rec: dict, ctx: Ctx) -> None:
         row = {"B": B, "kernels": kernels, "layer_loop": layer_loop}
         rows.append(row)
         try:
-            eng = ctx.engines[(B, kernels, layer_loop)] = ctx.engine(B, kernels, layer_loop)
+            eng = ctx.engine(B, kernels, layer_loop)
             out = ctx.timed(eng, B, row)
+            if (B, kernels, layer_loop) == (1, ctx.kernels, "auto"):
+                ctx.profile_engine = eng
+            del eng
             if kernels == ctx.kernels and layer_loop == "auto" and B not in ctx.record:
                 ctx.record[B] = out
                 ctx.ar_ms[B], ctx.ar_tps[B] = row["ms_per_step"], row["tokens_per_s"]
@@ -326,7 +323,7 @@ def step_profile(rec: dict, ctx: Ctx) -> None:
     import jax
 
     B = 1
-    eng = ctx.engines.get((B, ctx.kernels, "auto")) or ctx.engine(B)
+    eng = ctx.profile_engine or ctx.engine(B)
     eng.compile()
     prompts = ctx.prompts(B)
     eng.run(prompts, ctx.new, jax.random.key(0))
@@ -429,16 +426,12 @@ def step_exact(rec: dict, ctx: Ctx) -> None:
         row = {"B": B, "exact": exact, "kernels": "off"}
         rows.append(row)
         try:
-            ar_eng = ctx.engine(B, "off")
-            if exact:
-                ar_eng = ctx.engine_exact(B)
-            ar = ctx.timed(ar_eng, B, row, prefix="ar_")
+            ar = ctx.timed(ctx.engine(B, "off", exact=exact), B, row, prefix="ar_")
             d, p = OracleDrafter.create(ctx.prompts(B), ar, gamma=GAMMA,
                                         acceptance=acceptance_for_tau(6.0, GAMMA),
                                         vocab_size=V)
-            eng = ctx.engine_exact(B, d, p) if exact else ctx.engine(B, "off", drafter=d,
-                                                                    params=p)
-            out = ctx.timed(eng, B, row, prefix="spec_")
+            out = ctx.timed(ctx.engine(B, "off", drafter=d, params=p, exact=exact), B, row,
+                            prefix="spec_")
             row["identical_to_ar"] = out == ar
             row["speedup"] = row["spec_tokens_per_s"] / row["ar_tokens_per_s"]
         except Exception as e:
@@ -702,25 +695,12 @@ def main(argv=None) -> int:
                 ap.error(f"{flag}: bad row {':'.join(row)!r}")
     rnd = Round(args.out, args.budget, d, name="big_round")
     ctx = Ctx(d, rnd, args)
-    fns = {"environment": step_environment, "bandwidth": lambda r: step_bandwidth(r, d)}
-    for name, fn in (("ar", step_ar), ("cmdbuf", step_cmdbuf), ("profile", step_profile),
-                     ("spec", step_spec), ("tree", step_tree), ("heads", step_heads),
-                     ("exact", step_exact), ("update", step_update),
-                     ("train", step_train)):
-        fns[name] = (lambda f: lambda r: f(r, ctx))(fn)
-    for name in STEPS:
-        if only and name not in only:
-            continue
-        rnd.step(name, fns[name], 0 if d else EST[name])
-        rnd.results["steps"].pop("_current", None)
-        rnd.save()
+    fns = {"environment": step_environment, "bandwidth": lambda r: step_bandwidth(r, d),
+           **{name: functools.partial(globals()[f"step_{name}"], ctx=ctx)
+              for name in STEPS if name not in ("environment", "bandwidth")}}
+    rnd.run({name: fns[name] for name in STEPS}, EST, only)
     rnd.results["projection"] = projection(rnd.results)
-    steps = rnd.results["steps"]
-    failed = [n for n, r in steps.items() if "error" in r or r.get("passed") is False]
-    rnd.results["failed"] = failed
-    rnd.save()
-    log(f"done in {time.time() - rnd.t0:.0f} s; failed: {failed or 'none'}; {rnd.path}")
-    return 1 if failed else 0
+    return rnd.finish()
 
 
 if __name__ == "__main__":

@@ -512,17 +512,8 @@ def main(argv=None) -> int:
            "packed_time": lambda r: step_packed_time(r, d),
            "decode_demo": lambda r: step_decode_demo(r, d),
            "big_target": lambda r: step_big_target(r, d, args.big_plan)}
-    for name in STEPS:
-        if only and name not in only:
-            continue
-        rnd.step(name, fns[name], 0 if d else EST[name])
-    steps = rnd.results["steps"]
-    failed = [n for n, r in steps.items() if "error" in r or r.get("passed") is False
-              or r.get("identical") is False]
-    rnd.results["failed"] = failed
-    rnd.save()
-    log(f"done in {time.time() - rnd.t0:.0f} s; failed: {failed or 'none'}; {rnd.path}")
-    return 1 if failed else 0
+    rnd.run({name: fns[name] for name in STEPS}, EST, only)
+    return rnd.finish()
 
 
 if __name__ == "__main__":

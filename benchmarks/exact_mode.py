@@ -22,6 +22,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)  # uninstalled checkout
+
+from benchmarks.lib.report import write_json  # noqa: E402
+
 OUT = os.path.join(ROOT, "benchmarks", "results", "exact_mode.json")
 BASE = ["--max-new-tokens", "64", "--gamma", "7", "--show", "0"]
 RUNS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
@@ -60,11 +64,7 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                          f"{platform.python_version()}", "commit": commit,
               "command": "python benchmarks/exact_mode.py", "runs": rows}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, args.out)
+    write_json(args.out, result)
     return 0
 
 

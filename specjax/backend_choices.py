@@ -5,7 +5,7 @@ A backend's entry is measured where a device round measured it: `python
 benchmarks/kernel_choice.py` derives each choice from the committed rounds under
 benchmarks/results/device/ (the loop's own timings where a round has them, the kernels'
 standalone timings otherwise; the rule is in that script) and `--check` (run by
-tests/decoding/test_kernel_policy.py) fails when this table and the results disagree.
+tests/decoding/test_kernel_paths.py) fails when this table and the results disagree.
 An entry without a measurement says so and gives its reason instead.
 
   layer_loop: "unroll" | "scan"      (`specjax.models.model.decoding_params`)
@@ -18,11 +18,8 @@ from __future__ import annotations
 CHOICES = {
     "gpu": {"layer_loop": "unroll", "attention": "pallas", "verify": "unfused",
             "measured": True,
-            "why": "H100 rounds of 2026-11-26 (benchmarks/results/device/h100-2026-11-26): "
-                   "unrolled layers 2.10x the scan's speed in the AR loop; the attention "
-                   "kernel 1.15x the jnp path in the AR loop; fused verification 0.52x "
-                   "the unfused path per call (geometric means; `python "
-                   "benchmarks/kernel_choice.py`)"},
+            "why": "measured on GPU rounds: `python benchmarks/kernel_choice.py` derives "
+                   "each choice from benchmarks/results/device/"},
     "tpu": {"layer_loop": "scan", "attention": "pallas", "verify": "fused",
             "measured": False,
             "why": "no TPU has run a round: the Mosaic kernels lower (tests/decoding/"

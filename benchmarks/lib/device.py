@@ -46,6 +46,29 @@ class Round:
         text = json.dumps(self.results, indent=1, default=str) + "\n"
         atomic_write(self.path, lambda f: f.write(text.encode()))
 
+    def save_partial(self, rec: dict) -> None:
+        """Records the running step's results so far (a step with many rows calls it per
+        row), so a round cut off mid-step still returns them."""
+        self.results["steps"][self.current] = rec
+        self.save()
+
+    def run(self, fns: dict, est: dict, only) -> None:
+        """Runs fns {name: fn(rec)} in order (only those in `only` when it is not empty),
+        each when its estimate est[name] fits what is left (no estimate in a dry run)."""
+        for name, fn in fns.items():
+            if not only or name in only:
+                self.step(name, fn, 0 if self.dry_run else est[name])
+
+    def finish(self) -> int:
+        """Records the failed steps (an error, passed False or identical False), saves,
+        logs a line; -> the exit code (1 if any failed)."""
+        failed = [n for n, r in self.results["steps"].items() if "error" in r
+                  or r.get("passed") is False or r.get("identical") is False]
+        self.results["failed"] = failed
+        self.save()
+        log(f"done in {time.time() - self.t0:.0f} s; failed: {failed or 'none'}; {self.path}")
+        return 1 if failed else 0
+
     def step(self, name: str, fn, est_s: float):
         if self.left() < est_s:
             log(f"skip {name}: {self.left():.0f} s left, needs about {est_s:.0f} s")
@@ -53,6 +76,7 @@ class Round:
             self.save()
             return None
         log(f"{name} ({self.left():.0f} s left)")
+        self.current = name
         t = time.time()
         rec: dict = {}
         try:

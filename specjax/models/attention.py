@@ -12,9 +12,10 @@ When S <= chunk there is one chunk and the plain softmax path runs (no loop). Th
 attention of a row depends only on that row (a fully masked chunk is an exact no-op),
 but neither path makes a one-token and an 8-token forward bitwise equal in general:
 with bf16 matmuls on XLA:CPU the demo target's row 0 differed in 2 of 42 positions
-unchunked and 1 of 42 chunked (positions 240-261 and 495-514). In the exact
-mode (`rows`, `specjax.models.invariant`) the query rows go in tiles of `rows`, in chunks of `invariant.CHUNK` slots from slot 0 whatever the capacity, which
-makes them equal (`cache_attention(..., rows=)`). The
+unchunked and 1 of 42 chunked (positions 240-261 and 495-514). In the exact mode
+(`cache_attention(..., rows=)`, `specjax.models.invariant`) the query rows go in tiles of
+`rows`, reading chunks of `invariant.CHUNK` slots from slot 0 whatever the capacity,
+which makes them equal. The
 Pallas kernel in `pallas_kernels/attention` does the same on TPU/GPU with per-row tile
 skipping; this is the jnp path every backend can run.
 """
