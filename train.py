@@ -8,7 +8,8 @@ ttt and block) on a device mesh; resumes from its run dir.
     python train.py --config C.yaml --distributed --coordinator 10.0.0.1:1234 \
         --num-processes 2 --process-id 0                                # where not detected
 
-A run dir that holds checkpoints is resumed from the newest one. SIGTERM saves a
+A run dir that holds checkpoints is resumed from the newest one (settings that differ
+from its config.yaml are named in a warning). SIGTERM saves a
 checkpoint and exits 0. Bad flags or config values exit 2 with one line on stderr.
 """
 

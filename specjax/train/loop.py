@@ -85,14 +85,27 @@ class _MetricsLog:
             self.f.close()
 
 
-def _check_resume_config(cfg: TrainConfig, path: str, keys=("model",)) -> None:
+def _flat(d, prefix=""):
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_resume_config(cfg: TrainConfig, path: str, keys=("model",)) -> list[str]:
     """Raises SpecjaxError if the run dir's saved config differs in `keys` (lm: the model;
-    drafters: objective, target, drafter)."""
+    drafters: objective, target, drafter). Returns the other settings that differ, as
+    "name old -> new" (a resumed run continues under the new values: a changed
+    `train.steps` or `optim` section reshapes the learning-rate schedule from here on)."""
     try:
         with open(path) as f:
             saved = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError):
-        return
+        return []
     mine = cfg.to_dict()
     if "target" in keys:  # unset means the default target; compare normalised paths
         saved["target"] = os.path.normpath(saved.get("target") or DEFAULT_TARGET)
@@ -105,6 +118,11 @@ def _check_resume_config(cfg: TrainConfig, path: str, keys=("model",)) -> None:
         raise SpecjaxError(f"run_dir {cfg.run_dir} holds checkpoints of another "
                            f"{' / '.join(diff)} (see {path}); use a new run_dir or the same "
                            "settings")
+    rest_saved = _flat({k: v for k, v in saved.items() if k not in keys})
+    rest_mine = _flat({k: v for k, v in mine.items() if k not in keys})
+    return [f"{k} {rest_saved.get(k, '(unset)')} -> {rest_mine.get(k, '(unset)')}"
+            for k in sorted(set(rest_saved) | set(rest_mine))
+            if k != "run_dir" and rest_saved.get(k) != rest_mine.get(k)]
 
 
 def _host_params(state: TrainState):
@@ -445,8 +463,9 @@ def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
                         loop.async_checkpointing)
     latest = ckpts.latest_step()
     config_path = os.path.join(cfg.run_dir, "config.yaml")
+    changed = []
     if latest is not None:
-        _check_resume_config(cfg, config_path, run.resume_keys)
+        changed = _check_resume_config(cfg, config_path, run.resume_keys)
     multihost.barrier("specjax.train: config checked")  # every process read the old one
 
     if latest is None:
@@ -457,6 +476,9 @@ def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
                 print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
 
         state, meta, _ = ckpts.restore_newest(run.trainer.abstract_target(), warn)
+        if changed:  # after the restore: a refused resume prints its one error line only
+            warn(f"resuming with settings that differ from {config_path}: "
+                 f"{'; '.join(changed)}")
         position = int(meta["data_position"])
         run.resumed()
     if new is not None:  # started: from here on a failure keeps the run dir's files

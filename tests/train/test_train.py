@@ -124,12 +124,18 @@ def test_resume_is_bit_exact(runs, corpus, tmp_path):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_resume_on_another_mesh(runs, corpus, tmp_path):
+def test_resume_on_another_mesh(runs, corpus, tmp_path, capsys):
     ref = runs((1, 1, 1))
     first = train(tiny_cfg(corpus, tmp_path / "run", (2, 2, 2), "export.enabled=false"),
                   stop_at=3, progress=False)
+    assert "resuming with settings" not in capsys.readouterr().err
     second = train(tiny_cfg(corpus, tmp_path / "run", (1, 4, 2), "export.enabled=false"),
                    progress=False)
+    # the resume says what changed (here only the mesh), in one warning line
+    warned = [line for line in capsys.readouterr().err.splitlines()
+              if "resuming with settings" in line]
+    assert len(warned) == 1 and "mesh.data 2 -> 1" in warned[0], warned
+    assert "mesh.fsdp 2 -> 4" in warned[0] and "train." not in warned[0], warned
     assert sorted(first.losses) == [1, 2, 3] and sorted(second.losses) == [4, 5]
     got = [{**first.losses, **second.losses}[s] for s in range(1, STEPS + 1)]
     np.testing.assert_allclose(got, [ref.losses[s] for s in range(1, STEPS + 1)], rtol=1e-5)
