@@ -1,7 +1,8 @@
 """Issue 52's block-drafter ablations: one setting changed at a time from the base recipe
 (configs/study_block/base.yaml: 2 layers, G = 7, 64 anchors, soft labels, the target's
 depths 2, 4, 5, 512 steps x 8 x 256 = 1.05M tokens of the target's own greedy text), each
-trained with train.py and then decoded by decode.py in the loop.
+trained with train.py and then decoded by decode.py in the loop; eagle3 on the same terms
+(configs/study2/eagle3.yaml) is the reference row.
 
     python benchmarks/studies/block/ablate.py train [NAME ...]    # trains what is missing
     python benchmarks/studies/block/ablate.py eval [NAME ...]     # decode.py per variant
@@ -44,7 +45,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                ["drafter.gamma_w=4.0"]),
     "block16": ("block 16: G = 15 (DFlash's block size)", ["drafter.gamma=15"]),
     "hard": ("hard labels (the data's tokens)", ["drafter.soft_labels=false"]),
+    "eagle3": ("reference: eagle3 (TTT, 1 layer, the same data, budget, seed and held-out "
+               "stream)", []),
 }
+# variants trained from another config than BASE (same data, budget and evaluation)
+CONFIGS = {"eagle3": "configs/study2/eagle3.yaml"}
 
 
 README_HEAD = """# Block-drafter ablations (issue 52)
@@ -55,8 +60,10 @@ regenerated validation stream, and its step) and decode.py's summaries here (NAM
 `python decode.py --drafter runs/study_block/NAME/drafter --gamma fixed --show 0`, the 50
 bundled prompts, 128 new tokens, T = 0, G = 7, each against its own interleaved
 autoregressive run). Every variant: configs/study_block/base.yaml with the settings
-named, 512 steps x 8 x 256 = 1.05M tokens, trained on the 2-core CPU; docs/studies/block.md
-says when each was measured and what else ran on the machine then.
+named, 512 steps x 8 x 256 = 1.05M tokens, trained on the 2-core CPU; the eagle3 row is
+configs/study2/eagle3.yaml (the KVShot study's eagle3: the same data, steps, batch, seed,
+optimizer and held-out evaluation). docs/studies/block.md says when each was measured and
+what else ran on the machine then.
 
 """
 
@@ -74,7 +81,8 @@ def train(names: list[str]) -> None:
         if exported(name):
             print(f"{name}: exported, skipped", flush=True)
             continue
-        cmd = [sys.executable, "train.py", "--config", BASE, "--run-dir", run_dir(name),
+        cmd = [sys.executable, "train.py", "--config", CONFIGS.get(name, BASE),
+               "--run-dir", run_dir(name),
                "--no-progress"] + [a for s in VARIANTS[name][1] for a in ("--set", s)]
         print(f"{name}: {' '.join(cmd)}", flush=True)
         t0 = time.time()
