@@ -64,7 +64,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
-from benchmarks import kernels as kb  # noqa: E402
+from benchmarks.lib import roofline  # noqa: E402
 from benchmarks.lib.device import (  # noqa: E402
     Round,
     bandwidth,
@@ -624,7 +624,7 @@ def _train_one(objective: str, ctx: Ctx) -> dict:
         positions = B * cfg.drafter.num_anchors * (dcfg.gamma + 1)
     flops = 2 * target_mm * B * T + 6 * drafter_mm * positions
     row["model_flops_per_step"] = float(flops)
-    peak = kb.PEAK_FLOPS.get(device_name())
+    peak = roofline.PEAK_FLOPS.get(device_name())
     if peak:
         row["mfu"] = flops / sec / peak
     del state, trainer

@@ -1,9 +1,9 @@
 """Block drafters against eagle3 and n-gram lookup (issue 52, docs/block_drafting.md): each
 system a decoding session of decode.py's flags, measured as decode.py measures
 (speculative and autoregressive runs interleaved per batch, in one process), with the
-machinery of benchmarks/trees.py (`trees.measure`: T = 0, T = 1 with token and block
-verification, batch 1 and 4, the bundled and held-out prompt sets, draft / verify ms of
-one step at T = 0, B = 1).
+machinery of benchmarks/trees.py (`benchmarks.lib.system_table.measure`: T = 0, T = 1 with
+token and block verification, batch 1 and 4, the bundled and held-out prompt sets, draft /
+verify ms of one step at T = 0, B = 1).
 
     python benchmarks/block_drafting.py                                  # the shipped drafters
     python benchmarks/block_drafting.py --drafter selector=runs/study_block/selector/drafter
@@ -27,9 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import trees  # noqa: E402
 from benchmarks.lib.report import save_results  # noqa: E402
-from benchmarks.trees import System  # noqa: E402
+from benchmarks.lib.system_table import System, measure, merge, render  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "block_drafting.json")
 DOC = os.path.join(ROOT, "docs", "block_drafting.md")
@@ -59,7 +58,7 @@ def candidate_systems(name: str, path: str) -> list[System]:
 def write_doc(res: dict, doc: str = DOC) -> None:
     from benchmarks.lib.report import replace_doc_section
 
-    replace_doc_section(doc, "block:results", trees.render(res),
+    replace_doc_section(doc, "block:results", render(res),
                         "# Block drafting\n\n")
 
 
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other rows of --json: replace only the rows measured now "
-                         "(trees.merge), each tagged with its own git and date")
+                         "(system_table.merge), each tagged with its own git and date")
     args = ap.parse_args(argv)
     if args.render_only:
         write_doc(json.load(open(args.json)))
@@ -91,13 +90,13 @@ def main(argv=None) -> int:
             ap.exit(2, f"block_drafting.py: --drafter {spec!r}: want NAME=DIR with a drafter "
                        "directory\n")
         systems += candidate_systems(name, path)
-    res = trees.measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
-                        args.only, timing=not args.no_step_timing, warmup=args.warmup,
-                        dtype=args.dtype, systems=tuple(systems))
+    res = measure(args.prompts, args.new_tokens, args.temperatures, args.batch_sizes,
+                  args.only, timing=not args.no_step_timing, warmup=args.warmup,
+                  dtype=args.dtype, systems=tuple(systems))
     if args.merge and os.path.exists(args.json):
-        res = trees.merge(json.load(open(args.json)), res)
+        res = merge(json.load(open(args.json)), res)
     save_results(args.json, res, RESULTS, write_doc)
-    print(trees.render(res))
+    print(render(res))
     return 0
 
 

@@ -22,7 +22,7 @@ largest error relative to the largest magnitude of the reference run at matmul p
 bits) and 3e-2 for bfloat16.
 Timings: median of --repeats calls after one compile call, wall clock with
 block_until_ready; roofline fraction = (bytes the call must move / the device's vendor
-bandwidth) / measured time (benchmarks/kernels.py counts the bytes).
+bandwidth) / measured time (benchmarks/lib/roofline.py counts the bytes).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(ROOT)  # uninstalled checkout
 
-from benchmarks import kernels as kb  # noqa: E402
+from benchmarks.lib import roofline  # noqa: E402
 from benchmarks.lib.device import (  # noqa: E402
     Round,
     bandwidth,
@@ -72,7 +72,7 @@ def shapes(dry_run: bool) -> dict:
 
     c = ModelConfig.from_dir(DEMO_TARGET)
     demo = (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim)
-    q = kb.QWEN3_8B
+    q = roofline.QWEN3_8B
     if dry_run:
         return {"demo": demo, "qwen3-8b-heads": (4096, q["N"], q["K"], q["H"])}
     return {"demo": demo, "qwen3-8b": (q["V"], q["N"], q["K"], q["H"])}
@@ -224,7 +224,7 @@ def step_verify_time(rec: dict, dry_run: bool) -> None:
     from pallas_kernels.verify import verify_logits
     from specjax.decoding.verify import VERIFIERS
 
-    V = 4096 if dry_run else kb.QWEN3_8B["V"]
+    V = 4096 if dry_run else roofline.QWEN3_8B["V"]
     rows = []
     for B in ((1, 2) if dry_run else (1, 8, 64)):
         G = 4 if dry_run else 8
@@ -250,9 +250,9 @@ def step_verify_time(rec: dict, dry_run: bool) -> None:
             for name, f in fns.items():
                 row[f"{name}_ms"] = bench(f, tl, x, q, jax.random.key(0),
                                           repeats=2 if dry_run else 20)
-            nbytes = kb.verify_bytes(B, G, V, rule, fused=True)
+            nbytes = roofline.verify_bytes(B, G, V, rule, fused=True)
             row["pallas_bytes"] = nbytes
-            row["off_bytes"] = kb.verify_bytes(B, G, V, rule, fused=False)
+            row["off_bytes"] = roofline.verify_bytes(B, G, V, rule, fused=False)
             row["speedup_vs_off"] = row["off_ms"] / row["pallas_ms"]
             row["pallas_roofline_fraction"] = roofline_fraction(nbytes, row["pallas_ms"])
             rows.append(row)
@@ -265,7 +265,7 @@ def step_attention_time(rec: dict, dry_run: bool) -> None:
 
     from pallas_kernels.attention import decode_attention, pick_block_s, pick_num_splits
 
-    q8 = kb.QWEN3_8B
+    q8 = roofline.QWEN3_8B
     N, K, H = q8["N"], q8["K"], q8["H"]
     S = 1024 if dry_run else 32768
     be = gpu_backend()
@@ -291,7 +291,7 @@ def step_attention_time(rec: dict, dry_run: bool) -> None:
                     row[f"pallas_p{P}_ms"] = bench(f, q, kc, vc, lengths, kn, vn,
                                                    repeats=2 if dry_run else 20)
                 row["pallas_ms"] = row[f"pallas_p{row['default_num_splits']}_ms"]
-                nbytes = kb.attention_bytes(B, T, L, S, N, K, H, fused=True)
+                nbytes = roofline.attention_bytes(B, T, L, S, N, K, H, fused=True)
                 row["pallas_bytes"] = nbytes
                 row["speedup_vs_reference"] = row["reference_ms"] / row["pallas_ms"]
                 row["pallas_roofline_fraction"] = roofline_fraction(nbytes, row["pallas_ms"])
@@ -306,7 +306,7 @@ def step_packed_time(rec: dict, dry_run: bool) -> None:
     from pallas_kernels.attention import packed_attention
     from specjax.drafters.attend import attend
 
-    q8 = kb.QWEN3_8B
+    q8 = roofline.QWEN3_8B
     N, K, H = q8["N"], q8["K"], q8["H"]
     rows = []
     for T in ((256,) if dry_run else (2048, 4096)):
@@ -332,13 +332,13 @@ def step_packed_time(rec: dict, dry_run: bool) -> None:
             row[f"{name}_fwd_ms"] = bench(jax.jit(f), q, k, v, repeats=2 if dry_run else 10)
             row[f"{name}_fwd_bwd_ms"] = bench(jax.jit(jax.grad(f, argnums=(0, 1, 2))), q, k, v,
                                               repeats=2 if dry_run else 10)
-        lim = kb.packed_limits("causal", T, T)
-        nb = kb.packed_train_bytes(lim, N, K, T, H)
-        fl = kb.packed_train_flops(lim, N, K, T, H)
+        lim = roofline.packed_limits("causal", T, T)
+        nb = roofline.packed_train_bytes(lim, N, K, T, H)
+        fl = roofline.packed_train_flops(lim, N, K, T, H)
         row["pallas_bytes"], row["pallas_flops"] = list(nb), list(fl)
         dev = device_name()
-        if dev in kb.BANDWIDTH:
-            row["roofline_ms"] = kb.roofline_ms(nb, fl, dev)
+        if dev in roofline.BANDWIDTH:
+            row["roofline_ms"] = roofline.roofline_ms(nb, fl, dev)
             row["pallas_roofline_fraction"] = row["roofline_ms"] / row["pallas_fwd_bwd_ms"]
         row["speedup_fwd_bwd_vs_jnp"] = row["jnp_fwd_bwd_ms"] / row["pallas_fwd_bwd_ms"]
         rows.append(row)

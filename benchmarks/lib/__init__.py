@@ -19,6 +19,14 @@ never from another script).
 - `benchmarks.lib.systems` and `benchmarks.lib.compare_tables`: benchmarks/compare.py's
   systems (a session's engine, transformers `generate`), their interleaved timing and
   its tables and plot.
+- `benchmarks.lib.roofline`: the analytic byte and FLOP model of the Pallas kernels and
+  the jnp paths they replace (`verify_bytes`, `attention_bytes`, `packed_train_bytes`,
+  `jnp_train_bytes`, ..., `roofline_ms`), the devices' vendor figures (`BANDWIDTH`,
+  `PEAK_FLOPS`, `SMS`) and Qwen3-8B's shapes (`QWEN3_8B`): benchmarks/kernels.py's tables,
+  the device rounds' roofline fractions.
+- `benchmarks.lib.system_table`: benchmarks/trees.py's systems measured against
+  autoregressive decoding (`System`, `SYSTEMS`, `SWEEP`, `measure`, `merge`, `render`, the
+  accelerator projection `project`), which benchmarks/block_drafting.py reuses.
 
 jax, torch and transformers are imported inside the functions: a benchmark script sets
 its environment (JAX_NUM_CPU_DEVICES, HF offline flags) before the first jax import.

@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 
-from benchmarks import kernels as kb
+from benchmarks.lib import roofline
 from specjax.fileio import atomic_write
 
 
@@ -92,18 +92,18 @@ class Round:
 
 
 def device_name() -> str:
-    """"H100", "H200", "TPU v5e"... (a key of benchmarks/kernels.BANDWIDTH) or the kind."""
+    """"H100", "H200", "TPU v5e"... (a key of benchmarks.lib.roofline.BANDWIDTH) or the kind."""
     import jax
 
     kind = jax.devices()[0].device_kind
-    for k in kb.BANDWIDTH:
+    for k in roofline.BANDWIDTH:
         if k.lower() in kind.lower() or kind.lower() in k.lower():
             return k
     return kind
 
 
 def bandwidth() -> float | None:
-    return kb.BANDWIDTH.get(device_name())
+    return roofline.BANDWIDTH.get(device_name())
 
 
 def roofline_fraction(nbytes: int, ms: float) -> float | None:

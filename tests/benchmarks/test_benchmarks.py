@@ -92,19 +92,21 @@ def test_matmul_rows_table(tiny_demo):
 
 
 def test_kernels_roofline_arithmetic():
-    """benchmarks/kernels.py against hand-worked figures (independent arithmetic)."""
+    """benchmarks/kernels.py and its model (benchmarks/lib/roofline.py) against hand-worked
+    figures (independent arithmetic)."""
     from benchmarks import kernels
+    from benchmarks.lib import roofline
 
     # Block verification, B 2, G 3, V 1000, f32 logits: the fused path reads the target
     # logits twice (2 * 2*4*1000*4 B) and the draft probabilities once (2*3*1000*4 B).
-    assert kernels.verify_bytes(2, 3, 1000, "block") == 64_000 + 24_000
+    assert roofline.verify_bytes(2, 3, 1000, "block") == 64_000 + 24_000
     # Unfused: the softmax reads the logits twice and writes p (3 * 32,000 B); the A_i
     # pass reads p and q (32,000 + 24,000 B); the correction reads one p row per row of
     # the batch (8,000 B) and p_t, q_t (2 * 2*1000*4 B).
-    assert kernels.verify_bytes(2, 3, 1000, "block", fused=False) == 96_000 + 56_000 + 8_000 + 16_000
+    assert roofline.verify_bytes(2, 3, 1000, "block", fused=False) == 96_000 + 56_000 + 8_000 + 16_000
     # Attention, B 1, T 1, 1024 valid of 32768, K 8, H 128, N 32, bf16: K and V of the
     # valid tokens only (2 * 8 * 1024 * 128 * 2 B) plus q and out (2 * 32 * 128 * 2 B).
-    assert kernels.attention_bytes(1, 1, 1024, 32768, 32, 8, 128) == 4_194_304 + 16_384
+    assert roofline.attention_bytes(1, 1, 1024, 32768, 32, 8, 128) == 4_194_304 + 16_384
     text = kernels.format_tables(markdown=True)
     assert "| block | 8 | 8 |" in text and "roofline us H100" in text
 
@@ -126,27 +128,28 @@ def _nbytes(kept):
 
 @pytest.mark.timeout(120)
 def test_kernels_packed_training_arithmetic():
-    """benchmarks/kernels.py's packed-attention training table against hand-worked
-    figures: causal T = S = 2048 at Qwen3-8B heads (N 32, K 8, R 4, H 128, bf16). What
-    each path keeps for the backward is checked against jax itself: the residuals of
-    jax.vjp through `attend` (the jnp path) and through `packed_attention` (the kernel),
-    by abstract evaluation at that shape."""
+    """benchmarks/kernels.py's packed-attention training table (benchmarks/lib/roofline.py's
+    model) against hand-worked figures: causal T = S = 2048 at Qwen3-8B heads (N 32, K 8,
+    R 4, H 128, bf16). What each path keeps for the backward is checked against jax
+    itself: the residuals of jax.vjp through `attend` (the jnp path) and through
+    `packed_attention` (the kernel), by abstract evaluation at that shape."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from benchmarks import kernels
+    from benchmarks.lib import roofline
     from pallas_kernels.attention import packed_attention
     from specjax.drafters.attend import attend
 
-    limit = kernels.packed_limits("causal", 2048, 2048)
+    limit = roofline.packed_limits("causal", 2048, 2048)
     # Folded rows: 2048 * 4 = 8192 per KV head, 64 row tiles of 128 rows = 32 queries;
     # tile i's largest limit is 32 (i + 1), so it reads i // 4 + 1 S tiles of 128:
     # 4 * (1 + ... + 16) = 544 per KV head, 8 KV heads.
-    assert kernels.packed_pairs(limit, 32, 8, 2048) == 4352
+    assert roofline.packed_pairs(limit, 32, 8, 2048) == 4352
     # Forward: K and V tiles per pair (2 * 4352 * 128*128*2 B), q read and o written
     # (2 * 8*8192*128*2 B), limits read and lse written (2 * 8*8192*4 B).
-    fwd, bwd = kernels.packed_train_bytes(limit, 32, 8, 2048, 128)
+    fwd, bwd = roofline.packed_train_bytes(limit, 32, 8, 2048, 128)
     assert fwd == 285_212_672 + 33_554_432 + 524_288
     # What autodiff keeps, from jax: the jnp path's largest f32 residual is the scores /
     # probabilities [B, K, R, T, S] (the table's "f32 probs", a lower bound of all it
@@ -168,20 +171,20 @@ def test_kernels_packed_training_arithmetic():
         lambda q, k, v: packed_attention(q, k, v, limits, backend="tpu", interpret=True),
         q, kvs, kvs)
     kernel_extra = _nbytes(kernel_kept) - inputs - _nbytes([(limits.shape, limits.dtype)])
-    assert kernels.packed_kept_bytes(1, 2048, 2048, 32, 128) == (kernel_extra, scores)
-    jfwd, jbwd = kernels.jnp_train_bytes(1, 2048, 2048, 32, 8, 128)
+    assert roofline.packed_kept_bytes(1, 2048, 2048, 32, 128) == (kernel_extra, scores)
+    jfwd, jbwd = roofline.jnp_train_bytes(1, 2048, 2048, 32, 8, 128)
     qo, kv = 2048 * 32 * 128 * 2, 8 * 2048 * 128 * 2
     assert jfwd == 4 * scores + 2 * qo + 2 * kv and jbwd == 7 * scores + 4 * qo + 4 * kv
     # FLOPs: jnp 4 * 32 * 2048^2 * 128 forward (all entries), backward 2x; the kernel
     # 4 * 128^3 per computed pair forward, backward 3.5x.
-    assert kernels.jnp_train_flops(1, 2048, 2048, 32, 128) == (68_719_476_736,
-                                                                137_438_953_472)
-    assert kernels.packed_train_flops(limit, 32, 8, 2048, 128) == (36_507_222_016,
-                                                                   127_775_277_056)
+    assert roofline.jnp_train_flops(1, 2048, 2048, 32, 128) == (68_719_476_736,
+                                                                 137_438_953_472)
+    assert roofline.packed_train_flops(limit, 32, 8, 2048, 128) == (36_507_222_016,
+                                                                    127_775_277_056)
     # Roofline: 819 GB at 819 GB/s, or 197 TFLOP at 197 TFLOP/s, is one second on v5e.
-    assert kernels.roofline_ms((819e9, 0), (0, 197e12), "TPU v5e") == 2000.0
+    assert roofline.roofline_ms((819e9, 0), (0, 197e12), "TPU v5e") == 2000.0
     # Block-wise: 512 blocks of 16 queries, anchors (a + 1) * 8: mean 8 * 513 / 2 = 2052.
-    assert kernels.packed_limits("block", 8192, 4096, 512).mean() == 2052.0
+    assert roofline.packed_limits("block", 8192, 4096, 512).mean() == 2052.0
     rows = {r["case"]: r for r in kernels.packed_rows()}
     assert rows["causal"]["T"] == 8192  # the last causal row
     assert rows["block A 512 x 16"]["ref_kept"] == 4 * 32 * 8192 * 4096

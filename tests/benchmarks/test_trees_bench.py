@@ -1,28 +1,30 @@
-"""benchmarks/trees.py: the accelerator projection's limits and the report rendering (the
-measurement itself runs the shipped drafters: `python benchmarks/trees.py --quick`)."""
+"""benchmarks/trees.py (its machinery in benchmarks/lib/system_table.py): the accelerator
+projection's limits and the report rendering (the measurement itself runs the shipped
+drafters: `python benchmarks/trees.py --quick`)."""
 
 import json
 
 import pytest
 
-from benchmarks import kernels as kb
 from benchmarks import trees
+from benchmarks.lib import roofline
+from benchmarks.lib.system_table import project
 
 
 @pytest.mark.parametrize("device", ["H100", "TPU v5e"])
 def test_projection_limits(device):
     # No drafter cost and one verified node: a step is an autoregressive step, so the
     # speedup is tau itself.
-    assert trees.project(3.0, 1, 0, 0, device) == pytest.approx(3.0)
+    assert project(3.0, 1, 0, 0, device) == pytest.approx(3.0)
     # Memory-bound verify forward (a few nodes): still tau.
-    assert trees.project(3.0, 8, 0, 0, device) == pytest.approx(3.0)
+    assert project(3.0, 8, 0, 0, device) == pytest.approx(3.0)
     # Past the compute ridge (2 * params * nodes / peak > bytes / bandwidth) more nodes
     # cost more: the projection falls with N at fixed tau.
-    ridge = kb.PEAK_FLOPS[device] / kb.BANDWIDTH[device]  # FLOPs per byte
+    ridge = roofline.PEAK_FLOPS[device] / roofline.BANDWIDTH[device]  # FLOPs per byte
     big = int(4 * ridge)
-    assert trees.project(3.0, big, 0, 0, device) < trees.project(3.0, big // 2, 0, 0, device)
+    assert project(3.0, big, 0, 0, device) < project(3.0, big // 2, 0, 0, device)
     # Drafter forwards are paid on top of the verify forward.
-    assert trees.project(3.0, 8, 7, 1, device) < trees.project(3.0, 8, 0, 0, device)
+    assert project(3.0, 8, 7, 1, device) < project(3.0, 8, 0, 0, device)
 
 
 def test_render_and_doc_section(tmp_path):
