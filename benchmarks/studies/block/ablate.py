@@ -129,7 +129,7 @@ def report() -> str:
             rows.append(f"| {name} | {what} | {ho} | {ha} | | | | | | |")
             continue
         s = json.load(open(path))
-        alpha = " ".join(f"{a:.2f}" for a in s.get("alpha", []))
+        alpha = " ".join("-" if a is None else f"{a:.2f}" for a in s.get("alpha", []))
         rows.append(f"| {name} | {what} | {ho} | {ha} | {s.get('tau', float('nan')):.3f} | "
                     f"{alpha} | "
                     f"{s.get('tokens_per_s', float('nan')):.1f} | "
