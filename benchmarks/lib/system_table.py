@@ -275,7 +275,7 @@ def render(res: dict) -> str:
              + (f", {res['warmup']} untimed warm-up passes of every engine over the first "
                 "batch before timing" if res.get("warmup") else "")
              + "). The two right columns are a "
-             "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/trees.py`'s `project`), "
+             "PROJECTION for a Qwen3-8B-shaped target (`benchmarks/lib/system_table.py`'s `project`), "
              "not a measurement. Draft / verify ms: one step's parts timed outside the loop "
              "(`decode.py --step-timing`), T=0, B=1, first bundled prompt."]
     later = sorted({(r["temperature"], r["verify"], r["batch"], r["git"], r["date"],

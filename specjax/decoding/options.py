@@ -260,9 +260,6 @@ def _check(c: DecodeConfig) -> None:
         if c.kernels in ("pallas", "attention"):
             raise SpecjaxError(f"--exact takes the jnp attention: --kernels {c.kernels} "
                                "cannot run with it (auto, off or reference)")
-        if c.verify == "fly" or c.partial_verify:
-            raise SpecjaxError("--exact keeps the output identical to autoregressive "
-                               "decoding: not with the lossy --verify fly / --partial-verify")
     if c.partial_budget is not None and not c.partial_verify:
         raise SpecjaxError("--partial-budget goes with --partial-verify")
     lossy = [m for m, on in (("--verify fly", c.verify == "fly"),
@@ -274,6 +271,9 @@ def _check(c: DecodeConfig) -> None:
         if c.drafter == "none":
             raise SpecjaxError(f"{mode} needs a drafter (--drafter none decodes "
                                "autoregressively)")
+        if c.exact:
+            raise SpecjaxError("--exact keeps the output identical to autoregressive "
+                               f"decoding: not with the lossy {mode}")
     if c.verify == "fly":
         if c.adaptive:  # FLy's published figures are for a fixed G = 7; under auto the
             # schedule's short lengths leave its window nothing to act on

@@ -25,9 +25,7 @@ TrainState and of the rows at the checkpointed data position.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import json
 import os
 import sys
@@ -35,16 +33,23 @@ import time
 
 import jax
 import numpy as np
-import yaml
 
 from specjax.errors import SpecjaxError
-from specjax.fileio import existing_ancestor
 from specjax.train import mesh as mesh_lib
 from specjax.train import multihost
 from specjax.train.checkpointing import Checkpoints, Preemption
-from specjax.train.config import DEFAULT_TARGET, TrainConfig, dump_config
+from specjax.train.config import TrainConfig, dump_config
 from specjax.train.inputs import RunData, global_batch, prepare_data, special_ids
 from specjax.train.optim import make_optimizer
+from specjax.train.run_dir import (
+    LOCK_NAME,
+    NewFiles,
+    RunDirLock,
+    check_creatable,
+    check_resume_config,
+    remove_stale_temps,
+    writable_dir,
+)
 from specjax.train.step import Trainer, TrainState
 
 
@@ -83,46 +88,6 @@ class _MetricsLog:
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
-
-
-def _flat(d, prefix=""):
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _check_resume_config(cfg: TrainConfig, path: str, keys=("model",)) -> list[str]:
-    """Raises SpecjaxError if the run dir's saved config differs in `keys` (lm: the model;
-    drafters: objective, target, drafter). Returns the other settings that differ, as
-    "name old -> new" (a resumed run continues under the new values: a changed
-    `train.steps` or `optim` section reshapes the learning-rate schedule from here on)."""
-    try:
-        with open(path) as f:
-            saved = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError):
-        return []
-    mine = cfg.to_dict()
-    if "target" in keys:  # unset means the default target; compare normalised paths
-        saved["target"] = os.path.normpath(saved.get("target") or DEFAULT_TARGET)
-        mine["target"] = os.path.normpath(cfg.target_dir)
-    diff = [k for k in keys if saved.get(k) != mine[k]]
-    if diff == ["model"]:
-        raise SpecjaxError(f"run_dir {cfg.run_dir} holds checkpoints of a different model "
-                           f"(see {path}); use a new run_dir or the same model section")
-    if diff:
-        raise SpecjaxError(f"run_dir {cfg.run_dir} holds checkpoints of another "
-                           f"{' / '.join(diff)} (see {path}); use a new run_dir or the same "
-                           "settings")
-    rest_saved = _flat({k: v for k, v in saved.items() if k not in keys})
-    rest_mine = _flat({k: v for k, v in mine.items() if k not in keys})
-    return [f"{k} {rest_saved.get(k, '(unset)')} -> {rest_mine.get(k, '(unset)')}"
-            for k in sorted(set(rest_saved) | set(rest_mine))
-            if k != "run_dir" and rest_saved.get(k) != rest_mine.get(k)]
 
 
 def _host_params(state: TrainState):
@@ -214,153 +179,6 @@ def _progress(cfg: TrainConfig, start: int, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True, mininterval=1.0, disable=not enabled)
 
 
-LOCK_NAME = "train.lock"
-
-
-def _writable_dir(path: str, what: str) -> None:
-    """Creates `path` if needed; SpecjaxError (one line) if it cannot be created or
-    written."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise SpecjaxError(f"{what} {path} cannot be created ({e.strerror}); choose a "
-                           "writable directory") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SpecjaxError(f"{what} {path} is not writable; choose a writable directory")
-
-
-class RunDirLock:
-    """An exclusive flock on <run_dir>/train.lock for the process that writes the run dir
-    (process 0): a second train.py on the same run dir is refused, and the kernel drops
-    the lock when its holder dies, even by SIGKILL, so it never stays stuck.
-
-    With several processes only process 0 takes it, for the whole job: its partners
-    share the run dir by design (each writes its checkpoint shards), while process 0 of
-    another job on the same run dir is refused, and with it that whole job
-    (`multihost.agree`). One lock file per process would instead let two jobs that
-    differ in their process count write the same run dir."""
-
-    def __init__(self, run_dir: str):
-        import fcntl
-
-        self.path = os.path.join(run_dir, LOCK_NAME)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):  # held
-                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(self.fd)
-                raise SpecjaxError(f"run_dir {run_dir} is in use by another train.py (pid "
-                                   f"{holder}); wait for it, stop it, or pass another "
-                                   "--run-dir") from None
-            # a filesystem without flock (some FUSE mounts): run, unguarded
-            print(f"[train] warning: {self.path} cannot be locked on this filesystem "
-                  f"({e.strerror}); nothing stops a second train.py on this run dir",
-                  file=sys.stderr, flush=True)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock
-            self.fd = None
-
-
-STALE_PREFIXES = (".tmp-export-", ".tmp-drafter-", ".old-drafter-")
-
-
-def _remove_stale_temps(run_dir: str) -> None:
-    """Deletes the temporary directories a killed export left in `run_dir` (the caller
-    holds the run dir's lock, so no other process is writing them)."""
-    import shutil
-
-    for name in os.listdir(run_dir):
-        if name.startswith(STALE_PREFIXES):
-            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
-
-
-def _topmost_missing(path: str) -> str | None:
-    """The outermost directory that `os.makedirs(path)` would create, or None if `path`
-    exists."""
-    path = os.path.abspath(path)
-    base = existing_ancestor(path)
-    if base == path:
-        return None
-    return os.path.join(base, os.path.relpath(path, base).split(os.sep)[0])
-
-
-class _NewFiles:
-    """What one `train` call adds to the filesystem before its first training step, so
-    that a call that fails there (a bad config, a missing file, a target that does not
-    fit) leaves nothing behind: the run dir and the export directory's parents it
-    created, and the entries it added to an existing run dir (train.lock, config.yaml,
-    checkpoints/, data/, ...). What was there before, a resumed run's files, stays.
-    Process 0 only; `keep()` once the run has started."""
-
-    def __init__(self, cfg: TrainConfig):
-        self.run_dir = cfg.run_dir
-        self.created_run_dir = _topmost_missing(cfg.run_dir)
-        self.created_other = []
-        if cfg.export.enabled:
-            top = _topmost_missing(os.path.dirname(os.path.abspath(cfg.export_dir)))
-            if top is not None and top != self.created_run_dir:
-                self.created_other.append(top)
-        self.before = None  # the run dir's entries once this call holds its lock
-        self.kept = False
-
-    def locked(self, lock_existed: bool) -> None:
-        """Records the run dir's entries, right after the lock was taken."""
-        self.before = set(os.listdir(self.run_dir))
-        if not lock_existed:
-            self.before.discard(LOCK_NAME)
-
-    def keep(self) -> None:
-        self.kept = True
-
-    def remove(self) -> None:
-        """Deletes what this call created (call while holding the lock)."""
-        import shutil
-
-        if self.kept:
-            return
-        if self.created_run_dir is not None:
-            shutil.rmtree(self.created_run_dir, ignore_errors=True)
-        elif self.before is not None and os.path.isdir(self.run_dir):
-            for name in set(os.listdir(self.run_dir)) - self.before:
-                path = os.path.join(self.run_dir, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
-        for top in self.created_other:  # an export parent: removed only while empty
-            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-                with contextlib.suppress(OSError):
-                    os.rmdir(dirpath)
-
-
-def _check_creatable(path: str, what: str) -> None:
-    """SpecjaxError (one line) unless `path` is a writable directory or could be created
-    as one. Leaves nothing behind (a missing `path` is probed with an empty temporary
-    directory in its nearest existing ancestor, removed at once)."""
-    import tempfile
-
-    probe = existing_ancestor(path)
-    if not os.path.isdir(probe):
-        raise SpecjaxError(f"{what} {path} cannot be created ({probe} is not a directory); "
-                           "choose a writable directory")
-    if probe == os.path.abspath(path):
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise SpecjaxError(f"{what} {path} is not writable; choose a writable directory")
-        return
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".specjax-probe-", dir=probe))
-    except OSError as e:
-        raise SpecjaxError(f"{what} {path} cannot be created ({e.strerror}); choose a "
-                           "writable directory") from None
-
-
 def preflight(cfg: TrainConfig):
     """Everything about `cfg` that can be checked before anything is written: that the
     run dir and the export directory can be created (process 0), the mesh and the batch
@@ -371,9 +189,9 @@ def preflight(cfg: TrainConfig):
     from specjax.train.inputs import check_paths
 
     if jax.process_index() == 0:
-        _check_creatable(cfg.run_dir, "run_dir")
+        check_creatable(cfg.run_dir, "run_dir")
         if cfg.export.enabled:
-            _check_creatable(os.path.dirname(os.path.abspath(cfg.export_dir)),
+            check_creatable(os.path.dirname(os.path.abspath(cfg.export_dir)),
                              "the export directory's parent")
     mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(mesh, cfg.train)
@@ -409,13 +227,13 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
     except SpecjaxError as e:
         error = str(e)
     if jax.process_index() == 0 and error is None:  # the others wait for its verdict
-        new = _NewFiles(cfg)
+        new = NewFiles(cfg)
         try:
-            _writable_dir(cfg.run_dir, "run_dir")
+            writable_dir(cfg.run_dir, "run_dir")
             export_parent = os.path.dirname(os.path.abspath(cfg.export_dir))
             if cfg.export.enabled and os.path.abspath(export_parent) != os.path.abspath(
                     cfg.run_dir):
-                _writable_dir(export_parent, "the export directory's parent")
+                writable_dir(export_parent, "the export directory's parent")
         except SpecjaxError as e:
             error = str(e)
         else:
@@ -426,7 +244,7 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
                 error, new = str(e), None
             else:
                 new.locked(lock_existed)
-                _remove_stale_temps(cfg.run_dir)
+                remove_stale_temps(cfg.run_dir)
     error = multihost.agree(error)
     try:
         if error is not None:
@@ -441,7 +259,7 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, progress: bool = True
             lock.release()
 
 
-def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
+def _open_run(cfg: TrainConfig, mesh, new: NewFiles | None, is_main: bool):
     """The first step of `_train`: the objective's run (its data and trainer), the run's
     checkpoints, and the state to start from (fresh, or the newest checkpoint once the
     config it was written with is checked); then writes run_dir/config.yaml.
@@ -465,7 +283,7 @@ def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
     config_path = os.path.join(cfg.run_dir, "config.yaml")
     changed = []
     if latest is not None:
-        changed = _check_resume_config(cfg, config_path, run.resume_keys)
+        changed = check_resume_config(cfg, config_path, run.resume_keys)
     multihost.barrier("specjax.train: config checked")  # every process read the old one
 
     if latest is None:
@@ -488,7 +306,7 @@ def _open_run(cfg: TrainConfig, mesh, new: _NewFiles | None, is_main: bool):
     return run, ckpts, state, position, latest is not None
 
 
-def _train(cfg: TrainConfig, mesh, new: _NewFiles | None, *, stop_at: int | None,
+def _train(cfg: TrainConfig, mesh, new: NewFiles | None, *, stop_at: int | None,
            progress: bool) -> RunResult:
     loop, is_main = cfg.train, jax.process_index() == 0
     run, ckpts, state, position, resumed = _open_run(cfg, mesh, new, is_main)

@@ -253,7 +253,7 @@ def test_a_held_run_dir_refuses_the_whole_job(tmp_path):
     """Only process 0 takes the run dir's lock (its partner shares the run dir); when
     another train.py holds it, both processes of the job exit 2 with the holder's pid
     instead of one of them waiting in a collective."""
-    from specjax.train.loop import RunDirLock
+    from specjax.train.run_dir import RunDirLock
 
     run = tmp_path / "run"
     run.mkdir()

@@ -350,10 +350,10 @@ def test_unwritable_run_dir_is_one_line_exit_2(tmp_path, capsys):
 
 def test_second_process_on_a_run_dir_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
     from specjax.errors import SpecjaxError
-    from specjax.train.loop import RunDirLock
+    from specjax.train.run_dir import RunDirLock
 
     code = (f"import sys, time; sys.path.insert(0, {ROOT!r}); "
-            "from specjax.train.loop import RunDirLock; "
+            "from specjax.train.run_dir import RunDirLock; "
             f"RunDirLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
